@@ -1,0 +1,1 @@
+"""The weight plane: versioned, bucketed weight transfer from trainers to rollers."""

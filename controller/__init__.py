@@ -1,0 +1,1 @@
+"""The single controller: config, CLI, schedules, admission, pools and metrics. Moves metadata only."""

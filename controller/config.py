@@ -1,0 +1,197 @@
+"""The config tree: each package's section composed into one typed root, plus presets and overrides.
+
+``load_config(mode, preset, config_file, overrides)`` resolves, in order: dataclass defaults → preset
+YAML (shipped in ``controller/presets``) or a user YAML file → dotted ``a.b=c`` overrides → ``--mode``.
+Unknown keys and bad values raise ``ValueError`` naming the key and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from checkpointengine.config import CheckpointEngineConfig
+from common.models import ModelConfig
+from rollers.config import RollersConfig, RolloutConfig
+from trainers.config import AlgorithmConfig, TrainerConfig
+from transferqueue.config import TransferQueueConfig
+
+MODES = ("sync", "one-step-off", "fully-async")
+PRESET_DIR = Path(__file__).parent / "presets"
+DEFAULT_PRESET = "smollm2-reasoning"
+
+
+@dataclass
+class DataConfig:
+    """Prompts. ``task``: a reasoning-gym task name (e.g. ``chain_sum``), ``tiny-repeat`` (synthetic, for
+    the tiny model), or a path to a ``.jsonl``/``.parquet`` file with ``prompt_key`` and ``answer_key``
+    columns. ``size``: examples generated for a procedural task (files use all rows).
+    ``train_batch_size`` in prompts per training step; ``max_prompt_length`` in tokens (longer prompts
+    raise, naming the row, unless ``skip_long_prompts``)."""
+
+    task: str = "chain_sum"
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    size: int = 1000
+    seed: int = 0
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    system_prompt: str = ""
+    train_batch_size: int = 4
+    max_prompt_length: int = 256
+    skip_long_prompts: bool = False
+    epochs: int = 1
+    drop_last: bool = False
+    shuffle: bool = True
+
+    def __post_init__(self):
+        for key in ("size", "train_batch_size", "max_prompt_length", "epochs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.task:
+            raise ValueError("data.task must name a reasoning-gym task, 'tiny-repeat', or a .jsonl/.parquet file")
+
+
+@dataclass
+class MetricsConfig:
+    """Prometheus endpoint (``host``:``port``, loopback by default; port 0 = pick a free one) and the
+    per-step JSONL log in the run directory."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"metrics.port must be in [0, 65535], got {self.port}")
+
+
+@dataclass
+class RayConfig:
+    """``address``: join an existing cluster (empty = start a local one on loopback); ``num_cpus``:
+    logical CPUs of a local cluster (0 = a safe default for small machines)."""
+
+    address: str = ""
+    num_cpus: int = 0
+    object_store_bytes: int = 1024**3
+
+    def __post_init__(self):
+        if self.num_cpus < 0:
+            raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
+
+
+@dataclass
+class HFlowConfig:
+    """The root of the config tree. ``run_dir`` empty means ``runs/<timestamp>``."""
+
+    mode: str = "one-step-off"
+    run_dir: str = ""
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollers: RollersConfig = field(default_factory=RollersConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    transferqueue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
+    checkpointengine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {list(MODES)}")
+        if not self.run_dir:
+            self.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        if self.trainer.ppo_mini_batch_size > self.data.train_batch_size:
+            raise ValueError(
+                f"trainer.ppo_mini_batch_size={self.trainer.ppo_mini_batch_size} (prompts) exceeds "
+                f"data.train_batch_size={self.data.train_batch_size}"
+            )
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _accepted_keys(node_cls: type, path: list[str]) -> list[str]:
+    """Field names accepted at ``path`` (a list of keys) below ``node_cls``."""
+    cls = node_cls
+    for key in path:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        sub = fields.get(key)
+        if sub is None or not dataclasses.is_dataclass(sub.default_factory if sub.default_factory
+                                                         is not dataclasses.MISSING else None):
+            return []
+        cls = sub.default_factory
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def _friendly(exc: OmegaConfBaseException, source: str) -> ValueError:
+    key = getattr(exc, "full_key", None) or "?"
+    if isinstance(exc, ConfigKeyError):
+        parent = key.split(".")[:-1]
+        accepted = _accepted_keys(HFlowConfig, parent)
+        where = ".".join(parent) or "the top level"
+        return ValueError(f"unknown config key {key!r} (from {source}); keys accepted in {where}: {accepted}")
+    if isinstance(exc, ValidationError):
+        return ValueError(f"bad value for config key {key!r} (from {source}): {exc.msg.splitlines()[0]}")
+    return ValueError(f"config error at {key!r} (from {source}): {exc}")
+
+
+def _merge(base, other, source: str):
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as exc:
+        raise _friendly(exc, source) from None
+
+
+def load_config(
+    mode: str | None = None,
+    preset: str | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> HFlowConfig:
+    """Resolve the config tree; raises ValueError naming the offending key/value/preset/file.
+
+    ``preset`` and ``config_file`` are exclusive; with neither, the embedded default preset is used.
+    """
+    if preset and config_file:
+        raise ValueError("give either --preset or --config, not both")
+    conf = OmegaConf.structured(HFlowConfig)
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ValueError(f"config file {config_file!r} does not exist")
+        conf = _merge(conf, OmegaConf.load(path), str(path))
+    else:
+        name = preset or DEFAULT_PRESET
+        path = PRESET_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise ValueError(f"unknown preset {name!r}; available presets: {available_presets()}")
+        conf = _merge(conf, OmegaConf.load(path), f"preset {name}")
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ValueError(f"override {item!r} must look like key.subkey=value")
+        conf = _merge(conf, OmegaConf.from_dotlist([item]), f"override {item!r}")
+    if mode is not None:
+        conf.mode = mode
+    try:
+        return OmegaConf.to_object(conf)
+    except OmegaConfBaseException as exc:
+        raise _friendly(exc, "config") from None
+
+
+def to_yaml(cfg: HFlowConfig) -> str:
+    """The resolved tree as YAML (what ``hflow-async show-config`` prints)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: HFlowConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -1,0 +1,1 @@
+"""Rollout workers: generation engines, reward functions, and the roller loop."""

@@ -1,0 +1,85 @@
+import pytest
+
+from controller.cli import main
+from controller.config import HFlowConfig, available_presets, load_config, to_yaml
+
+
+def test_presets_ship_and_load():
+    assert {"tiny", "smollm2-reasoning"} <= set(available_presets())
+    assert load_config(preset="tiny").model.path == "tiny"
+    assert load_config().model.path == "smollm2-135m-instruct"  # embedded default
+
+
+def test_override_and_mode():
+    cfg = load_config(mode="fully-async", overrides=["rollout.n=8", "trainer.total_steps=20", "run_dir=/tmp/x"])
+    assert isinstance(cfg, HFlowConfig)
+    assert (cfg.mode, cfg.rollout.n, cfg.trainer.total_steps, cfg.run_dir) == ("fully-async", 8, 20, "/tmp/x")
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("rollout.nn=8", "rollout.nn"),
+        ("nosuch=1", "nosuch"),
+        ("rollout.n=abc", "rollout.n"),
+        ("rollout.n=0", "rollout.n"),
+        ("algorithm.adv_estimator=foo", "grpo"),
+        ("checkpointengine.backend=pigeon", "shm"),
+        ("model.path=/does/not/exist", "model.path"),
+        ("rollout.n", "key.subkey=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_cross_field_validation():
+    with pytest.raises(ValueError, match="max_staleness"):
+        load_config(overrides=["algorithm.trigger_sync_steps=3", "algorithm.max_staleness=1"])
+    with pytest.raises(ValueError, match="ppo_mini_batch_size"):
+        load_config(overrides=["trainer.ppo_mini_batch_size=99"])
+
+
+def test_unknown_preset_and_file(tmp_path):
+    with pytest.raises(ValueError, match="available presets"):
+        load_config(preset="nope")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(config_file=str(tmp_path / "missing.yaml"))
+    good = tmp_path / "c.yaml"
+    good.write_text("rollout:\n  n: 3\n")
+    assert load_config(config_file=str(good)).rollout.n == 3
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  nn: 3\n")
+    with pytest.raises(ValueError, match=r"rollout\.nn"):
+        load_config(config_file=str(bad))
+
+
+def test_cli_show_config(capsys):
+    assert main(["show-config", "--mode", "fully-async", "rollout.n=8"]) == 0
+    out = capsys.readouterr().out
+    assert "mode: fully-async" in out
+    rollout = out.split("\nrollout:\n", 1)[1]
+    assert "'n': 8" in rollout.split("\n", 1)[0]  # YAML quotes the key n (a YAML 1.1 boolean)
+
+
+def test_cli_rejects_unknown_key(capsys):
+    assert main(["show-config", "rollout.nn=8"]) == 2
+    assert "rollout.nn" in capsys.readouterr().err
+
+
+def test_cli_help_lists_modes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for mode in ("sync", "one-step-off", "fully-async", "show-config"):
+        assert mode in out
+
+
+def test_yaml_roundtrip(tmp_path):
+    cfg = load_config(preset="tiny", overrides=["rollout.n=5"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    again = load_config(config_file=str(path))
+    assert again == cfg

@@ -1,0 +1,1 @@
+"""FSDP2 trainer workers and the RL algorithm library."""

@@ -1,0 +1,114 @@
+"""Config sections owned by the trainers: ``trainer`` (the pool and optimisation) and ``algorithm``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ADV_ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "mse")
+STALE_CORRECTIONS = ("none", "decoupled", "tis")
+STALE_POLICIES = ("drop", "keep")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+@dataclass
+class TrainerConfig:
+    """The trainer pool and optimisation.
+
+    ``ppo_mini_batch_size`` is in prompts (× ``rollout.n`` samples inside); ``ppo_micro_batch_size`` is
+    in samples; ``save_every`` in trainer steps (0 = never); ``num_threads`` torch threads per rank.
+    """
+
+    num_ranks: int = 1
+    total_steps: int = 10
+    ppo_mini_batch_size: int = 4
+    ppo_micro_batch_size: int = 8
+    ppo_epochs: int = 1
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    save_every: int = 0
+    num_threads: int = 1
+    use_reference: bool = False
+
+    def __post_init__(self):
+        for key in ("num_ranks", "total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
+                    "num_threads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
+        if self.lr <= 0:
+            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if self.max_grad_norm <= 0:
+            raise ValueError(f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        for key in ("warmup_steps", "save_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
+        _check_choice("trainer.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator, losses, KL, and the staleness knobs of the asynchronous schedules.
+
+    Staleness (DESIGN.md, "Staleness, defined"): ``max_staleness`` bounds trainer version − a sample's
+    ``min_weight_version``; ``stale_policy`` says what happens to a group that still exceeds it;
+    ``require_batches`` is how many train batches the fully-async trainer takes per update;
+    ``trigger_sync_steps`` pushes weights every that many updates (needs
+    ``max_staleness >= trigger_sync_steps - 1``). ``stale_correction``: none | decoupled (proximal
+    log-probs) | tis (truncated importance sampling on ``rollout_log_probs``, capped at ``tis_cap``).
+    """
+
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    dual_clip_c: float = 0.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_estimator: str = "low_var_kl"
+    use_kl_in_reward: bool = False
+    kl_in_reward_coef: float = 0.001
+    stale_correction: str = "none"
+    tis_cap: float = 2.0
+    max_staleness: int = 1
+    stale_policy: str = "drop"
+    require_batches: int = 1
+    trigger_sync_steps: int = 1
+
+    def __post_init__(self):
+        _check_choice("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("algorithm.stale_correction", self.stale_correction, STALE_CORRECTIONS)
+        _check_choice("algorithm.stale_policy", self.stale_policy, STALE_POLICIES)
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError(
+                f"algorithm.clip_ratio_low/high must be >= 0, got {self.clip_ratio_low}/{self.clip_ratio_high}"
+            )
+        if self.dual_clip_c != 0 and self.dual_clip_c <= 1:
+            raise ValueError(f"algorithm.dual_clip_c must be 0 (off) or > 1, got {self.dual_clip_c}")
+        if self.max_staleness < 0:
+            raise ValueError(f"algorithm.max_staleness must be >= 0, got {self.max_staleness}")
+        for key in ("require_batches", "trigger_sync_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"algorithm.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_staleness < self.trigger_sync_steps - 1:
+            raise ValueError(
+                f"algorithm.trigger_sync_steps={self.trigger_sync_steps} needs "
+                f"algorithm.max_staleness >= {self.trigger_sync_steps - 1}, got {self.max_staleness}"
+            )
+        if self.tis_cap <= 0:
+            raise ValueError(f"algorithm.tis_cap must be > 0, got {self.tis_cap}")

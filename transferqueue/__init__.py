@@ -1,0 +1,1 @@
+"""The data plane: metadata index, storage units, and the put/get client."""
