@@ -1,0 +1,136 @@
+"""The generation-engine interface shared by the torch engine and the SGLang client.
+
+An engine takes requests of prompt token ids plus sampling parameters and returns the sampled tokens,
+their log-probabilities and the weight version that produced each token. It can be paused (for a
+weight update), loaded with new weights, flushed and resumed. Pause modes follow SGLang's
+``/pause_generation``:
+
+* ``abort``: in-flight requests finish now with ``finish_reason="abort"`` and the tokens generated so
+  far (the caller may resubmit prompt + partial output to continue: partial rollout);
+* ``retract``: in-flight requests are kept, their KV cache dropped and recomputed on resume (under the
+  new weights, if an update happened meanwhile);
+* ``in_place``: in-flight requests are kept with their KV cache as it is.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling for one request. ``temperature`` 0 = greedy; ``top_k`` -1 = off; ``seed`` makes the
+    request's samples independent of what else is batched with it (``None`` = engine's own RNG);
+    ``stop_token_ids`` are added to the model's EOS ids; ``ignore_eos`` decodes to ``max_new_tokens``."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt. ``input_ids``: prompt token ids (no padding)."""
+
+    request_id: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+    def __post_init__(self):
+        if not self.input_ids:
+            raise ValueError(f"request {self.request_id!r}: input_ids is empty")
+
+
+@dataclass
+class GenerationOutput:
+    """The result (or, when streaming, the progress so far) of one request.
+
+    ``output_ids`` (response_len,), ``output_log_probs`` natural-log probability of each sampled token
+    under the sampling distribution (logits / temperature; raw logits when greedy),
+    ``weight_versions`` the weight version that produced each token, ``finish_reason`` one of
+    ``stop`` | ``length`` | ``abort`` (``None`` while running).
+    """
+
+    request_id: str
+    output_ids: list[int] = field(default_factory=list)
+    output_log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def min_weight_version(self) -> int | None:
+        return min(self.weight_versions) if self.weight_versions else None
+
+    @property
+    def max_weight_version(self) -> int | None:
+        return max(self.weight_versions) if self.weight_versions else None
+
+
+class EngineError(RuntimeError):
+    """An engine failed a request or an operation (the message says which)."""
+
+
+class Engine(abc.ABC):
+    """Async generation engine. All methods are coroutines and safe to call concurrently."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The committed weight version the engine is generating with."""
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+        """Run ``request`` to completion (or abort) and return its output."""
+
+    @abc.abstractmethod
+    def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Yield the growing output of ``request``; the last item has ``finish_reason`` set."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: str = "retract") -> None:
+        """Stop decoding; ``mode`` in ``PAUSE_MODES`` says what happens to in-flight requests.
+        Raises ValueError for another mode."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continue decoding (kept requests continue; new requests are admitted again)."""
+
+    @abc.abstractmethod
+    async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> None:
+        """Copy named tensors (engine parameter names) into the model and commit ``weight_version``.
+
+        Must be called while paused. Raises KeyError naming an unknown tensor, ValueError on a
+        shape mismatch or a version that does not increase; on error the old weights/version stay."""
+
+    @abc.abstractmethod
+    async def flush_cache(self) -> None:
+        """Drop cached prefixes. Raises EngineError while requests are running."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the engine can serve requests."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Release resources; cancel and join background tasks. Idempotent."""
