@@ -1,0 +1,62 @@
+"""Staleness admission control (DESIGN.md, "Staleness, defined").
+
+``weight_version`` is the trainer's count of completed updates. A sample's staleness when trained is the
+trainer's version at that update minus the sample's ``min_weight_version``. The controller starts a new
+prompt group only while
+
+    started − dropped ≤ (max_staleness + version + 1) × train_batch_size − 1
+
+so producers never run further ahead than the bound. ``version`` here is the version the rollers hold
+(the last synced one): it equals the trainer's version right after each sync, and is never ahead of it,
+so the bound is kept even while a sync is in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Admission:
+    """Counts prompt groups started and dropped; says how many more may start.
+
+    ``train_batch_size``: prompt groups per trainer step; ``max_staleness``: the bound, in versions.
+    ``started``/``dropped`` count since the start of the run (or resume, restored from the checkpoint).
+    """
+
+    train_batch_size: int
+    max_staleness: int
+    started: int = 0
+    dropped: int = 0
+
+    def __post_init__(self):
+        if self.train_batch_size < 1:
+            raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def limit(self, version: int) -> int:
+        """The largest ``started − dropped`` at which one more group may still start."""
+        return (self.max_staleness + version + 1) * self.train_batch_size - 1
+
+    def num_admissible(self, version: int) -> int:
+        """How many groups may start now at rollers' weight version ``version`` (never negative)."""
+        return max(0, self.limit(version) + 1 - (self.started - self.dropped))
+
+    def start(self, num_groups: int, version: int) -> None:
+        """Record ``num_groups`` started; raises ValueError if that exceeds what is admissible."""
+        if num_groups > self.num_admissible(version):
+            raise ValueError(
+                f"admitting {num_groups} groups exceeds the staleness bound: at version {version} only "
+                f"{self.num_admissible(version)} may start (started={self.started}, dropped={self.dropped})"
+            )
+        self.started += num_groups
+
+    def drop(self, num_groups: int) -> None:
+        """Record ``num_groups`` dropped (discarded as too stale; their prompts are re-issued)."""
+        self.dropped += num_groups
+
+
+def staleness(trainer_version: int, min_weight_version: int) -> int:
+    """Staleness of a sample trained at ``trainer_version`` whose first token came from ``min_weight_version``."""
+    return trainer_version - min_weight_version
