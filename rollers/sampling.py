@@ -1,0 +1,69 @@
+"""Token sampling for the torch engine: temperature, top-k, top-p, per-request generators, log-probs.
+
+Each row of a batch is sampled with its own ``torch.Generator`` and one uniform draw per token (inverse
+CDF over the filtered, sorted distribution), so a request's samples depend only on its own seed and
+logits, never on which other requests share the batch.
+
+Log-probs follow DESIGN.md's sample schema: ``log_softmax(logits / T)`` of the sampled token over the
+full vocabulary (top-k/top-p only restrict which tokens can be drawn; they do not renormalise the
+reported log-prob), raw ``log_softmax(logits)`` when greedy (``T == 0``), in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings of one batch row (from its request's ``SamplingParams``)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    generator: torch.Generator
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
+    """Sample one token per row.
+
+    ``logits`` (batch, vocab) any float dtype; ``rows`` one ``RowSampling`` per batch row. Returns the
+    sampled token ids and their natural-log probabilities (see the module docstring), as Python lists.
+    Top-p is nucleus sampling (Holtzman et al. 2020): the smallest prefix of the probability-sorted
+    vocabulary whose mass reaches ``top_p`` (always at least one token). Raises ValueError when the
+    batch size and ``rows`` disagree.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} sampling rows")
+    logits = logits.float()
+    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=logits.device)
+    log_probs = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        tokens[idx] = _draw(log_probs[idx], [rows[i] for i in sampled])
+    token_log_probs = log_probs.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), token_log_probs.tolist()
+
+
+def _draw(log_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Inverse-CDF draw of one token per row from top-k/top-p filtered ``log_probs`` (batch, vocab)."""
+    probs, order = torch.sort(log_probs.exp(), dim=-1, descending=True)
+    vocab = probs.shape[1]
+    ranks = torch.arange(vocab, device=probs.device)
+    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=probs.device)
+    top_p = torch.tensor([r.top_p for r in rows], device=probs.device)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep = (ranks[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
+    keep[:, 0] = True
+    cdf = torch.cumsum(probs * keep, dim=-1)
+    uniforms = torch.cat([torch.rand(1, generator=r.generator, device=r.generator.device) for r in rows])
+    targets = uniforms.to(probs.device) * cdf[:, -1]
+    pick = torch.searchsorted(cdf, targets[:, None], right=True).clamp_(max=vocab - 1)
+    # A uniform landing exactly on the total mass would pick past the last kept token; step back onto it.
+    last_kept = keep.sum(dim=-1, keepdim=True) - 1
+    pick = torch.minimum(pick, last_kept)
+    return order.gather(1, pick)[:, 0]

@@ -1,0 +1,463 @@
+"""The built-in torch generation engine: continuous batching over a fixed number of slots.
+
+One background asyncio task (owned by the engine, cancelled and joined by ``shutdown``) runs the
+schedule below; requests are submitted from any coroutine on the same event loop. Each step runs
+synchronously between two ``await`` points, so ``pause``/``load_weights``/``flush_cache`` always see
+the engine between steps, never inside one.
+
+::
+
+    submit ──> waiting (FIFO) ──admit while slots are free──> running (slots 0 .. batch-1)
+                                   │ prefill newcomers (one batched forward)
+                                   ▼
+               every step: one decode forward over ALL running slots ──> sample ──> stop? leave at once
+
+Sequences keep their keys/values at their absolute positions in a per-slot cache
+(``rollers.kv_cache.SlotKVCache``), so positions and masks of a sequence never depend on the slot's
+history or its neighbours; greedy output equals Hugging Face ``generate`` token for token.
+Decoding a small model on CPU is bound by reading the weights, so one forward for every running slot
+per step is what makes it fast; slots freed by short requests are refilled at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from rollers.engine import (
+    PAUSE_MODES,
+    Engine,
+    EngineError,
+    GenerationOutput,
+    GenerationRequest,
+)
+from rollers.kv_cache import SlotKVCache
+from rollers.sampling import RowSampling, sample_tokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """Engine-side state of one request. ``kv_len``: positions of ``tokens`` held in its slot's cache."""
+
+    request: GenerationRequest
+    output: GenerationOutput
+    sampling: RowSampling
+    stop_ids: frozenset[int]
+    done: asyncio.Future
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    kv_len: int = 0
+
+    def tokens(self) -> list[int]:
+        return [*self.request.input_ids, *self.output.output_ids]
+
+
+def collect_eos_ids(model: torch.nn.Module, tokenizer_or_eos_ids) -> frozenset[int]:
+    """Every EOS id of ``model`` (its ``generation_config`` and ``config`` may list several) plus those
+    of ``tokenizer_or_eos_ids``: a tokenizer (its ``eos_token_id``), one id, or an iterable of ids."""
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if value is None:
+            return
+        if isinstance(value, int):
+            ids.add(value)
+        else:
+            ids.update(int(v) for v in value)
+
+    if hasattr(tokenizer_or_eos_ids, "eos_token_id"):
+        add(tokenizer_or_eos_ids.eos_token_id)
+    else:
+        add(tokenizer_or_eos_ids)
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        add(getattr(cfg, "eos_token_id", None))
+    return frozenset(ids)
+
+
+class TorchEngine(Engine):
+    """Continuous-batching generation on any Hugging Face causal LM (CPU fp32, or one GPU).
+
+    ``model``: the causal LM, already on its device (it is put in eval mode; generation runs under
+    ``torch.no_grad``, never ``inference_mode``, so its parameters stay usable for training code).
+    ``tokenizer_or_eos_ids``: a tokenizer or EOS id(s), added to the model's own EOS ids.
+    ``max_batch_slots``: sequences decoded together. ``max_seq_len``: prompt + response limit in tokens
+    (default: the model's ``max_position_embeddings``). ``weight_version``: version of the initial
+    weights. ``seed``: seeds the per-request generators of requests without ``SamplingParams.seed``.
+    Raises ValueError for bad sizes.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer_or_eos_ids,
+        *,
+        max_batch_slots: int = 16,
+        max_seq_len: int | None = None,
+        weight_version: int = 0,
+        seed: int = 0,
+        initial_kv_capacity: int = 128,
+    ):
+        if max_batch_slots < 1:
+            raise ValueError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
+        self._model = model.eval()
+        self._device = next(model.parameters()).device
+        self._eos_ids = collect_eos_ids(model, tokenizer_or_eos_ids)
+        self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._max_seq_len = int(max_seq_len or getattr(model.config, "max_position_embeddings", 0) or 4096)
+        if self._max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self._max_seq_len}")
+        self._num_slots = max_batch_slots
+        self._cache = SlotKVCache(max_batch_slots, min(initial_kv_capacity, self._max_seq_len))
+        self._weight_version = weight_version
+        self._seed_rng = torch.Generator().manual_seed(seed)
+        self._running: list[_Sequence] = []
+        self._waiting: deque[_Sequence] = deque()
+        self._by_id: dict[str, _Sequence] = {}
+        self._paused = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._started_at = time.perf_counter()
+        self._busy_s = 0.0
+        self._num_tokens_generated = 0
+        self._num_forwards = 0
+
+    # ------------------------------------------------------------------------------ public API
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end a request (unless ``ignore_eos``)."""
+        return self._eos_ids
+
+    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+        """Run ``request`` to completion; cancelling the caller aborts the request. Raises ValueError for a
+        request the engine cannot hold, EngineError when the engine is shut down or failed."""
+        seq = self._submit(request)
+        try:
+            return await seq.done
+        except asyncio.CancelledError:
+            self._drop(seq)
+            raise
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Yield snapshots of the growing output (several tokens may arrive between two snapshots); the
+        last has ``finish_reason`` set. Closing the iterator early aborts the request."""
+        seq = self._submit(request)
+        try:
+            while True:
+                await seq.changed.wait()
+                seq.changed.clear()
+                if seq.done.done() and seq.done.exception() is not None:
+                    raise seq.done.exception()
+                snapshot = _snapshot(seq.output)
+                yield snapshot
+                if snapshot.finish_reason is not None:
+                    return
+        finally:
+            if not seq.done.done():
+                self._drop(seq)
+
+    async def pause(self, mode: str = "retract") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {list(PAUSE_MODES)}")
+        self._check_usable()
+        self._paused = True
+        if mode == "abort":
+            for seq in [*self._running, *self._waiting]:
+                self._finish(seq, "abort")
+            self._running.clear()
+            self._waiting.clear()
+        elif mode == "retract":
+            for seq in reversed(self._running):
+                seq.kv_len = 0
+                self._waiting.appendleft(seq)
+            self._running.clear()
+
+    async def resume(self) -> None:
+        self._check_usable()
+        self._paused = False
+        self._wakeup.set()
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> None:
+        """Copy ``named_tensors`` into the parameters (dtype/device cast) and commit ``weight_version``.
+
+        Names are the model's ``state_dict`` keys; either name of a tied pair (``lm_head.weight`` /
+        ``model.embed_tokens.weight``) updates the shared tensor. Every tensor is checked before any is
+        copied. Raises EngineError unless paused, KeyError for an unknown name, ValueError for a shape
+        mismatch or a ``weight_version`` that does not increase.
+        """
+        self._check_usable()
+        if not self._paused:
+            raise EngineError("load_weights needs a paused engine: call pause() first")
+        if weight_version <= self._weight_version:
+            raise ValueError(
+                f"weight_version must increase: got {weight_version}, engine has {self._weight_version}"
+            )
+        targets = self._model.state_dict(keep_vars=True)
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, tensor in named_tensors:
+            if name not in targets:
+                raise KeyError(f"load_weights: unknown tensor {name!r} (not in the model's state_dict)")
+            target = targets[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(target.shape)}"
+                )
+            staged.append((target, tensor))
+        with torch.no_grad():
+            for target, tensor in staged:
+                target.copy_(tensor)
+        self._weight_version = weight_version
+
+    async def flush_cache(self) -> None:
+        """Free the KV cache. Raises EngineError while requests are running, waiting or kept by a pause."""
+        self._check_usable()
+        if self._running or self._waiting:
+            raise EngineError(
+                f"flush_cache with {len(self._running)} running and {len(self._waiting)} waiting requests"
+            )
+        self._cache.clear()
+
+    async def health(self) -> bool:
+        return not self._closed and self._error is None and not (self._task is not None and self._task.done())
+
+    async def shutdown(self) -> None:
+        """Abort every request, cancel and join the decode task. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for seq in [*self._running, *self._waiting]:
+            self._finish(seq, "abort")
+        self._running.clear()
+        self._waiting.clear()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._cache.clear()
+
+    def stats(self) -> dict[str, float]:
+        """Counters: ``num_tokens_generated``, ``tokens_per_s`` (over busy time), ``busy_s``, ``uptime_s``,
+        ``busy_ratio``, ``num_running``, ``num_waiting``, ``num_requests_in_flight``, ``num_forwards``,
+        ``weight_version``, ``kv_capacity_tokens`` (per slot)."""
+        uptime = time.perf_counter() - self._started_at
+        return {
+            "num_tokens_generated": self._num_tokens_generated,
+            "tokens_per_s": self._num_tokens_generated / self._busy_s if self._busy_s else 0.0,
+            "busy_s": self._busy_s,
+            "uptime_s": uptime,
+            "busy_ratio": self._busy_s / uptime if uptime else 0.0,
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "num_requests_in_flight": len(self._running) + len(self._waiting),
+            "num_forwards": self._num_forwards,
+            "weight_version": self._weight_version,
+            "kv_capacity_tokens": self._cache.capacity,
+        }
+
+    # ------------------------------------------------------------------------------ requests
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        if self._error is not None:
+            raise EngineError(f"the engine failed: {self._error!r}")
+
+    def _submit(self, request: GenerationRequest) -> _Sequence:
+        self._check_usable()
+        if request.request_id in self._by_id:
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        sampling = request.sampling
+        total = len(request.input_ids) + sampling.max_new_tokens
+        if total > self._max_seq_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({len(request.input_ids)}) + max_new_tokens "
+                f"({sampling.max_new_tokens}) = {total} exceeds max_seq_len={self._max_seq_len}"
+            )
+        bad = [t for t in request.input_ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside [0, {self._vocab_size})")
+        seed = sampling.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng).item())
+        generator = torch.Generator(device=self._device).manual_seed(seed)
+        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
+        seq = _Sequence(
+            request=request,
+            output=GenerationOutput(request_id=request.request_id, prompt_tokens=len(request.input_ids)),
+            sampling=RowSampling(sampling.temperature, sampling.top_p, sampling.top_k, generator),
+            stop_ids=stop_ids,
+            done=asyncio.get_running_loop().create_future(),
+        )
+        self._by_id[request.request_id] = seq
+        self._waiting.append(seq)
+        self._ensure_task()
+        self._wakeup.set()
+        return seq
+
+    def _finish(self, seq: _Sequence, reason: str) -> None:
+        seq.output.finish_reason = reason
+        self._by_id.pop(seq.request.request_id, None)
+        if not seq.done.done():
+            seq.done.set_result(seq.output)
+        seq.changed.set()
+
+    def _drop(self, seq: _Sequence) -> None:
+        """Abort one request whose caller went away (cancelled ``generate``, closed ``stream``)."""
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        elif seq in self._running:
+            self._release([self._running.index(seq)])
+        self._finish(seq, "abort")
+
+    def _release(self, indices: list[int]) -> None:
+        """Remove running slots ``indices``; the last running slot moves into each hole (KV included)."""
+        for i in sorted(indices, reverse=True):
+            last = len(self._running) - 1
+            if i != last:
+                moved = self._running[last]
+                self._cache.move(last, i, moved.kv_len)
+                self._running[i] = moved
+            self._running.pop()
+
+    # ------------------------------------------------------------------------------ decode loop
+
+    def _ensure_task(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="torch-engine-decode")
+
+    async def _loop(self) -> None:
+        while True:
+            if self._paused or not (self._running or self._waiting):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            started = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    self._step()
+            except Exception as exc:  # a failed forward fails every request; health() turns False
+                logger.exception("torch engine step failed")
+                self._fail(exc)
+                return
+            self._busy_s += time.perf_counter() - started
+            await asyncio.sleep(0)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        for seq in [*self._running, *self._waiting]:
+            self._by_id.pop(seq.request.request_id, None)
+            if not seq.done.done():
+                seq.done.set_exception(EngineError(f"engine step failed: {exc!r}"))
+            seq.changed.set()
+        self._running.clear()
+        self._waiting.clear()
+
+    def _step(self) -> None:
+        self._admit()
+        if self._running:
+            self._decode()
+
+    def _forward(self, input_ids, position_ids, mask, logits_to_keep) -> torch.Tensor:
+        self._num_forwards += 1
+        out = self._model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits
+
+    def _admit(self) -> None:
+        """Prefill waiting sequences into free slots (one right-padded forward) and sample their next token."""
+        num_new = min(self._num_slots - len(self._running), len(self._waiting))
+        if num_new <= 0:
+            return
+        batch = [self._waiting.popleft() for _ in range(num_new)]
+        tokens = [seq.tokens() for seq in batch]
+        lengths = torch.tensor([len(t) for t in tokens], device=self._device)
+        seq_len = int(lengths.max().item())
+        input_ids = torch.zeros(num_new, seq_len, dtype=torch.long, device=self._device)
+        for row, toks in enumerate(tokens):
+            input_ids[row, : len(toks)] = torch.tensor(toks, device=self._device)
+        positions = torch.arange(seq_len, device=self._device)
+        allowed = (positions[None, :] <= positions[:, None])[None] & (positions < lengths[:, None])[:, None, :]
+        last = lengths - 1
+        keep = torch.unique(last)
+        self._cache.plan_prefill(len(self._running), num_new, seq_len)
+        logits = self._forward(input_ids, positions.expand(num_new, -1), self._mask(allowed[:, None]), keep)
+        logits = logits[torch.arange(num_new, device=self._device), torch.searchsorted(keep, last)]
+        first = len(self._running)
+        self._running.extend(batch)
+        for seq, n in zip(batch, lengths.tolist(), strict=True):
+            seq.kv_len = n
+        self._append_tokens(first, logits)
+
+    def _decode(self) -> None:
+        """One forward over every running slot: feed each slot's last token at its own position."""
+        last_tokens = torch.tensor([[seq.tokens()[-1]] for seq in self._running], device=self._device)
+        positions = torch.tensor([seq.kv_len for seq in self._running], device=self._device)
+        self._cache.plan_decode(positions)
+        kv_len = int(positions.max().item()) + 1
+        allowed = torch.arange(kv_len, device=self._device)[None, :] <= positions[:, None]
+        logits = self._forward(last_tokens, positions[:, None], self._mask(allowed[:, None, None]), 1)
+        for seq in self._running:
+            seq.kv_len += 1
+        self._append_tokens(0, logits[:, -1])
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Additive 4-D attention mask (0 where ``allowed``, dtype minimum elsewhere) in the model dtype."""
+        dtype = next(self._model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=self._device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+    def _append_tokens(self, first: int, logits: torch.Tensor) -> None:
+        """Sample one token for running slots ``first ..`` from ``logits`` (rows, vocab); finish stopped ones."""
+        seqs = self._running[first:]
+        token_ids, log_probs = sample_tokens(logits, [seq.sampling for seq in seqs])
+        finished: list[tuple[int, str]] = []
+        for offset, (seq, token, log_prob) in enumerate(zip(seqs, token_ids, log_probs, strict=True)):
+            out = seq.output
+            out.output_ids.append(token)
+            out.output_log_probs.append(log_prob)
+            out.weight_versions.append(self._weight_version)
+            self._num_tokens_generated += 1
+            seq.changed.set()
+            if token in seq.stop_ids:
+                finished.append((first + offset, "stop"))
+            elif len(out.output_ids) >= seq.request.sampling.max_new_tokens:
+                finished.append((first + offset, "length"))
+        done = [(self._running[i], reason) for i, reason in finished]
+        self._release([i for i, _ in finished])
+        for seq, reason in done:
+            self._finish(seq, reason)
+
+
+def _snapshot(output: GenerationOutput) -> GenerationOutput:
+    return GenerationOutput(
+        request_id=output.request_id,
+        output_ids=list(output.output_ids),
+        output_log_probs=list(output.output_log_probs),
+        weight_versions=list(output.weight_versions),
+        finish_reason=output.finish_reason,
+        prompt_tokens=output.prompt_tokens,
+    )
