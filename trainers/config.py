@@ -9,6 +9,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "mse")
 STALE_CORRECTIONS = ("none", "decoupled", "tis")
 STALE_POLICIES = ("drop", "keep")
+KL_CTRL_TYPES = ("fixed", "adaptive")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -65,6 +66,13 @@ class AlgorithmConfig:
     ``trigger_sync_steps`` pushes weights every that many updates (needs
     ``max_staleness >= trigger_sync_steps - 1``). ``stale_correction``: none | decoupled (proximal
     log-probs) | tis (truncated importance sampling on ``rollout_log_probs``, capped at ``tis_cap``).
+
+    KL (see ``trainers/kl.py``): ``kl_estimator`` for KL-as-loss, ``kl_in_reward_estimator`` for
+    KL-in-reward, whose coefficient starts at ``kl_in_reward_coef`` and is ``kl_ctrl_type`` fixed or
+    adaptive (towards ``kl_target`` nats per token over ``kl_horizon`` samples, Ziegler et al. 2019).
+    ``cliprange_value``: critic value clipping. DAPO (``trainers/dapo.py``): ``dynamic_sampling`` drops
+    zero-variance groups and regenerates up to ``max_refill_rounds`` times; ``overlong_buffer_len`` tokens
+    (0 = off) of soft overlong punishment scaled by ``overlong_penalty_factor``.
     """
 
     adv_estimator: str = "grpo"
@@ -81,6 +89,15 @@ class AlgorithmConfig:
     kl_estimator: str = "low_var_kl"
     use_kl_in_reward: bool = False
     kl_in_reward_coef: float = 0.001
+    kl_in_reward_estimator: str = "k1"
+    kl_ctrl_type: str = "fixed"
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+    cliprange_value: float = 0.5
+    dynamic_sampling: bool = False
+    max_refill_rounds: int = 10
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
     stale_correction: str = "none"
     tis_cap: float = 2.0
     max_staleness: int = 1
@@ -92,6 +109,9 @@ class AlgorithmConfig:
         _check_choice("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("algorithm.kl_in_reward_estimator", self.kl_in_reward_estimator, KL_ESTIMATORS)
+        _check_choice("algorithm.kl_ctrl_type", self.kl_ctrl_type, KL_CTRL_TYPES)
+        self._check_algorithm_numbers()
         _check_choice("algorithm.stale_correction", self.stale_correction, STALE_CORRECTIONS)
         _check_choice("algorithm.stale_policy", self.stale_policy, STALE_POLICIES)
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
@@ -112,3 +132,21 @@ class AlgorithmConfig:
             )
         if self.tis_cap <= 0:
             raise ValueError(f"algorithm.tis_cap must be > 0, got {self.tis_cap}")
+
+    def _check_algorithm_numbers(self) -> None:
+        """KL controller, value clipping and DAPO knobs (the staleness knobs are checked above)."""
+        for key in ("kl_loss_coef", "kl_in_reward_coef", "entropy_coeff", "overlong_penalty_factor"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"algorithm.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("kl_target", "cliprange_value"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"algorithm.{key} must be > 0, got {getattr(self, key)}")
+        for key in ("kl_horizon", "max_refill_rounds"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"algorithm.{key} must be >= 1, got {getattr(self, key)}")
+        if self.overlong_buffer_len < 0:
+            raise ValueError(
+                f"algorithm.overlong_buffer_len must be >= 0 (0 = no overlong shaping), got {self.overlong_buffer_len}"
+            )
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ValueError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}")

@@ -1,0 +1,307 @@
+"""Policy, value and entropy losses, and the loss aggregation modes.
+
+All per-token tensors are ``(batch, response_len)``; log-probs are natural-log per token. Losses are
+scalars to *minimise*.
+
+Aggregation and gradient accumulation. Every mode divides a **sum over the micro-batch** by a count of
+the **whole mini-batch** (``global_num_tokens`` / ``global_num_seqs``: summed by the worker over all
+micro-batches and data-parallel ranks, see :func:`trainers.metrics.count_tokens_and_seqs`). Summing the
+micro-batch losses (gradient accumulation) therefore gives exactly the mini-batch loss, whatever the
+split. Under data parallelism the per-rank losses must be *summed*, not averaged: FSDP2 averages
+gradients over ranks by default, so the worker multiplies the loss by the world size (or sets the
+gradient divide factor to 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from trainers.metrics import count_tokens_and_seqs, masked_mean, masked_sum
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
+    "policy_loss",
+    "value_loss",
+    "entropy_from_logits",
+    "log_probs_from_logits",
+]
+
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps ratios finite when log-probs of a token diverge
+
+
+def _token_mean(loss_mat, mask, num_tokens, num_seqs, norm_length):
+    return masked_sum(loss_mat, mask) / num_tokens
+
+
+def _seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs, norm_length):
+    return masked_sum(loss_mat, mask) / num_seqs
+
+
+def _seq_mean_token_mean(loss_mat, mask, num_tokens, num_seqs, norm_length):
+    per_seq = masked_mean(loss_mat, mask, dim=-1)  # 0 for a fully masked sequence
+    return per_seq.sum() / num_seqs
+
+
+def _seq_mean_token_sum_norm(loss_mat, mask, num_tokens, num_seqs, norm_length):
+    return masked_sum(loss_mat, mask) / (num_seqs * norm_length)
+
+
+LOSS_AGG_MODES: dict[str, Callable[..., torch.Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    *,
+    global_num_tokens: int | float | torch.Tensor | None = None,
+    global_num_seqs: int | float | torch.Tensor | None = None,
+    norm_length: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``(batch, response_len)`` to a scalar over the valid tokens of ``response_mask``.
+
+    With ``N`` = ``global_num_tokens`` (valid tokens of the mini-batch), ``S`` = ``global_num_seqs``
+    (sequences of the mini-batch with at least one valid token), ``l_it`` the loss of token t of
+    sequence i and ``T_i`` its valid-token count, summing over this micro-batch only:
+
+    * ``token-mean``: ``sum_it l_it / N`` (PPO/DAPO token-level; DAPO, Yu et al. 2025, eq. 12);
+    * ``seq-mean-token-sum``: ``sum_i (sum_t l_it) / S``;
+    * ``seq-mean-token-mean``: ``sum_i (sum_t l_it / T_i) / S`` (the original GRPO objective);
+    * ``seq-mean-token-sum-norm``: ``sum_it l_it / (S * norm_length)`` (Dr.GRPO, Liu et al. 2025, eq. 3 —
+      a constant length in place of each ``T_i``). ``norm_length`` is required for this mode and must be
+      the same constant for the whole run — pass ``rollout.max_response_length``.
+
+    ``N`` and ``S`` default to this micro-batch's own counts (correct only when the micro-batch is the whole
+    mini-batch). A count of 0 is replaced by 1, so an all-masked batch gives exactly 0 with zero gradient;
+    padding is selected away (``torch.where``), so NaN/inf there never reaches the value or the gradient.
+
+    Raises ValueError for an unknown ``mode``, a shape mismatch, a negative count or a missing/invalid
+    ``norm_length``.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
+    if loss_mat.dim() != 2 or loss_mat.shape != response_mask.shape:
+        raise ValueError(
+            f"loss_mat {tuple(loss_mat.shape)} and response_mask {tuple(response_mask.shape)} must be the same "
+            "(batch, response_len) shape"
+        )
+    if mode == "seq-mean-token-sum-norm" and (norm_length is None or norm_length <= 0):
+        raise ValueError(
+            f"loss_agg_mode 'seq-mean-token-sum-norm' needs norm_length > 0 (rollout.max_response_length), "
+            f"got {norm_length}"
+        )
+    local_tokens, local_seqs = count_tokens_and_seqs(response_mask)
+    counts = []
+    for name, value, local in (("global_num_tokens", global_num_tokens, local_tokens),
+                               ("global_num_seqs", global_num_seqs, local_seqs)):
+        value = local if value is None else value
+        value = float(value.item() if isinstance(value, torch.Tensor) else value)
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+        counts.append(max(value, 1.0))
+    return LOSS_AGG_MODES[mode](loss_mat, response_mask, counts[0], counts[1], norm_length)
+
+
+def _clipped_log_ratio(log_probs: torch.Tensor, base_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log_probs - base_log_probs`` on valid tokens, clamped to ±20; exactly 0 on padding."""
+    diff = torch.where(mask, log_probs - base_log_probs, torch.zeros((), dtype=log_probs.dtype,
+                                                                      device=log_probs.device))
+    return diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def _check_policy_inputs(log_probs, old_log_probs, advantages, response_mask, **optional) -> None:
+    shape = tuple(response_mask.shape)
+    if len(shape) != 2:
+        raise ValueError(f"response_mask must be (batch, response_len), got shape {shape}")
+    tensors = {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages, **optional}
+    for name, tensor in tensors.items():
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} like response_mask")
+
+
+def _stale_weights(
+    old_log_probs, rollout_log_probs, proximal_log_probs, mask, stale_correction, tis_cap
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-probs the PPO ratio is taken against, and a detached per-token importance weight (or None)."""
+    if stale_correction == "none":
+        return old_log_probs, None
+    if rollout_log_probs is None:
+        raise ValueError(f"algorithm.stale_correction={stale_correction!r} needs rollout_log_probs, got None")
+    if stale_correction == "decoupled":
+        proximal = old_log_probs if proximal_log_probs is None else proximal_log_probs
+        weight = torch.exp(_clipped_log_ratio(proximal.detach(), rollout_log_probs.detach(), mask))
+        return proximal, weight
+    if stale_correction == "tis":
+        weight = torch.exp(_clipped_log_ratio(old_log_probs.detach(), rollout_log_probs.detach(), mask))
+        return old_log_probs, weight.clamp(max=tis_cap)
+    raise ValueError(f"algorithm.stale_correction={stale_correction!r} is not one of ['none', 'decoupled', 'tis']")
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    dual_clip_c: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: int | float | torch.Tensor | None = None,
+    global_num_seqs: int | float | torch.Tensor | None = None,
+    norm_length: int | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    proximal_log_probs: torch.Tensor | None = None,
+    stale_correction: str = "none",
+    tis_cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate policy loss with its corrections; returns ``(loss, metrics)``.
+
+    Per token, with ``r = exp(log_probs - base)`` and ``A`` = ``advantages``:
+    ``l = -min(r * A, clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high) * A)`` — PPO (Schulman et al. 2017,
+    eq. 7) with DAPO's decoupled clip-higher (Yu et al. 2025, eq. 10). ``dual_clip_c > 1`` (0 = off) also
+    bounds the loss of negative-advantage tokens by ``-dual_clip_c * A`` (dual-clip PPO, Ye et al. 2020,
+    eq. 5). The per-token loss is then multiplied by a detached importance weight ``w`` and aggregated
+    with :func:`aggregate_loss` (``loss_agg_mode``, ``global_num_*``, ``norm_length`` as there).
+
+    ``stale_correction`` chooses ``base`` and ``w``:
+
+    * ``none``: ``base = old_log_probs``, ``w = 1``;
+    * ``decoupled`` (decoupled PPO, Hilton et al. 2021, "Batch size-invariance for policy optimization",
+      eq. 2): ``base`` = the proximal policy (``proximal_log_probs``, default ``old_log_probs``: the
+      trainer's log-probs before this update), ``w = pi_prox / pi_behav`` with the behaviour policy
+      ``rollout_log_probs`` (not truncated);
+    * ``tis``: truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+      You Off-Policy RL Training"): ``base = old_log_probs``, ``w = min(pi_old / pi_rollout, tis_cap)``.
+
+    Log-ratios are clamped to ±20 and padding is excluded before ``exp``, so padded positions stay finite.
+
+    Metrics (floats, over exactly the valid tokens): ``pg_loss``, ``pg_clipfrac`` (tokens whose clipped
+    term was taken), ``pg_clipfrac_lower`` (tokens bounded by the dual clip), ``ppo_kl`` (k3 estimate of
+    KL(pi_base || pi_theta)), ``ratio_mean|max|min``, ``is_weight_mean`` (when ``w`` is used), and
+    ``num_tokens`` (this micro-batch's valid tokens, the weight for
+    :func:`trainers.metrics.weighted_average`). With no valid token, means are 0 and ratio max/min 1.
+
+    Raises ValueError on shape mismatch, ``dual_clip_c`` in (0, 1], an unknown ``stale_correction``, or a
+    correction without ``rollout_log_probs``.
+    """
+    _check_policy_inputs(log_probs, old_log_probs, advantages, response_mask,
+                         rollout_log_probs=rollout_log_probs, proximal_log_probs=proximal_log_probs)
+    if dual_clip_c != 0 and dual_clip_c <= 1:
+        raise ValueError(f"algorithm.dual_clip_c must be 0 (off) or > 1, got {dual_clip_c}")
+    mask = response_mask.bool()
+    base, weight = _stale_weights(old_log_probs, rollout_log_probs, proximal_log_probs, mask,
+                                  stale_correction, tis_cap)
+    log_ratio = _clipped_log_ratio(log_probs, base.detach(), mask)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    dual_clipped = torch.zeros_like(mask)
+    if dual_clip_c > 0:
+        bound = -adv * dual_clip_c
+        dual_clipped = (adv < 0) & (loss_mat > bound)
+        loss_mat = torch.where(dual_clipped, bound, loss_mat)
+    if weight is not None:
+        loss_mat = loss_mat * weight
+    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, global_num_tokens=global_num_tokens,
+                          global_num_seqs=global_num_seqs, norm_length=norm_length)
+    metrics = _policy_metrics(loss, ratio.detach(), log_ratio.detach(), clipped, dual_clipped, weight, mask)
+    return loss, metrics
+
+
+def _policy_metrics(loss, ratio, log_ratio, clipped, dual_clipped, weight, mask) -> dict[str, float]:
+    num_tokens = int(mask.sum().item())
+    ratios = ratio[mask]
+    # k3 of KL(pi_base || pi_theta), samples from pi_base: r - 1 - log r with r = pi_theta / pi_base.
+    ppo_kl = ratio - 1.0 - log_ratio
+    metrics = {
+        "pg_loss": loss.detach().item(),
+        "pg_clipfrac": masked_mean(clipped.float(), mask).item(),
+        "pg_clipfrac_lower": masked_mean(dual_clipped.float(), mask).item(),
+        "ppo_kl": masked_mean(ppo_kl, mask).item(),
+        "ratio_mean": masked_mean(ratio, mask).item() if num_tokens else 1.0,
+        "ratio_max": ratios.max().item() if num_tokens else 1.0,
+        "ratio_min": ratios.min().item() if num_tokens else 1.0,
+        "num_tokens": float(num_tokens),
+    }
+    if weight is not None:
+        metrics["is_weight_mean"] = masked_mean(weight, mask).item() if num_tokens else 1.0
+    return metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: int | float | torch.Tensor | None = None,
+    global_num_seqs: int | float | torch.Tensor | None = None,
+    norm_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss (PPO value clipping, as in OpenAI baselines' ppo2 and Ziegler et al. 2019):
+    ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)`` per token, aggregated like
+    :func:`aggregate_loss`. ``values`` are the critic's current predictions, ``old_values`` those before
+    the update, ``returns`` the targets; all ``(batch, response_len)``. ``cliprange_value`` ``c`` > 0.
+
+    Returns ``(loss, metrics)``: ``vf_loss``, ``vf_clipfrac`` (valid tokens where the clipped term was
+    larger), ``vpred_mean``, ``num_tokens``. Raises ValueError on shape mismatch or ``c <= 0``.
+    """
+    _check_policy_inputs(values, old_values, returns, response_mask)
+    if cliprange_value <= 0:
+        raise ValueError(f"cliprange_value must be > 0, got {cliprange_value}")
+    mask = response_mask.bool()
+    old_values = old_values.detach()
+    returns = returns.detach()
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (clipped_values - returns) ** 2
+    loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, global_num_tokens=global_num_tokens,
+                          global_num_seqs=global_num_seqs, norm_length=norm_length)
+    metrics = {
+        "vf_loss": loss.detach().item(),
+        "vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
+        "vpred_mean": masked_mean(values.detach(), mask).item(),
+        "num_tokens": float(mask.sum().item()),
+    }
+    return loss, metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy ``H = logsumexp(z) - sum(softmax(z) * z)`` (nats) of the categorical over the last dim.
+
+    ``logits``: ``(..., vocab)`` (already divided by the sampling temperature); returns ``(...)`` in the
+    logits' dtype, differentiable. For the entropy bonus, aggregate it with :func:`aggregate_loss` and
+    subtract ``entropy_coeff`` times it from the loss.
+    """
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be (..., vocab) with vocab >= 1, got shape {tuple(logits.shape)}")
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Natural-log probability of ``labels`` under ``softmax(logits)``.
+
+    ``logits``: ``(..., vocab)`` (already divided by the temperature); ``labels``: ``(...)`` int64 token
+    ids. Returns ``(...)`` float, differentiable. Raises ValueError on a shape mismatch.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} must be labels {tuple(labels.shape)} + (vocab,)")
+    log_z = torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - log_z
