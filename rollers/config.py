@@ -13,6 +13,10 @@ class RolloutConfig:
 
     ``n``: samples per prompt (``rollout.n``); ``top_k`` -1 disables it; ``seed`` is the base of the
     per-sample seeds (sampling is independent of batch composition).
+    ``reward``: auto (by ``data.task``) | reasoning_gym | tiny_repeat | math_verify | ``module:function``
+    (``rollers.rewards.build_reward_fn``); ``reward_timeout_s`` bounds one group's scoring (a group that
+    exceeds it is marked failed); ``max_resubmits``: how many times one sample may be aborted (pause in
+    ``abort`` mode) and resubmitted with its partial output before it is marked failed.
     """
 
     n: int = 4
@@ -21,8 +25,17 @@ class RolloutConfig:
     top_k: int = -1
     max_response_length: int = 32
     seed: int = 0
+    reward: str = "auto"
+    reward_timeout_s: float = 30.0
+    max_resubmits: int = 16
 
     def __post_init__(self):
+        if not self.reward:
+            raise ValueError("rollout.reward must be auto | reasoning_gym | tiny_repeat | math_verify | module:function")
+        if self.reward_timeout_s <= 0:
+            raise ValueError(f"rollout.reward_timeout_s must be > 0 (seconds), got {self.reward_timeout_s}")
+        if self.max_resubmits < 0:
+            raise ValueError(f"rollout.max_resubmits must be >= 0, got {self.max_resubmits}")
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
         if self.temperature < 0:

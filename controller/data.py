@@ -1,0 +1,202 @@
+"""The dataset side of the prompt feeder: load a task, template and tokenize it, and count the steps.
+
+``PromptDataset.from_config(data_cfg, tokenizer)`` loads ``data.task`` (``rollers.tasks``), applies the
+chat template (``common.models.apply_chat_template``, with ``data.system_prompt`` as a system turn when
+set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row index and
+length, or, with ``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
+
+Step arithmetic (one step = ``data.train_batch_size`` prompts; epochs are reshuffled with
+``data.seed + epoch`` when ``data.shuffle``)::
+
+    steps per epoch = ceil(size / batch)            (a final partial batch is a step)
+                    = floor(size / batch)           (data.drop_last=true)
+    available steps = steps per epoch * data.epochs
+
+``check_total_steps`` rejects a run whose ``trainer.total_steps`` exceeds the available steps, naming
+dataset size, ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps``.
+``PromptDataset.batches(total_steps)`` yields exactly ``total_steps`` ``PromptBatch`` es and stops —
+nothing is produced beyond the last step, so a feeder that prefetches never has a batch to cancel.
+``prompt_fields(batch, n, pad_token_id)`` builds the TransferQueue prompt fields of a batch, each prompt
+repeated ``rollout.n`` times under one ``uid``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common import schema
+from common.models import apply_chat_template
+from controller.config import DataConfig
+from rollers.tasks import TaskRecord, encode_ground_truth, load_task_records
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One tokenized prompt. ``index``: its row in the task's records (stable across epochs);
+    ``input_ids``: chat-templated token ids, unpadded; ``ground_truth``: the task's JSON-able answer."""
+
+    index: int
+    input_ids: tuple[int, ...]
+    ground_truth: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """The prompts of one training step (``global_step`` from 0) drawn in ``epoch`` (from 0)."""
+
+    global_step: int
+    epoch: int
+    prompts: tuple[Prompt, ...]
+
+
+def steps_per_epoch(dataset_size: int, train_batch_size: int, drop_last: bool) -> int:
+    """Training steps one pass over ``dataset_size`` prompts gives; raises ValueError on sizes < 1."""
+    if dataset_size < 1 or train_batch_size < 1:
+        raise ValueError(f"dataset size ({dataset_size}) and train_batch_size ({train_batch_size}) must be >= 1")
+    if drop_last:
+        return dataset_size // train_batch_size
+    return math.ceil(dataset_size / train_batch_size)
+
+
+def num_available_steps(dataset_size: int, train_batch_size: int, epochs: int, drop_last: bool = False) -> int:
+    """Training steps ``epochs`` passes give (see the module docstring); raises ValueError if epochs < 1."""
+    if epochs < 1:
+        raise ValueError(f"data.epochs must be >= 1, got {epochs}")
+    return steps_per_epoch(dataset_size, train_batch_size, drop_last) * epochs
+
+
+def check_total_steps(
+    dataset_size: int, train_batch_size: int, epochs: int, total_steps: int, drop_last: bool = False
+) -> int:
+    """Returns the available steps; raises ValueError naming dataset size, ``data.train_batch_size``,
+    ``data.epochs`` and ``trainer.total_steps`` when ``total_steps`` asks for more."""
+    available = num_available_steps(dataset_size, train_batch_size, epochs, drop_last)
+    if total_steps > available:
+        raise ValueError(
+            f"trainer.total_steps={total_steps} exceeds the {available} steps the data provides: "
+            f"dataset size {dataset_size} prompts, data.train_batch_size={train_batch_size}, "
+            f"data.epochs={epochs} (data.drop_last={drop_last}); lower trainer.total_steps or raise "
+            "data.epochs / data.size"
+        )
+    return available
+
+
+class PromptDataset:
+    """Tokenized prompts of one task plus the epoch/batch iteration of the feeder."""
+
+    def __init__(self, prompts: Sequence[Prompt], cfg: DataConfig, num_skipped: int = 0):
+        if not prompts:
+            raise ValueError(
+                f"data.task={cfg.task!r}: no prompts left"
+                + (f" after skipping {num_skipped} longer than data.max_prompt_length" if num_skipped else "")
+            )
+        self.prompts = tuple(prompts)
+        self.cfg = cfg
+        self.num_skipped = num_skipped
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, tokenizer) -> PromptDataset:
+        """Load, template and tokenize ``cfg.task``; raises ValueError as described in the module docstring."""
+        records = load_task_records(
+            cfg.task, cfg.size, cfg.seed, cfg.task_kwargs, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key
+        )
+        return cls.from_records(records, cfg, tokenizer)
+
+    @classmethod
+    def from_records(cls, records: Sequence[TaskRecord], cfg: DataConfig, tokenizer) -> PromptDataset:
+        """Template and tokenize ``records``, enforcing ``cfg.max_prompt_length``."""
+        prompts, skipped = [], []
+        for index, record in enumerate(records):
+            ids = apply_chat_template(tokenizer, record.prompt, cfg.system_prompt or None)
+            if len(ids) > cfg.max_prompt_length:
+                if not cfg.skip_long_prompts:
+                    raise ValueError(
+                        f"data row {index}: prompt is {len(ids)} tokens after the chat template, longer than "
+                        f"data.max_prompt_length={cfg.max_prompt_length} (raise it, or set "
+                        "data.skip_long_prompts=true to skip such rows)"
+                    )
+                skipped.append(index)
+                continue
+            prompts.append(Prompt(index, tuple(ids), record.ground_truth))
+        if skipped:
+            logger.warning(
+                "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s)",
+                len(skipped), len(records), cfg.max_prompt_length, skipped[:10], "..." if len(skipped) > 10 else "",
+            )
+        return cls(prompts, cfg, num_skipped=len(skipped))
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(len(self), self.cfg.train_batch_size, self.cfg.drop_last)
+
+    def num_available_steps(self) -> int:
+        return num_available_steps(len(self), self.cfg.train_batch_size, self.cfg.epochs, self.cfg.drop_last)
+
+    def check_total_steps(self, total_steps: int) -> int:
+        """``check_total_steps`` for this dataset (size after skipped rows)."""
+        return check_total_steps(len(self), self.cfg.train_batch_size, self.cfg.epochs, total_steps,
+                                 self.cfg.drop_last)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Positions of the prompts in ``epoch``: shuffled with ``data.seed + epoch`` when ``data.shuffle``."""
+        order = list(range(len(self)))
+        if self.cfg.shuffle:
+            random.Random(self.cfg.seed + epoch).shuffle(order)
+        return order
+
+    def batches(self, total_steps: int, start_step: int = 0) -> Iterator[PromptBatch]:
+        """Exactly the batches of steps ``start_step`` .. ``total_steps - 1`` (resume starts mid-run).
+
+        Raises ValueError (``check_total_steps``) before yielding anything if the data is too short.
+        """
+        self.check_total_steps(total_steps)
+        if not 0 <= start_step <= total_steps:
+            raise ValueError(f"start_step={start_step} must be in [0, trainer.total_steps={total_steps}]")
+        per_epoch, size = self.steps_per_epoch, self.cfg.train_batch_size
+        for step in range(start_step, total_steps):
+            epoch, within = divmod(step, per_epoch)
+            order = self.epoch_order(epoch)
+            picked = order[within * size:(within + 1) * size]
+            yield PromptBatch(step, epoch, tuple(self.prompts[i] for i in picked))
+
+
+def prompt_fields(prompts: Sequence[Prompt], n: int, pad_token_id: int, uids: Sequence[str]) -> dict[str, Any]:
+    """The prompt fields of ``prompts``, each repeated ``n`` (``rollout.n``) times in a row.
+
+    Returns ``input_ids`` (batch, prompt_len) int64 left-padded with ``pad_token_id``, ``attention_mask``
+    (batch, prompt_len) int64, ``uid`` (list of batch str; ``uids[i]`` for the n rows of prompt i) and
+    ``ground_truth`` (list of batch JSON str, ``rollers.tasks.encode_ground_truth``), with
+    batch = ``len(prompts) * n``. Raises ValueError when ``uids`` and ``prompts`` differ in length or
+    ``n`` < 1.
+    """
+    if len(uids) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(uids)} uids")
+    if n < 1 or not prompts:
+        raise ValueError(f"need n >= 1 and at least one prompt, got n={n}, {len(prompts)} prompts")
+    width = max(len(p.input_ids) for p in prompts)
+    batch = len(prompts) * n
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((batch, width), dtype=torch.int64)
+    for i, prompt in enumerate(prompts):
+        length = len(prompt.input_ids)
+        rows = slice(i * n, (i + 1) * n)
+        input_ids[rows, width - length:] = torch.tensor(prompt.input_ids, dtype=torch.int64)
+        attention_mask[rows, width - length:] = 1
+    return {
+        schema.INPUT_IDS: input_ids,
+        schema.ATTENTION_MASK: attention_mask,
+        schema.UID: [uid for uid in uids for _ in range(n)],
+        schema.GROUND_TRUTH: [encode_ground_truth(p.ground_truth) for p in prompts for _ in range(n)],
+    }

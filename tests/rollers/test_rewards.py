@@ -1,0 +1,169 @@
+"""Answer extraction, the built-in reward functions, user functions and failure reporting."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+
+from rollers.rewards import (
+    build_reward_fn,
+    extract_answer,
+    load_user_reward,
+    math_verify_reward,
+    reasoning_gym_reward,
+    score_one,
+    score_responses,
+    tiny_repeat_reward,
+)
+from rollers.tasks import reasoning_gym_records
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<answer>7</answer>", "7"),
+        ("I think <answer> -4 </answer> because", "-4"),
+        ("<answer>3</answer> then <answer>5</answer>", "5"),
+        ("<answer>12", "12"),  # unclosed tag (cut by max length) runs to the end
+        ("so \\boxed{42} done", "42"),
+        ("Natalia sold 48 clips ... #### 72", "72"),
+        ("The answer is 7.", "7"),
+        ("The final answer to this arithmetic problem is 15.", "15"),
+        ("The answer is \"5.\"", "5"),
+        ("The final answer to this classic arithmetic problem is indeed 8.", "8"),
+        ("Answer: -4", "-4"),
+        ("The final answer to the arithmetic problem is 1 + 5 = 6.", "6"),  # an expression, not "1"
+        ("To find the final answer, 6 + 9 equals 15, which is the sum", "15"),
+        ("Solving the equation 9 minus 9 results in 0.", "0"),
+        ("7 - 4 = 3", "3"),
+        ("0 - 4 = \u22124", "-4"),  # unicode minus
+        ("The total is $1,000.50", "1000.50"),
+        ("7", "7"),
+        ("-4.", "-4"),
+        ("2 \n\nIn this scenario, the original expression", "2"),
+        ("The answer is 14, which is 10 more than 4", "14"),  # the stated answer, not a later number
+    ],
+)
+def test_extract_answer_formats(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "To calculate 6 + 9, we can think of adding the six",  # restated operands are not an answer
+        "I'm ready to practice your math skills.",
+        "",
+    ],
+)
+def test_extract_answer_none_when_no_answer(text):
+    assert extract_answer(text) is None
+
+
+def test_extract_answer_rejects_non_str():
+    with pytest.raises(TypeError, match="str"):
+        extract_answer(None)
+
+
+def test_reasoning_gym_reward_uses_the_task_scorer():
+    record = reasoning_gym_records("chain_sum", 3, 0, dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))[0]
+    answer = record.ground_truth["answer"]
+    assert reasoning_gym_reward(f"The answer is {answer}.", record.ground_truth) == 1.0
+    assert reasoning_gym_reward(f"<answer>{int(answer) + 1}</answer>", record.ground_truth) == 0.0
+    assert reasoning_gym_reward("no idea", record.ground_truth) == 0.0
+
+
+def test_tiny_repeat_reward_first_word():
+    assert tiny_repeat_reward("c b a", {"answer": "c"}) == 1.0
+    assert tiny_repeat_reward("b c", {"answer": "c"}) == 0.0
+    assert tiny_repeat_reward("", {"answer": "c"}) == 0.0
+
+
+def test_math_verify_reward_gsm8k_style():
+    gold = {"answer": "She sold 48 + 24 = 72 clips.\n#### 72"}
+    assert math_verify_reward("48 + 24 = 72, so the answer is \\boxed{72}.", gold) == 1.0
+    assert math_verify_reward("The answer is 72.0", gold) == 1.0
+    assert math_verify_reward("The answer is 71.", gold) == 0.0
+    assert math_verify_reward("The answer is 1/2", {"answer": "0.5"}) == 1.0
+
+
+def test_math_verify_reward_off_the_main_thread():
+    import threading
+
+    results = []
+    thread = threading.Thread(target=lambda: results.append(math_verify_reward("it is 72", {"answer": "72"})))
+    thread.start()
+    thread.join(timeout=60)
+    assert results == [1.0]
+
+
+def _install_user_module(monkeypatch):
+    module = types.ModuleType("my_user_rewards")
+    module.length_reward = lambda text, gt: float(len(text) == gt["n"])
+    module.not_callable = 3
+    monkeypatch.setitem(sys.modules, "my_user_rewards", module)
+
+
+def test_user_reward_module_function(monkeypatch):
+    _install_user_module(monkeypatch)
+    fn = build_reward_fn("my_user_rewards:length_reward", "tiny-repeat")
+    assert fn("abc", {"n": 3}) == 1.0 and fn("ab", {"n": 3}) == 0.0
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("my_user_rewards", "module:function"),
+        ("my_user_rewards:missing", "no callable 'missing'"),
+        ("my_user_rewards:not_callable", "no callable"),
+        ("no_such_module_xyz:f", "cannot import"),
+    ],
+)
+def test_user_reward_errors_name_the_spec(monkeypatch, spec, match):
+    _install_user_module(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        load_user_reward(spec)
+
+
+def test_build_reward_fn_auto_by_task(tmp_path):
+    assert build_reward_fn("auto", "chain_sum") is reasoning_gym_reward
+    assert build_reward_fn("auto", "tiny-repeat") is tiny_repeat_reward
+    assert build_reward_fn("auto", str(tmp_path / "d.jsonl")) is math_verify_reward
+    with pytest.raises(ValueError, match="rollout.reward='bogus'"):
+        build_reward_fn("bogus", "chain_sum")
+
+
+def _raises(text, gt):
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    "fn, error",
+    [
+        (_raises, "RuntimeError: boom"),
+        (lambda t, g: math.nan, "nan"),
+        (lambda t, g: math.inf, "inf"),
+        (lambda t, g: "1.0", "not a number"),
+        (lambda t, g: None, "not a number"),
+    ],
+)
+def test_failed_rewards_are_reported_not_zero(fn, error):
+    result = score_one(fn, "x", {})
+    assert result.failed and error in result.error
+    assert math.isnan(result.score)
+
+
+def test_score_responses_keeps_good_scores_beside_failures():
+    def fn(text, gt):
+        if text == "bad":
+            raise ValueError("bad text")
+        return 0.5
+
+    results = score_responses(fn, ["ok", "bad", "ok"], [{}, {}, {}])
+    assert [r.failed for r in results] == [False, True, False]
+    assert results[0].score == 0.5 and results[2].score == 0.5
+    with pytest.raises(ValueError, match="2 responses but 1"):
+        score_responses(fn, ["a", "b"], [{}])
