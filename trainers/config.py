@@ -11,6 +11,7 @@ STALE_CORRECTIONS = ("none", "decoupled", "tis")
 STALE_POLICIES = ("drop", "keep")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 LR_SCHEDULES = ("constant", "cosine")
+TRAINER_DEVICES = ("auto", "cpu", "cuda")
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -24,6 +25,10 @@ class TrainerConfig:
 
     ``ppo_mini_batch_size`` is in prompts (× ``rollout.n`` samples inside); ``ppo_micro_batch_size`` is
     in samples; ``save_every`` in trainer steps (0 = never); ``num_threads`` torch threads per rank.
+    ``critic_lr``: the critic's learning rate (GAE only). ``device``: auto (cuda when the Ray cluster has a
+    GPU per rank, else cpu) | cpu (gloo) | cuda (nccl, one GPU per rank). ``num_cpus_per_rank``: Ray
+    logical CPUs per rank actor (fractional allowed). ``timeout_s``: bound on every collective and on
+    every call the driver waits for.
     """
 
     num_ranks: int = 1
@@ -40,14 +45,20 @@ class TrainerConfig:
     save_every: int = 0
     num_threads: int = 1
     use_reference: bool = False
+    critic_lr: float = 1e-5
+    device: str = "auto"
+    num_cpus_per_rank: float = 1.0
+    timeout_s: float = 1800.0
 
     def __post_init__(self):
         for key in ("num_ranks", "total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
                     "num_threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
-        if self.lr <= 0:
-            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        for key in ("lr", "critic_lr", "num_cpus_per_rank", "timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"trainer.{key} must be > 0, got {getattr(self, key)}")
+        _check_choice("trainer.device", self.device, TRAINER_DEVICES)
         if self.max_grad_norm <= 0:
             raise ValueError(f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
         for key in ("warmup_steps", "save_every"):
