@@ -7,19 +7,27 @@ from dataclasses import dataclass
 BACKENDS = ("shm", "zmq", "broadcast", "disk")
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 PAUSE_MODES = ("abort", "retract", "in_place")
+GROUP_BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
 class CheckpointEngineConfig:
     """Weight plane. ``bucket_bytes``: bucket size in bytes; ``dtype``: dtype weights arrive in at the
     engine; ``pause_mode``: what a roller does with in-flight requests during an update (SGLang's
-    ``/pause_generation`` modes); ``timeout_s``: every wait of an update."""
+    ``/pause_generation`` modes); ``timeout_s``: every wait of an update; ``num_slots``: bucket buffers
+    the sender cycles through (2 = double buffering: packing bucket k+1 overlaps sending k);
+    ``disk_dir``: root of the ``disk`` backend's version directories (empty = a temp dir);
+    ``group_backend``: torch.distributed backend of the ``broadcast`` group, gloo | nccl | auto (nccl
+    when CUDA is available)."""
 
     backend: str = "shm"
     bucket_bytes: int = 64 * 1024**2
     dtype: str = "float32"
     pause_mode: str = "retract"
     timeout_s: float = 120.0
+    num_slots: int = 2
+    disk_dir: str = ""
+    group_backend: str = "auto"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -32,5 +40,11 @@ class CheckpointEngineConfig:
             )
         if self.bucket_bytes < 1024:
             raise ValueError(f"checkpointengine.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
+        if self.num_slots < 2:
+            raise ValueError(f"checkpointengine.num_slots must be >= 2 (double buffering), got {self.num_slots}")
+        if self.group_backend not in GROUP_BACKENDS:
+            raise ValueError(
+                f"checkpointengine.group_backend={self.group_backend!r} is not one of {list(GROUP_BACKENDS)}"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"checkpointengine.timeout_s must be > 0, got {self.timeout_s}")

@@ -1,0 +1,139 @@
+"""The ``broadcast`` backend's group and data path, following SGLang's weight-update protocol.
+
+SGLang (``/init_weights_update_group``, ``/update_weights_from_distributed``; see
+``sglang/srt/managers/io_struct.py`` ``InitWeightsUpdateGroupReqInput`` /
+``UpdateWeightsFromDistributedReqInput``) forms a ``torch.distributed`` group of trainer rank 0 (rank 0)
+plus every engine (rank ``rank_offset`` + its tp rank) under ``group_name``; an update then names the
+tensors (``names``, ``dtypes``, ``shapes``) and rank 0 broadcasts each one, in that order. The groups
+here are stateless: built from a ``TCPStore`` without touching the process's default group, so a
+trainer's own FSDP group and a roller's engine are unaffected.
+
+The server side of our SGLang-API server calls ``init_weights_update_group`` and ``receive_tensors``;
+the trainer side calls ``create_sender_group`` and ``broadcast_tensors``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from checkpointengine.bucket import dtype_from_name
+
+GROUP_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class WeightUpdateGroup:
+    """A stateless broadcast group; ``rank`` 0 is the sender. ``store`` is kept alive with the group."""
+
+    process_group: dist.ProcessGroup
+    store: dist.Store
+    rank: int
+    world_size: int
+    group_name: str
+    backend: str
+    master_port: int
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+
+def _new_group(store: dist.Store, rank: int, world_size: int, group_name: str, backend: str,
+               timeout_s: float, host: str) -> dist.ProcessGroup:
+    prefixed = dist.PrefixStore(group_name, store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    raise ValueError(f"broadcast backend {backend!r} is not one of {list(GROUP_BACKENDS)}")
+
+
+def create_sender_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 2,
+                        timeout_s: float = 120.0) -> dist.TCPStore:
+    """The rendezvous store of a new group, served by the sender on ``host``:``port`` (0 = a free port;
+    read it back from ``store.port``). Call before telling the rollers to join."""
+    return dist.TCPStore(host, port, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def create_sender_group(store: dist.TCPStore, world_size: int, group_name: str, backend: str = "gloo",
+                        timeout_s: float = 120.0, host: str = "127.0.0.1") -> WeightUpdateGroup:
+    """Rank 0's side of the group; blocks until all ``world_size`` members joined (or ``timeout_s``)."""
+    pg = _new_group(store, 0, world_size, group_name, backend, timeout_s, host)
+    return WeightUpdateGroup(pg, store, 0, world_size, group_name, backend, store.port)
+
+
+def init_weights_update_group(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                              group_name: str, backend: str = "gloo", timeout_s: float = 120.0
+                              ) -> WeightUpdateGroup:
+    """A roller's side of SGLang's ``/init_weights_update_group``: join as rank ``rank_offset``.
+
+    Blocks until the group is complete; raises ValueError for a rank outside ``[1, world_size)`` or an
+    unknown backend, and torch's DistStoreError/RuntimeError when the rendezvous times out.
+    """
+    if not 1 <= rank_offset < world_size:
+        raise ValueError(f"rank_offset={rank_offset} must be in [1, world_size={world_size})")
+    if backend not in GROUP_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {list(GROUP_BACKENDS)}")
+    store = dist.TCPStore(master_address, master_port, world_size, False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    pg = _new_group(store, rank_offset, world_size, group_name, backend, timeout_s, master_address)
+    return WeightUpdateGroup(pg, store, rank_offset, world_size, group_name, backend, master_port)
+
+
+def _broadcast(group: WeightUpdateGroup, tensor: torch.Tensor):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.process_group.broadcast([tensor], opts)
+
+
+def broadcast_tensors(group: WeightUpdateGroup, tensors: Iterable[torch.Tensor]) -> list:
+    """Rank 0: start one broadcast per tensor (contiguous, on ``group.device``), in order; returns the
+    pending works — call ``wait()`` on each before touching the tensors again."""
+    works = []
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            raise ValueError("broadcast tensors must be contiguous")
+        works.append(_broadcast(group, tensor))
+    return works
+
+
+def receive_tensors(group: WeightUpdateGroup, names: Sequence[str], dtypes: Sequence[str],
+                    shapes: Sequence[Sequence[int]]) -> list[tuple[str, torch.Tensor]]:
+    """A roller's side of SGLang's ``/update_weights_from_distributed``: receive one broadcast per name.
+
+    ``dtypes`` are names (``"bfloat16"``, also ``"torch.bfloat16"`` as SGLang clients send them);
+    returns ``[(name, tensor)]`` on ``group.device``. Raises ValueError when the lists differ in length.
+    """
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names/dtypes/shapes differ in length: {len(names)}/{len(dtypes)}/{len(shapes)}")
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        tensor = torch.empty(tuple(shape), dtype=dtype_from_name(dtype.removeprefix("torch.")),
+                             device=group.device)
+        _broadcast(group, tensor).wait()
+        out.append((name, tensor))
+    return out
+
+
+def destroy_group(group: WeightUpdateGroup | None) -> None:
+    """Release a group (idempotent on ``None``)."""
+    if group is None:
+        return
+    shutdown = getattr(group.process_group, "shutdown", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except RuntimeError:  # already torn down by a peer's exit
+            pass

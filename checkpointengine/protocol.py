@@ -1,0 +1,168 @@
+"""Control messages of a weight update, the handle that tells each side where to meet, and errors.
+
+One update of ``weight_version`` v between the sender (trainer rank 0) and each target roller::
+
+    roller                         sender
+      | -- Want(v, have) -------->  |   roller paused and ready (shm attached / group joined)
+      | <------------- Begin(v) --  |   after every target wants v (timeout names the missing ones)
+      | <-- BucketReady(v, k) ----  |   payload: shm slot | zmq frame | broadcast | safetensors file
+      | -- Consumed(v, k) ------->  |   the slot of bucket k may be reused (double buffering)
+      | <--------------- End(v) --  |   or Abort(v, reason): the roller keeps its old version
+      | -- Ack(v) | Fail(v, e) -->  |   after load → commit → flush → resume
+                                        (Broadcast only: GroupInit before Begin when the group changes.)
+
+Headers are msgpack maps ``{"type": ..., fields}``; payloads are raw frames or shared memory. No pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import msgpack
+
+from checkpointengine.bucket import TensorEntry
+
+
+class WeightSyncError(RuntimeError):
+    """An update failed on some rollers; ``failures`` maps roller → reason, ``version`` is the update."""
+
+    def __init__(self, version: int, failures: dict[str, str]):
+        self.version = version
+        self.failures = dict(failures)
+        detail = "; ".join(f"{r}: {e}" for r, e in sorted(failures.items()))
+        super().__init__(f"weight update to version {version} failed on {sorted(failures)}: {detail}")
+
+
+class WeightSyncTimeout(TimeoutError):
+    """A wait of an update ran past its timeout (the message names the peer and the version)."""
+
+
+class WeightSyncAborted(RuntimeError):
+    """The sender aborted an update; the roller keeps its old version."""
+
+
+class ProtocolError(RuntimeError):
+    """A malformed or unexpected control message."""
+
+
+@dataclass(frozen=True)
+class Want:
+    version: int
+    have: int
+
+
+@dataclass(frozen=True)
+class Begin:
+    version: int
+
+
+@dataclass(frozen=True)
+class BucketReady:
+    """Bucket ``index`` is ready: in shm ``slot`` (shm), in the next frame (zmq), about to be broadcast
+    tensor by tensor (broadcast), or in file ``path`` (disk)."""
+
+    version: int
+    index: int
+    entries: list[TensorEntry]
+    used_bytes: int
+    slot: int = -1
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class End:
+    version: int
+    num_buckets: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Consumed:
+    version: int
+    index: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    version: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    version: int
+    error: str
+
+
+@dataclass(frozen=True)
+class GroupInit:
+    """Join a broadcast group (SGLang's ``init_weights_update_group`` arguments)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+MESSAGES = {cls.__name__: cls for cls in (Want, Begin, BucketReady, End, Abort, Consumed, Ack, Fail, GroupInit)}
+
+
+def encode(msg) -> bytes:
+    """msgpack header of a control message."""
+    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    if isinstance(msg, BucketReady):
+        body["entries"] = [e.to_wire() for e in msg.entries]
+    body["type"] = type(msg).__name__
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes):
+    """Inverse of ``encode``; raises ProtocolError for anything that is not a known message."""
+    try:
+        body = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"undecodable control message ({len(data)} bytes): {exc}") from exc
+    if not isinstance(body, dict):
+        raise ProtocolError(f"control message is a {type(body).__name__}, not a map")
+    cls = MESSAGES.get(body.pop("type", None))
+    if cls is None:
+        raise ProtocolError(f"unknown control message type in {sorted(body)}")
+    try:
+        if cls is BucketReady:
+            body["entries"] = [TensorEntry.from_wire(e) for e in body["entries"]]
+        return cls(**body)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ProtocolError(f"malformed {cls.__name__} message: {exc}") from exc
+
+
+@dataclass
+class WeightSyncHandle:
+    """Where the two sides meet; small and serialisable (``to_dict``/``from_dict``), made by the sender.
+
+    ``control_address``: the sender's ZMQ ROUTER; ``shm_paths``: one file per bucket slot (``shm``);
+    ``disk_dir``: where version directories are written (``disk``); ``broadcast_backend``: gloo | nccl.
+    """
+
+    backend: str
+    control_address: str
+    bucket_bytes: int
+    engine_dtype: str
+    timeout_s: float
+    shm_paths: list[str] = field(default_factory=list)
+    disk_dir: str = ""
+    broadcast_backend: str = "gloo"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> WeightSyncHandle:
+        return cls(**data)

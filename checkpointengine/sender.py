@@ -1,0 +1,492 @@
+"""Send side of the weight plane: one ``WeightSender`` per trainer rank.
+
+Rank 0 (the leader) owns the control socket (a ZMQ ROUTER on loopback), the bucket slots and the
+version bookkeeping; it makes the ``WeightSyncHandle`` that the controller hands to the other ranks and
+to every roller. Two ways to send one ``weight_version``:
+
+* ``send(named_tensors, version)`` — full tensors (``named_full_tensors()``: every rank iterates, since
+  ``full_tensor()`` is collective; only the leader sends). Any backend.
+* ``send_shards(shards, version)`` — ``shm`` only, on one node: every rank writes its own ``Shard(0)``
+  rows (``RowShard``) straight into the shared slots; no gather. Ranks agree at every bucket boundary
+  (an all-reduce of an "ok" flag in the trainer's process group), so an error on any rank aborts all.
+
+Within an update (see ``protocol``): wait for every target's ``Want`` → ``Begin`` → per bucket: wait for
+the slot to be consumed by every target (double buffering: packing k+1 overlaps the rollers reading k)
+→ write → ``BucketReady`` → ``End`` → wait for every ``Ack``/``Fail``. Every wait ends after
+``timeout_s`` with ``WeightSyncTimeout`` naming the rollers and the version.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from checkpointengine import broadcast as bc
+from checkpointengine.bucket import (
+    Bucket,
+    BucketPlanner,
+    RowShard,
+    TensorEntry,
+    dtype_name,
+    write_full,
+    write_rows,
+)
+from checkpointengine.config import CheckpointEngineConfig
+from checkpointengine.naming import WeightNameMapper, engine_dtype_of, to_engine_dtype
+from checkpointengine.protocol import (
+    Abort,
+    Ack,
+    Begin,
+    BucketReady,
+    Consumed,
+    End,
+    Fail,
+    GroupInit,
+    ProtocolError,
+    Want,
+    WeightSyncError,
+    WeightSyncHandle,
+    WeightSyncTimeout,
+    decode,
+    encode,
+)
+from checkpointengine.storage import DiskVersions, ShmSlots
+
+logger = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class SyncReport:
+    """Outcome of one update on the leader: rollers that acked, duration (s), payload bytes, buckets."""
+
+    version: int
+    acked: list[str]
+    duration_s: float
+    num_bytes: int
+    num_buckets: int
+
+
+@dataclass
+class _Round:
+    """State of the update in flight."""
+
+    version: int
+    targets: list[str]
+    active: set[str]
+    consumed: dict[str, int] = field(default_factory=dict)
+    results: dict[str, str | None] = field(default_factory=dict)  # roller -> None (ack) | error
+
+
+def _resolve_group_backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return name
+
+
+class WeightSender:
+    """One trainer rank's sender. ``rank`` 0 creates everything (``rollers``: the roller names it serves;
+    ``mapper``: trainer → engine names and coverage check); other ranks pass the leader's ``handle``.
+
+    Raises ValueError for a non-leader without a handle, or ``send_shards`` on a backend other than shm.
+    """
+
+    def __init__(self, cfg: CheckpointEngineConfig, rollers: Iterable[str] = (), *, rank: int = 0,
+                 handle: WeightSyncHandle | None = None, mapper: WeightNameMapper | None = None,
+                 host: str = LOOPBACK):
+        self.cfg = cfg
+        self.rank = rank
+        self.mapper = mapper or WeightNameMapper()
+        self.engine_dtype = getattr(torch, cfg.dtype)
+        self.rollers: list[str] = list(dict.fromkeys(rollers))
+        self.roller_versions: dict[str, int] = {}
+        self.version = -1
+        self._wants: dict[str, int] = {}
+        self._round: _Round | None = None
+        self._slots: ShmSlots | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._disk: DiskVersions | None = None
+        self._group: bc.WeightUpdateGroup | None = None
+        self._group_members: list[str] = []
+        self._sock = None
+        self._stats = {"num_syncs": 0, "num_failed_syncs": 0, "num_roller_failures": 0, "last_sync_s": 0.0,
+                       "total_sync_s": 0.0, "last_bytes": 0, "total_bytes": 0, "last_error": ""}
+        if rank != 0:
+            if handle is None:
+                raise ValueError(f"WeightSender rank {rank} needs the leader's handle")
+            self.handle = handle
+            if handle.backend == "shm":
+                self._slots = ShmSlots.attach(handle.shm_paths, handle.bucket_bytes)
+            return
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        shm_paths, disk_dir = [], ""
+        if cfg.backend == "shm":
+            self._slots = ShmSlots.create(cfg.num_slots, cfg.bucket_bytes)
+            shm_paths = self._slots.paths
+        elif cfg.backend == "zmq":
+            self._buffers = [torch.empty(cfg.bucket_bytes, dtype=torch.uint8) for _ in range(cfg.num_slots)]
+        elif cfg.backend == "disk":
+            disk_dir = cfg.disk_dir or tempfile.mkdtemp(prefix="hflow-ce-disk-")
+            self._disk = DiskVersions(disk_dir)
+        self.handle = WeightSyncHandle(cfg.backend, f"tcp://{host}:{port}", cfg.bucket_bytes, cfg.dtype,
+                                       cfg.timeout_s, shm_paths, disk_dir, _resolve_group_backend(cfg.group_backend))
+
+    # ------------------------------------------------------------------------------------ membership
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def add_roller(self, name: str) -> None:
+        """Serve roller ``name`` from now on (pool scaling); send it the current version before it works."""
+        if name not in self.rollers:
+            self.rollers.append(name)
+
+    def remove_roller(self, name: str) -> None:
+        if name in self.rollers:
+            self.rollers.remove(name)
+        self.roller_versions.pop(name, None)
+
+    # ---------------------------------------------------------------------------------------- sending
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+             targets: Iterable[str] | None = None) -> SyncReport | None:
+        """Send full tensors ``(trainer_name, tensor)`` (any shape/dtype; floats cast to the engine dtype)
+        as ``version`` to ``targets`` (default: every roller). Non-leader ranks only iterate the stream
+        (taking part in the gather) and return None.
+
+        Raises ValueError for a version below the last one or a target that already has it,
+        MissingWeightsError when the update would leave engine tensors unset (rollers keep their old
+        version), WeightSyncTimeout naming the rollers that did not answer, WeightSyncError naming the
+        rollers that failed.
+        """
+        if not self.is_leader:
+            for _ in named_tensors:
+                pass
+            return None
+        stream = self.mapper.route(named_tensors)
+        backend = self.handle.backend
+        if backend in ("shm", "zmq"):
+            body = self._packed_body(stream, lambda buf, e, t: write_full(buf, e, t), lambda t: (t.dtype, t.shape))
+        elif backend == "broadcast":
+            body = self._broadcast_body(stream)
+        else:
+            body = self._disk_body(stream)
+        return self._run(version, targets, body)
+
+    def send_shards(self, shards: Iterable[RowShard], version: int, targets: Iterable[str] | None = None,
+                    group: dist.ProcessGroup | None = None) -> SyncReport | None:
+        """Every rank: write this rank's ``Shard(0)`` rows into the shared slots (shm backend only).
+
+        All ranks must pass the same names, full shapes and dtypes in the same order. ``group``: the
+        trainer's process group (default: the default group; a single process needs none). Returns the
+        report on the leader, None elsewhere; raises as ``send``, on every rank, when any rank fails.
+        """
+        if self.handle.backend != "shm":
+            raise ValueError(f"send_shards needs checkpointengine.backend='shm', not {self.handle.backend!r}; "
+                             "use send(named_full_tensors()) across nodes")
+        agree = _make_agree(group)
+        stream = self.mapper.route((s.name, s) for s in shards)
+        body = self._packed_body(stream, write_rows, lambda s: (s.local.dtype, s.full_shape), agree)
+        if not self.is_leader:
+            self._round = _Round(version, [], set())
+            body(self._round)
+            return None
+        return self._run(version, targets, body)
+
+    def _run(self, version: int, targets: Iterable[str] | None, body: Callable[[_Round], tuple[int, int]]
+             ) -> SyncReport:
+        targets = list(dict.fromkeys(targets if targets is not None else self.rollers))
+        self._check_version(version, targets)
+        start = time.perf_counter()
+        rnd = self._round = _Round(version, targets, set(targets))
+        try:
+            self._await_wants(rnd)
+            if self.handle.backend == "broadcast":
+                self._ensure_group(rnd)
+            self._broadcast_msg(rnd, Begin(version))
+            num_buckets, num_bytes = body(rnd)
+            self._broadcast_msg(rnd, End(version, num_buckets, num_bytes))
+            self._await(rnd, lambda: all(r in rnd.results for r in rnd.active), "ack")
+        except BaseException as exc:
+            self._broadcast_msg(rnd, Abort(version, f"{type(exc).__name__}: {exc}"), quiet=True)
+            self._stats["num_failed_syncs"] += 1
+            self._stats["last_error"] = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._round = None
+        duration = time.perf_counter() - start
+        failures = {r: e for r, e in rnd.results.items() if e is not None}
+        acked = [r for r in targets if r in rnd.results and rnd.results[r] is None]
+        for r in acked:
+            self.roller_versions[r] = version
+        self.version = max(self.version, version)
+        self._stats.update(num_syncs=self._stats["num_syncs"] + 1, last_sync_s=duration, last_bytes=num_bytes,
+                           total_sync_s=self._stats["total_sync_s"] + duration,
+                           total_bytes=self._stats["total_bytes"] + num_bytes)
+        if failures:
+            self._stats["num_roller_failures"] += len(failures)
+            self._stats["num_failed_syncs"] += 1
+            err = WeightSyncError(version, failures)
+            self._stats["last_error"] = str(err)
+            raise err
+        return SyncReport(version, acked, duration, num_bytes, num_buckets)
+
+    def _check_version(self, version: int, targets: list[str]) -> None:
+        if version < self.version:
+            raise ValueError(f"weight_version {version} is below the last one sent ({self.version})")
+        if not targets:
+            raise ValueError("no rollers to send to (add_roller first)")
+        for r in targets:
+            if r not in self.rollers:
+                raise ValueError(f"roller {r!r} is not served by this sender (rollers: {self.rollers})")
+            if self.roller_versions.get(r, -1) >= version:
+                raise ValueError(f"roller {r!r} already has weight_version {self.roller_versions[r]} >= {version}")
+
+    # ------------------------------------------------------------------------------- update bodies
+
+    def _packed_body(self, stream, write: Callable, spec: Callable, agree: Callable[[bool], bool] | None = None):
+        """Body of an shm/zmq update: pack ``stream`` into the slots, publishing each closed bucket."""
+        num_slots = len(self.handle.shm_paths) if self._slots is not None else len(self._buffers)
+
+        def buffer(slot: int) -> torch.Tensor:
+            return self._slots.buffer(slot) if self._slots is not None else self._buffers[slot]
+
+        def run(rnd: _Round) -> tuple[int, int]:
+            state = {"bucket": -1, "error": None}
+
+            def sync(point: str) -> None:
+                ok = state["error"] is None
+                if agree is not None and not agree(ok):
+                    raise state["error"] or RuntimeError(f"another trainer rank failed ({point})")
+                if not ok:
+                    raise state["error"]
+
+            def on_write(index: int, entry: TensorEntry) -> None:
+                if index != state["bucket"]:
+                    state["bucket"] = index
+                    if index >= num_slots:
+                        try:
+                            if self.is_leader:
+                                self._await_consumed(rnd, index - num_slots)
+                        except Exception as exc:  # reported to every rank at the barrier below
+                            state["error"] = exc
+                        sync(f"reusing slot for bucket {index}")
+                if state["error"] is None:
+                    try:
+                        write(buffer(index % num_slots), entry, current["item"])
+                    except Exception as exc:
+                        state["error"] = exc
+
+            def on_close(bucket: Bucket) -> None:
+                sync(f"closing bucket {bucket.index}")
+                if self.is_leader:
+                    self._publish(rnd, bucket, bucket.index % num_slots, buffer(bucket.index % num_slots))
+
+            current = {"item": None}
+            planner = BucketPlanner(self.handle.bucket_bytes, on_close)
+            sent = []
+            for name, item in stream:
+                dtype, shape = spec(item)
+                current["item"] = item
+                planner.place(name, engine_dtype_of(torch.empty(0, dtype=dtype), self.engine_dtype),
+                              tuple(shape), on_write)
+                sent.append(name)
+            try:
+                self.mapper.check_coverage(sent)
+            except Exception as exc:
+                state["error"] = state["error"] or exc
+            planner.finish()
+            sync("end of update")
+            return planner.num_buckets, planner.total_bytes
+
+        return run
+
+    def _broadcast_body(self, stream):
+        def run(rnd: _Round) -> tuple[int, int]:
+            pending: list = []
+            index = total = 0
+            for bucket in self._whole_buckets(stream):
+                entries = [TensorEntry(n, dtype_name(t.dtype), tuple(t.shape), 0, t.nbytes, (0, t.nbytes))
+                           for n, t in bucket]
+                self._broadcast_msg(rnd, BucketReady(rnd.version, index, entries, sum(e.nbytes for e in entries)))
+                works = bc.broadcast_tensors(self._group, [t for _, t in bucket])
+                for work in pending:  # the previous bucket finishes while this one was cast
+                    work.wait()
+                pending = works
+                index += 1
+                total += sum(e.nbytes for e in entries)
+            for work in pending:
+                work.wait()
+            return index, total
+
+        return run
+
+    def _disk_body(self, stream):
+        def run(rnd: _Round) -> tuple[int, int]:
+            self._disk.begin(rnd.version)
+            index = total = 0
+            for bucket in self._whole_buckets(stream):
+                path = self._disk.write_bucket(rnd.version, index, bucket)
+                entries = [TensorEntry(n, dtype_name(t.dtype), tuple(t.shape), 0, t.nbytes, (0, t.nbytes))
+                           for n, t in bucket]
+                self._broadcast_msg(rnd, BucketReady(rnd.version, index, entries, sum(e.nbytes for e in entries),
+                                                     path=path))
+                index += 1
+                total += sum(e.nbytes for e in entries)
+            self._disk.finish(rnd.version, total)
+            return index, total
+
+        return run
+
+    def _whole_buckets(self, stream):
+        """Group whole tensors (cast, contiguous) into buckets of at most ``bucket_bytes`` (a larger
+        tensor travels alone); then check that the update covers the engine."""
+        bucket, used, sent = [], 0, []
+        for name, tensor in stream:
+            tensor = to_engine_dtype(tensor, self.engine_dtype)
+            if bucket and used + tensor.nbytes > self.handle.bucket_bytes:
+                yield bucket
+                bucket, used = [], 0
+            bucket.append((name, tensor))
+            used += tensor.nbytes
+            sent.append(name)
+        self.mapper.check_coverage(sent)
+        if bucket:
+            yield bucket
+
+    # ------------------------------------------------------------------------------ control plane
+
+    def _publish(self, rnd: _Round, bucket: Bucket, slot: int, buffer: torch.Tensor) -> None:
+        msg = BucketReady(rnd.version, bucket.index, bucket.entries, bucket.used_bytes, slot=slot)
+        if self.handle.backend == "zmq":
+            frame = memoryview(buffer[: bucket.used_bytes].numpy())
+            self._broadcast_msg(rnd, msg, frames=[frame])
+        else:
+            self._broadcast_msg(rnd, msg)
+
+    def _broadcast_msg(self, rnd: _Round, msg, frames=(), quiet: bool = False) -> None:
+        header = encode(msg)
+        for roller in sorted(rnd.active - set(rnd.results)):
+            try:
+                self._sock.send_multipart([roller.encode(), header, *frames], copy=False)
+            except zmq.ZMQError as exc:
+                if not quiet:
+                    rnd.results[roller] = f"unreachable: {exc}"
+                    rnd.active.discard(roller)
+
+    def _await_wants(self, rnd: _Round) -> None:
+        def ready() -> bool:
+            for roller in list(rnd.active):
+                want = self._wants.get(roller)
+                if want is not None and want > rnd.version:
+                    rnd.results[roller] = (f"wants weight_version {want} but the sender is sending "
+                                           f"{rnd.version}")
+                    rnd.active.discard(roller)
+            return all(self._wants.get(r) == rnd.version for r in rnd.active)
+
+        self._await(rnd, ready, "want")
+        for roller in rnd.active:
+            self._wants.pop(roller, None)
+
+    def _await_consumed(self, rnd: _Round, index: int) -> None:
+        self._await(rnd, lambda: all(rnd.consumed.get(r, -1) >= index or r in rnd.results for r in rnd.active),
+                    f"consume bucket {index}")
+
+    def _ensure_group(self, rnd: _Round) -> None:
+        members = sorted(rnd.active)
+        if self._group is not None and members == self._group_members:
+            return
+        bc.destroy_group(self._group)
+        self._group = None
+        store = bc.create_sender_store(LOOPBACK, 0, len(members) + 1, self.cfg.timeout_s)
+        name = f"hflow-weights-v{rnd.version}"
+        for i, roller in enumerate(members):
+            msg = GroupInit(LOOPBACK, store.port, i + 1, len(members) + 1, name, self.handle.broadcast_backend)
+            self._sock.send_multipart([roller.encode(), encode(msg)])
+        self._group = bc.create_sender_group(store, len(members) + 1, name, self.handle.broadcast_backend,
+                                             self.cfg.timeout_s)
+        self._group_members = members
+
+    def _await(self, rnd: _Round, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(r for r in rnd.active if r not in rnd.results)
+                raise WeightSyncTimeout(f"weight_version {rnd.version}: rollers {missing} did not {what} within "
+                                        f"{self.cfg.timeout_s:.1f} s")
+            if self._sock.poll(min(left, 1.0) * 1000):
+                self._handle_incoming(rnd)
+
+    def _handle_incoming(self, rnd: _Round | None) -> None:
+        frames = self._sock.recv_multipart()
+        roller = frames[0].decode(errors="replace")
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"expected one header frame, got {len(frames) - 1}")
+            msg = decode(frames[1])
+        except ProtocolError as exc:
+            logger.warning("weight sender: bad message from %s: %s", roller, exc)
+            return
+        if isinstance(msg, Want):
+            self.roller_versions[roller] = msg.have
+            if msg.version < self.version or msg.version <= msg.have:
+                reason = f"the sender is at weight_version {self.version}; roller has {msg.have}"
+                self._sock.send_multipart([frames[0], encode(Abort(msg.version, reason))])
+            else:
+                self._wants[roller] = msg.version
+        elif isinstance(msg, Consumed | Ack | Fail):
+            if rnd is None or msg.version != rnd.version or roller not in rnd.active:
+                return  # late message of an earlier update
+            if isinstance(msg, Consumed):
+                rnd.consumed[roller] = max(rnd.consumed.get(roller, -1), msg.index)
+            elif isinstance(msg, Ack):
+                rnd.results[roller] = None
+            else:
+                rnd.results[roller] = msg.error
+        else:
+            logger.warning("weight sender: unexpected %s from %s", type(msg).__name__, roller)
+
+    # --------------------------------------------------------------------------------------- misc
+
+    def stats(self) -> dict:
+        """Sync durations (s), bytes, failures, the leader's ``weight_version`` and each roller's version."""
+        return {**self._stats, "weight_version": self.version, "roller_versions": dict(self.roller_versions)}
+
+    def close(self) -> None:
+        """Release sockets, slots (the leader unlinks the shm files) and the broadcast group. Idempotent."""
+        bc.destroy_group(self._group)
+        self._group = None
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._ctx.term()
+            self._sock = None
+
+
+def _make_agree(group: dist.ProcessGroup | None) -> Callable[[bool], bool] | None:
+    """All ranks' "ok" flags reduced with MIN (None for a single process)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return agree

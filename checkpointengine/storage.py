@@ -1,0 +1,118 @@
+"""Where bucket payloads live outside a socket: shared-memory slots (``shm``) and safetensors files
+(``disk``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpointengine.bucket import TensorEntry
+
+SHM_ROOT = Path("/dev/shm")
+
+
+class ShmSlots:
+    """``num_slots`` shared-memory buffers of ``bucket_bytes`` each, one file per slot under /dev/shm.
+
+    The creator (``create``) owns the files and unlinks them in ``close``; other processes ``attach``
+    by path. ``buffer(slot)`` is a ``uint8`` tensor mapped on the file (writes are visible to every
+    process that mapped it). Raises FileNotFoundError when attaching to a path that does not exist.
+    """
+
+    def __init__(self, paths: list[str], bucket_bytes: int, owner: bool):
+        self.paths = list(paths)
+        self.bucket_bytes = bucket_bytes
+        self.owner = owner
+        self._buffers = [torch.from_file(p, shared=True, size=bucket_bytes, dtype=torch.uint8) for p in paths]
+
+    @classmethod
+    def create(cls, num_slots: int, bucket_bytes: int) -> ShmSlots:
+        root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
+        tag = f"hflow-ce-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        paths = []
+        for slot in range(num_slots):
+            path = root / f"{tag}-{slot}"
+            with open(path, "wb") as f:
+                f.truncate(bucket_bytes)
+            paths.append(str(path))
+        return cls(paths, bucket_bytes, owner=True)
+
+    @classmethod
+    def attach(cls, paths: list[str], bucket_bytes: int) -> ShmSlots:
+        for p in paths:
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"shared-memory slot {p} does not exist (sender closed?)")
+        return cls(paths, bucket_bytes, owner=False)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._buffers[slot]
+
+    def close(self) -> None:
+        self._buffers = []
+        if self.owner:
+            for p in self.paths:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            self.owner = False
+
+
+class DiskVersions:
+    """Version directories of safetensors files, ``root/v{version:08d}/bucket-{k:05d}.safetensors``,
+    plus a Hugging Face ``model.safetensors.index.json`` once a version is complete, so SGLang's
+    ``/update_weights_from_disk`` can load the directory. Keeps the newest ``keep`` versions."""
+
+    def __init__(self, root: str | Path, keep: int = 2):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._weight_map: dict[str, str] = {}
+
+    def version_dir(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    def begin(self, version: int) -> Path:
+        path = self.version_dir(version)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        self._weight_map = {}
+        return path
+
+    def write_bucket(self, version: int, index: int, named: list[tuple[str, torch.Tensor]]) -> str:
+        """Write one bucket's tensors (already in the engine dtype, contiguous); returns the file path."""
+        path = self.version_dir(version) / f"bucket-{index:05d}.safetensors"
+        save_file(dict(named), str(path), metadata={"weight_version": str(version)})
+        for name, _ in named:
+            self._weight_map[name] = path.name
+        return str(path)
+
+    def finish(self, version: int, total_bytes: int) -> None:
+        index = {"metadata": {"total_size": total_bytes, "weight_version": version}, "weight_map": self._weight_map}
+        (self.version_dir(version) / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        versions = sorted(p for p in self.root.glob("v*") if p.is_dir())
+        for old in versions[: max(0, len(versions) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_bucket_file(path: str, entries: list[TensorEntry], device: str | torch.device = "cpu"
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``entries``' tensors from a bucket file; raises ValueError when one is missing or differs
+    from its declared dtype/shape."""
+    tensors = load_file(path, device=str(device))
+    for entry in entries:
+        tensor = tensors.get(entry.name)
+        if tensor is None:
+            raise ValueError(f"{path} lacks tensor {entry.name!r}")
+        if tensor.dtype != entry.torch_dtype or tuple(tensor.shape) != entry.shape:
+            raise ValueError(f"{path}: {entry.name!r} is {tensor.dtype}{tuple(tensor.shape)}, declared "
+                             f"{entry.dtype}{entry.shape}")
+        yield entry.name, tensor
