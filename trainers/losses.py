@@ -98,11 +98,12 @@ def aggregate_loss(
             f"loss_agg_mode 'seq-mean-token-sum-norm' needs norm_length > 0 (rollout.max_response_length), "
             f"got {norm_length}"
         )
-    local_tokens, local_seqs = count_tokens_and_seqs(response_mask)
+    if global_num_tokens is None or global_num_seqs is None:
+        local_tokens, local_seqs = count_tokens_and_seqs(response_mask)
+        global_num_tokens = local_tokens if global_num_tokens is None else global_num_tokens
+        global_num_seqs = local_seqs if global_num_seqs is None else global_num_seqs
     counts = []
-    for name, value, local in (("global_num_tokens", global_num_tokens, local_tokens),
-                               ("global_num_seqs", global_num_seqs, local_seqs)):
-        value = local if value is None else value
+    for name, value in (("global_num_tokens", global_num_tokens), ("global_num_seqs", global_num_seqs)):
         value = float(value.item() if isinstance(value, torch.Tensor) else value)
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
