@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ENGINES = ("torch", "sglang")
+SGLANG_LAUNCH = ("sglang", "torch")
 
 
 @dataclass
@@ -54,7 +55,13 @@ class RollersConfig:
 
     ``max_batch_slots``: concurrent sequences in the torch engine's continuous batch;
     ``num_threads``: torch threads per roller process; ``sglang_url``: connect to this server instead of
-    launching one (sglang engine only).
+    launching one (sglang engine only). When launching (``rollers.sglang_launcher``):
+    ``sglang_launch`` sglang (``python -m sglang.launch_server``, needs SGLang and a GPU) | torch (our
+    torch engine behind SGLang's API, ``python -m rollers.sglang_server``); ``sglang_mem_fraction``:
+    SGLang's ``--mem-fraction-static``; ``sglang_colocated``: the trainer shares the GPU (adds
+    ``--enable-memory-saver``); ``sglang_startup_timeout_s``: wait for ``/health``;
+    ``sglang_request_timeout_s``: limit of one ``/generate``; ``sglang_max_retries``: ``/flush_cache``
+    retries (exponential backoff) while requests drain during a weight update.
     """
 
     num_replicas: int = 1
@@ -62,6 +69,12 @@ class RollersConfig:
     num_threads: int = 1
     max_batch_slots: int = 16
     sglang_url: str = ""
+    sglang_launch: str = "sglang"
+    sglang_mem_fraction: float = 0.7
+    sglang_colocated: bool = False
+    sglang_startup_timeout_s: float = 600.0
+    sglang_request_timeout_s: float = 600.0
+    sglang_max_retries: int = 8
 
     def __post_init__(self):
         if self.num_replicas < 1:
@@ -72,3 +85,14 @@ class RollersConfig:
             raise ValueError(f"rollers.num_threads must be >= 1, got {self.num_threads}")
         if self.max_batch_slots < 1:
             raise ValueError(f"rollers.max_batch_slots must be >= 1, got {self.max_batch_slots}")
+        if self.sglang_launch not in SGLANG_LAUNCH:
+            raise ValueError(f"rollers.sglang_launch={self.sglang_launch!r} is not one of {list(SGLANG_LAUNCH)}")
+        if not 0 < self.sglang_mem_fraction <= 1:
+            raise ValueError(f"rollers.sglang_mem_fraction must be in (0, 1], got {self.sglang_mem_fraction}")
+        for key in ("sglang_startup_timeout_s", "sglang_request_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"rollers.{key} must be > 0 seconds, got {getattr(self, key)}")
+        if self.sglang_max_retries < 0:
+            raise ValueError(f"rollers.sglang_max_retries must be >= 0, got {self.sglang_max_retries}")
+        if self.sglang_url and not self.sglang_url.startswith(("http://", "https://")):
+            raise ValueError(f"rollers.sglang_url={self.sglang_url!r} must start with http:// or https://")
