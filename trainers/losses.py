@@ -133,7 +133,12 @@ def _stale_weights(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-probs the PPO ratio is taken against, and a detached per-token importance weight (or None)."""
     if stale_correction == "none":
+        if rollout_log_probs is not None or proximal_log_probs is not None:
+            raise ValueError("rollout_log_probs/proximal_log_probs were given but algorithm.stale_correction='none' "
+                             "would ignore them; pass None or choose 'decoupled' or 'tis'")
         return old_log_probs, None
+    if proximal_log_probs is not None and stale_correction != "decoupled":
+        raise ValueError(f"proximal_log_probs is only used by stale_correction='decoupled', got {stale_correction!r}")
     if rollout_log_probs is None:
         raise ValueError(f"algorithm.stale_correction={stale_correction!r} needs rollout_log_probs, got None")
     if stale_correction == "decoupled":
@@ -191,8 +196,8 @@ def policy_loss(
     ``num_tokens`` (this micro-batch's valid tokens, the weight for
     :func:`trainers.metrics.weighted_average`). With no valid token, means are 0 and ratio max/min 1.
 
-    Raises ValueError on shape mismatch, ``dual_clip_c`` in (0, 1], an unknown ``stale_correction``, or a
-    correction without ``rollout_log_probs``.
+    Raises ValueError on shape mismatch, ``dual_clip_c`` in (0, 1], an unknown ``stale_correction``, a
+    correction without ``rollout_log_probs``, or correction inputs the chosen correction would ignore.
     """
     _check_policy_inputs(log_probs, old_log_probs, advantages, response_mask,
                          rollout_log_probs=rollout_log_probs, proximal_log_probs=proximal_log_probs)

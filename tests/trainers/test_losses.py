@@ -207,6 +207,9 @@ def test_decoupled_ppo_clips_around_the_proximal_policy():
         ({"stale_correction": "tis"}, "needs rollout_log_probs"),
         ({"stale_correction": "iw", "rollout_log_probs": torch.zeros(2, 3)}, "stale_correction='iw'"),
         ({"dual_clip_c": 0.5}, "dual_clip_c must be 0"),
+        ({"rollout_log_probs": torch.zeros(2, 3)}, "stale_correction='none' would ignore"),
+        ({"proximal_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3),
+          "stale_correction": "tis"}, "only used by stale_correction='decoupled'"),
         ({"rollout_log_probs": torch.zeros(2, 4), "stale_correction": "tis"}, "rollout_log_probs has shape"),
     ],
 )
