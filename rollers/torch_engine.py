@@ -361,11 +361,11 @@ class TorchEngine(Engine):
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
-        for seq in [*self._running, *self._waiting]:
-            self._by_id.pop(seq.request.request_id, None)
+        for seq in self._by_id.values():  # every unfinished request, wherever the step left it
             if not seq.done.done():
                 seq.done.set_exception(EngineError(f"engine step failed: {exc!r}"))
             seq.changed.set()
+        self._by_id.clear()
         self._running.clear()
         self._waiting.clear()
 

@@ -1,0 +1,256 @@
+"""TorchEngine generation correctness: greedy parity with HF ``generate``, log-probs, stops, seeds, streams.
+
+The ``tiny`` model's stock init (std 0.02) is nearly uniform and repeats one token; the tests re-draw its
+matrices with std 0.2 (seeded) so greedy outputs vary and sampling has entropy (~3 nats over 52 tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from common.models import ModelConfig, apply_chat_template, load_model, load_tokenizer
+from rollers.engine import GenerationRequest, SamplingParams
+from rollers.torch_engine import TorchEngine
+
+TINY_PROMPTS = ("repeat the word a b c", "say 1 2 3", "copy the word z", "answer is 7 .", "say a")
+TIMEOUT_S = 60
+
+
+def spiced_tiny(seed: int = 0) -> torch.nn.Module:
+    """The tiny Llama with its matrices re-drawn from N(0, 0.2²) (seeded): varied, non-degenerate outputs."""
+    model = load_model(ModelConfig(path="tiny"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model
+
+
+def run(coro):
+    """Run ``coro`` on a fresh event loop with a timeout (no test may hang)."""
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens: int, eos_ids=None) -> list[int]:
+    """Reference: HF ``generate`` greedy on one unpadded prompt (stops at the model's EOS ids)."""
+    kwargs = {} if eos_ids is None else {"eos_token_id": list(eos_ids)}
+    out = model.generate(
+        torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def teacher_forced_log_probs(model, prompt_ids, output_ids, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of ``output_ids`` from one full forward over prompt + output."""
+    ids = torch.tensor([[*prompt_ids, *output_ids]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / scale, dim=-1).gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+def request(rid: str, prompt_ids, **sampling) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(prompt_ids), SamplingParams(**sampling))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = load_tokenizer(ModelConfig(path="tiny"))
+    return spiced_tiny(), tok, [apply_chat_template(tok, p) for p in TINY_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    cfg = ModelConfig(path="smollm2-135m-instruct")
+    tok = load_tokenizer(cfg)
+    prompts = ("What is 2+3?", "Name a color.", "Write one word about the sea.")
+    return load_model(cfg), tok, [apply_chat_template(tok, p) for p in prompts]
+
+
+async def _generate_with_joins(engine: TorchEngine, prompts, max_new_tokens: int, join_after: int):
+    """Start prompt 0, then submit each next prompt once the previous one has ``join_after`` tokens."""
+    results: dict[int, object] = {}
+    joined = [asyncio.Event() for _ in prompts]
+    peak_running = 0
+
+    async def consume(i):
+        nonlocal peak_running
+        async for out in engine.stream(request(f"r{i}", prompts[i], max_new_tokens=max_new_tokens, temperature=0)):
+            peak_running = max(peak_running, engine.stats()["num_running"])
+            if len(out.output_ids) >= join_after or out.finish_reason:
+                joined[i].set()
+            results[i] = out
+
+    tasks = []
+    for i in range(len(prompts)):
+        tasks.append(asyncio.create_task(consume(i)))
+        await joined[i].wait()
+    await asyncio.gather(*tasks)
+    assert peak_running >= 2  # the later prompts really joined while earlier ones were decoding
+    return [results[i] for i in range(len(prompts))]
+
+
+def _check_greedy(model, tok, prompts, max_new_tokens, slots):
+    refs = [hf_greedy(model, p, max_new_tokens) for p in prompts]
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=slots)
+        try:
+            alone = [await engine.generate(request(f"a{i}", p, max_new_tokens=max_new_tokens, temperature=0))
+                     for i, p in enumerate(prompts)]
+            together = await asyncio.gather(*[
+                engine.generate(request(f"b{i}", p, max_new_tokens=max_new_tokens, temperature=0))
+                for i, p in enumerate(prompts)
+            ])
+            joining = await _generate_with_joins(engine, prompts, max_new_tokens, join_after=3)
+            return alone, together, joining, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    alone, together, joining, stats = run(body())
+    for outs in (alone, together, joining):
+        assert [o.output_ids for o in outs] == refs
+    assert stats["num_tokens_generated"] == 3 * sum(len(r) for r in refs)
+    return refs, joining
+
+
+def test_greedy_equals_hf_generate_tiny(tiny):
+    model, tok, prompts = tiny
+    refs, joining = _check_greedy(model, tok, prompts, max_new_tokens=24, slots=3)
+    assert len({tuple(r) for r in refs}) == len(refs)  # the prompts really give different outputs
+
+
+def test_greedy_equals_hf_generate_smollm2(smollm2):
+    model, tok, prompts = smollm2
+    refs, joining = _check_greedy(model, tok, prompts, max_new_tokens=10, slots=4)
+    assert all(o.finish_reason in ("stop", "length") for o in joining)
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(0.0, 1.0, -1), (1.0, 1.0, -1), (0.7, 0.9, 10)])
+def test_log_probs_equal_teacher_forced_forward(tiny, temperature, top_p, top_k):
+    model, tok, prompts = tiny
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=4)
+        try:
+            return await asyncio.gather(*[
+                engine.generate(request(f"r{i}", p, max_new_tokens=16, temperature=temperature, top_p=top_p,
+                                        top_k=top_k, seed=i, ignore_eos=True))
+                for i, p in enumerate(prompts)
+            ])
+        finally:
+            await engine.shutdown()
+
+    for prompt, out in zip(prompts, run(body()), strict=True):
+        expected = teacher_forced_log_probs(model, prompt, out.output_ids, temperature)
+        torch.testing.assert_close(torch.tensor(out.output_log_probs), expected, atol=1e-4, rtol=0)
+        assert out.weight_versions == [0] * len(out.output_ids)
+
+
+def test_log_probs_smollm2(smollm2):
+    model, tok, prompts = smollm2
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=2)
+        try:
+            return await engine.generate(request("r", prompts[0], max_new_tokens=8, temperature=1.0, seed=3))
+        finally:
+            await engine.shutdown()
+
+    out = run(body())
+    expected = teacher_forced_log_probs(model, prompts[0], out.output_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(out.output_log_probs), expected, atol=1e-4, rtol=0)
+
+
+def test_length_and_stop_on_any_eos(tiny):
+    model, tok, prompts = tiny
+    greedy = hf_greedy(model, prompts[0], 12)
+    k = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])  # first fresh token, index >= 2
+    extra_eos = greedy[k]
+
+    async def body():
+        # The model's generation_config lists several EOS ids; hitting any of them stops the request.
+        engine = TorchEngine(model, [tok.eos_token_id, extra_eos], max_batch_slots=2)
+        try:
+            stop = await engine.generate(request("s", prompts[0], max_new_tokens=12, temperature=0))
+            ignored = await engine.generate(request("i", prompts[0], max_new_tokens=12, temperature=0, ignore_eos=True))
+            stop_id = await engine.generate(request("t", prompts[0], max_new_tokens=12, temperature=0,
+                                                    ignore_eos=True, stop_token_ids=(greedy[1],)))
+            return stop, ignored, stop_id
+        finally:
+            await engine.shutdown()
+
+    stop, ignored, stop_id = run(body())
+    assert stop.finish_reason == "stop" and stop.output_ids == greedy[: k + 1]
+    assert stop.output_ids[-1] == extra_eos
+    assert ignored.finish_reason == "length" and len(ignored.output_ids) == 12
+    assert stop_id.finish_reason == "stop" and stop_id.output_ids == greedy[:2]
+
+
+def test_eos_from_generation_config(tiny):
+    model, tok, prompts = tiny
+    greedy = hf_greedy(model, prompts[1], 8)
+    model.generation_config.eos_token_id = [tok.eos_token_id, greedy[0]]
+    try:
+        engine = TorchEngine(model, [], max_batch_slots=1)
+        assert {tok.eos_token_id, greedy[0]} <= engine.eos_ids
+        out = run(engine.generate(request("r", prompts[1], max_new_tokens=8, temperature=0)))
+        run(engine.shutdown())
+    finally:
+        model.generation_config.eos_token_id = tok.eos_token_id
+    assert out.finish_reason == "stop" and out.output_ids == greedy[:1]
+
+
+def test_seeds_make_groups_differ_and_ignore_batch_composition(tiny):
+    model, tok, _ = tiny
+    prompts = [apply_chat_template(tok, f"say {w} {d}") for w, d in zip("abcdefghij", "0123456789", strict=True)]
+    n = 4
+
+    def group_requests(prompt_index, tag):
+        return [request(f"{tag}{prompt_index}-{s}", prompts[prompt_index], max_new_tokens=10, temperature=1.0,
+                        seed=1000 * prompt_index + s) for s in range(n)]
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=8)
+        try:
+            full = await asyncio.gather(*[engine.generate(r) for i in range(10) for r in group_requests(i, "a")])
+            # Same seeds, different neighbours: groups alone, in reverse order, mixed with unseeded noise.
+            alone = [await engine.generate(r) for r in group_requests(3, "b")]
+            noise = [request(f"n{j}", prompts[j], max_new_tokens=10, temperature=1.0) for j in range(5)]
+            mixed = await asyncio.gather(*[engine.generate(r) for r in [*noise, *group_requests(7, "c")][::-1]])
+            return full, alone, mixed[:n][::-1]
+        finally:
+            await engine.shutdown()
+
+    full, alone, mixed = run(body())
+    groups = [full[i * n : (i + 1) * n] for i in range(10)]
+    identical = sum(len({tuple(o.output_ids) for o in g}) == 1 for g in groups)
+    assert identical / len(groups) < 0.1
+    assert [o.output_ids for o in alone] == [o.output_ids for o in groups[3]]
+    assert [o.output_ids for o in mixed] == [o.output_ids for o in groups[7]]
+    for a, b in zip(alone, groups[3], strict=True):
+        torch.testing.assert_close(torch.tensor(a.output_log_probs), torch.tensor(b.output_log_probs), atol=1e-5, rtol=0)
+
+
+def test_stream_yields_growing_outputs(tiny):
+    model, tok, prompts = tiny
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=2)
+        try:
+            return [snap async for snap in engine.stream(request("r", prompts[0], max_new_tokens=6,
+                                                                   temperature=0, ignore_eos=True))]
+        finally:
+            await engine.shutdown()
+
+    snaps = run(body())
+    assert len(snaps) >= 2
+    assert [s.finish_reason for s in snaps[:-1]] == [None] * (len(snaps) - 1)
+    assert snaps[-1].finish_reason == "length" and len(snaps[-1].output_ids) == 6
+    for early, late in zip(snaps, snaps[1:], strict=False):
+        assert late.output_ids[: len(early.output_ids)] == early.output_ids
+        assert len(late.output_ids) > len(early.output_ids)
