@@ -1,0 +1,183 @@
+"""TrainerWorker in one process (a 1-rank gloo group): log-probs, PPO update invariants, weights access."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common import schema
+from common.models import ModelConfig
+from tests.trainers._trainer_batches import make_batch, single_rank_group, with_training_fields
+from trainers import fsdp
+from trainers.config import AlgorithmConfig, TrainerConfig
+from trainers.worker import TrainerWorker, lr_factor
+
+TINY = ModelConfig(path="tiny")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    yield from single_rank_group()
+
+
+def make_worker(**trainer_overrides) -> TrainerWorker:
+    algorithm = trainer_overrides.pop("algorithm", AlgorithmConfig())
+    cfg = {"ppo_mini_batch_size": 2, "ppo_micro_batch_size": 8, "lr": 1e-3, "num_threads": 1}
+    cfg.update(trainer_overrides)
+    return TrainerWorker(TrainerConfig(**cfg), algorithm, TINY, temperature=0.7, max_response_length=5)
+
+
+def test_left_pads_do_not_change_log_probs():
+    worker = make_worker()
+    prompt = torch.tensor([[5, 7, 8, 11, 12]])
+    responses = torch.tensor([[13, 14, 15, 2]])
+    base = {schema.RESPONSES: responses, schema.RESPONSE_MASK: torch.ones_like(responses)}
+    plain = {**base, schema.INPUT_IDS: prompt, schema.ATTENTION_MASK: torch.ones_like(prompt)}
+    padded_ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)
+    padded = {**base, schema.INPUT_IDS: padded_ids, schema.ATTENTION_MASK: (padded_ids != 0).long()}
+    lp_plain = worker.compute_log_prob(plain)[schema.OLD_LOG_PROBS]
+    lp_padded = worker.compute_log_prob(padded)[schema.OLD_LOG_PROBS]
+    assert lp_plain.shape == (1, 4)
+    assert torch.isfinite(lp_plain).all() and (lp_plain < 0).all()
+    torch.testing.assert_close(lp_padded, lp_plain, atol=1e-5, rtol=0)
+
+
+def test_log_probs_use_temperature():
+    worker = make_worker()
+    batch = make_batch(num_groups=1, n=2)
+    at_07 = worker.compute_log_prob(batch)[schema.OLD_LOG_PROBS]
+    worker.temperature = 1.0
+    at_1 = worker.compute_log_prob(batch)[schema.OLD_LOG_PROBS]
+    assert not torch.allclose(at_07, at_1)
+    # Same convention as the rollers: log softmax(logits / T) at the sampled token.
+    ids = torch.cat([batch[schema.INPUT_IDS], batch[schema.RESPONSES]], dim=1)
+    mask = torch.cat([batch[schema.ATTENTION_MASK], torch.ones_like(batch[schema.RESPONSES])], dim=1)
+    with torch.no_grad():
+        logits = worker.policy(input_ids=ids, attention_mask=mask,
+                               position_ids=fsdp.position_ids_from_mask(mask)).logits
+    fsdp.reshard(worker.policy)
+    resp_len = batch[schema.RESPONSES].shape[1]
+    expected = torch.log_softmax(logits[:, -resp_len - 1 : -1] / 0.7, dim=-1)
+    expected = expected.gather(-1, batch[schema.RESPONSES].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(at_07, expected, atol=1e-5, rtol=0)
+
+
+def test_step0_ratio_is_one_and_nothing_clipped():
+    worker = make_worker()
+    batch = with_training_fields(worker, make_batch(seed=1))
+    mask = batch[schema.RESPONSE_MASK].bool()
+    # The training forward (with grad) reproduces old_log_probs: ratio exp(new - old) = 1 on every valid token.
+    new, _ = fsdp.response_log_probs(worker.policy, batch, worker.temperature)
+    ratio = torch.exp(new.detach() - batch[schema.OLD_LOG_PROBS])[mask]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-6, rtol=0)
+    metrics = worker.update_actor(batch)  # one mini-batch: the step runs at unchanged weights
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["actor/num_tokens"] == mask.sum().item()
+    assert worker.get_weight_version() == 1
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_gradient_accumulation_1x8_equals_8x1(mode):
+    algorithm = AlgorithmConfig(loss_agg_mode=mode)
+    one = make_worker(ppo_micro_batch_size=8, algorithm=algorithm)
+    eight = make_worker(ppo_micro_batch_size=1, algorithm=algorithm)
+    batch = with_training_fields(one, make_batch(seed=2))
+    m_one, m_eight = one.update_actor(batch), eight.update_actor(batch)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert m_eight[key] == pytest.approx(m_one[key], rel=1e-5, abs=1e-6), key
+    w_one, w_eight = one.full_state_dict(), eight.full_state_dict()
+    for name, tensor in w_one.items():
+        torch.testing.assert_close(w_eight[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_every_trainable_parameter_changes():
+    worker = make_worker()
+    before = worker.full_state_dict()
+    batch = with_training_fields(worker, make_batch(seed=3))
+    metrics = worker.update_actor(batch)
+    after = worker.full_state_dict()
+    trainable = [name for name, p in worker.policy.named_parameters() if p.requires_grad]
+    assert sorted(trainable) == sorted(before)
+    unchanged = [name for name in trainable if torch.equal(before[name], after[name])]
+    assert not unchanged
+    assert metrics["actor/skipped_steps"] == 0.0 and math.isfinite(metrics["actor/grad_norm"])
+
+
+def _optimizer_state(worker) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, state in enumerate(worker.actor_optimizer.state.values()):
+        for key, value in state.items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            out[f"{i}.{key}"] = local.clone()
+    return out
+
+
+def test_all_masked_completions_give_zero_loss_and_leave_optimizer_alone():
+    worker = make_worker(algorithm=AlgorithmConfig(entropy_coeff=0.01))
+    batch = with_training_fields(worker, make_batch(seed=4))
+    worker.update_actor(batch)  # a normal step first, so the optimizer has state to protect
+    state_before, weights_before = _optimizer_state(worker), worker.full_state_dict()
+    masked = {**batch, schema.RESPONSE_MASK: torch.zeros_like(batch[schema.RESPONSE_MASK])}
+    metrics = worker.update_actor(masked)
+    assert metrics["actor/pg_loss"] == 0.0
+    assert metrics["actor/num_tokens"] == 0.0 and metrics["actor/skipped_steps"] == 1.0
+    assert metrics["actor/grad_norm"] == 0.0
+    for name, p in worker.policy.named_parameters():
+        grad = p.grad.to_local()
+        assert torch.isfinite(grad).all() and not grad.any(), name
+    state_after = _optimizer_state(worker)
+    for key, value in state_before.items():
+        assert torch.isfinite(state_after[key]).all() and torch.equal(state_after[key], value), key
+    for name, tensor in worker.full_state_dict().items():
+        assert torch.equal(tensor, weights_before[name]), name
+    later = worker.update_actor(batch)  # and training goes on normally
+    assert later["actor/skipped_steps"] == 0.0 and math.isfinite(later["actor/pg_loss"])
+    assert all(torch.isfinite(t).all() for t in worker.full_state_dict().values())
+
+
+def test_missing_field_is_a_clear_error():
+    worker = make_worker()
+    batch = make_batch()
+    with pytest.raises(ValueError, match="old_log_probs"):
+        worker.update_actor(batch)
+    with pytest.raises(RuntimeError, match="critic"):
+        worker.compute_values(batch)
+
+
+def test_local_shards_cover_full_tensors_on_one_rank():
+    worker = make_worker()
+    full = worker.full_state_dict()
+    shards = list(worker.named_local_shards())
+    assert [s.name for s in shards] == list(full)
+    assert "lm_head.weight" not in full  # tied to model.embed_tokens.weight, listed once
+    for shard in shards:
+        assert shard.row_offset == 0 and shard.full_shape == tuple(full[shard.name].shape)
+        assert torch.equal(shard.tensor, full[shard.name])
+
+
+def test_critic_values_and_update():
+    algorithm = AlgorithmConfig(adv_estimator="gae", norm_adv_by_std=False)
+    worker = make_worker(algorithm=algorithm, critic_lr=3e-3)
+    batch = make_batch(seed=5)
+    batch.update(worker.compute_log_prob(batch))
+    values = worker.compute_values(batch)[schema.VALUES]
+    assert values.shape == batch[schema.RESPONSES].shape and not values.any()  # zero-initialised head
+    batch[schema.VALUES] = values
+    batch.update(worker.compute_advantages(batch)[0])
+    losses = []
+    for _ in range(3):
+        losses.append(worker.update_critic(batch)["critic/vf_loss"])
+        batch[schema.VALUES] = worker.compute_values(batch)[schema.VALUES]
+    assert losses[-1] < losses[0]
+
+
+def test_lr_schedule():
+    assert lr_factor(0, schedule="constant", warmup_steps=4, total_steps=10) == 0.25
+    assert lr_factor(5, schedule="constant", warmup_steps=4, total_steps=10) == 1.0
+    assert lr_factor(2, schedule="cosine", warmup_steps=2, total_steps=10) == 1.0
+    assert lr_factor(6, schedule="cosine", warmup_steps=2, total_steps=10) == pytest.approx(0.5)
+    assert lr_factor(10, schedule="cosine", warmup_steps=2, total_steps=10) == pytest.approx(0.0)

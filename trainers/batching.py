@@ -1,0 +1,157 @@
+"""Splitting a training batch: data-parallel shards, PPO mini-batches and micro-batches, by ``uid`` group.
+
+A *batch* here is a mapping of sample-schema fields (DESIGN.md, "Sample schema"): tensors with the batch
+as their first dimension, plus per-sample lists (``uid``, ``finish_reason``). A ``TensorDict`` is accepted
+too and turned into a plain dict by :func:`as_batch_dict`.
+
+How one training batch of ``G`` prompt groups is cut (``m = trainer.ppo_mini_batch_size`` prompts,
+``M = trainer.num_ranks``)::
+
+    groups (first-appearance order of uid):  g0 g1 g2 g3 | g4 g5 g6 g7        m = 4, M = 2
+    global mini-batches:                     mini 0      | mini 1
+    rank 0 gets                              g0 g1       | g4 g5
+    rank 1 gets                              g2 g3       | g6 g7
+
+Each rank's slice is its share of every global mini-batch, concatenated, together with the number of its
+samples in each mini-batch (``mini_batch_sizes``), so every rank steps the optimizer on the same global
+mini-batch. Groups are never split. When ``m`` is not a multiple of ``M`` (or a mini-batch has fewer than
+``M`` groups) ranks get unequal shares; the worker then pads with fully masked micro-batches so every rank
+runs the same number of forward/backward passes (collectives must match), and the loss — normalised by the
+global token count — is unchanged. A rank whose share of a mini-batch is empty contributes zero gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common import schema
+
+
+def as_batch_dict(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain ``dict`` view of ``batch`` (a dict or a ``TensorDict``); raises TypeError for anything else.
+
+    TensorDict non-tensor entries (e.g. ``uid`` stored with ``set_non_tensor``) come back as Python lists.
+    """
+    try:
+        from tensordict import TensorDictBase
+    except ImportError:  # pragma: no cover - tensordict is a dependency
+        TensorDictBase = ()  # noqa: N806
+    if isinstance(batch, TensorDictBase):
+        out: dict[str, Any] = {}
+        for key in batch.keys():
+            value = batch.get(key)
+            if not isinstance(value, torch.Tensor):
+                value = batch.get_non_tensor(key)
+                value = list(value) if not isinstance(value, str) else [value]
+            out[key] = value
+        return out
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    raise TypeError(f"a batch must be a dict or a TensorDict, got {type(batch).__name__}")
+
+
+def batch_size(batch: Mapping[str, Any]) -> int:
+    """Number of samples: the first dimension of ``responses`` (or of the first field).
+
+    Raises ValueError if the batch is empty or its fields disagree on the batch size.
+    """
+    if not batch:
+        raise ValueError("the batch has no fields")
+    sizes = {key: (value.shape[0] if isinstance(value, torch.Tensor) else len(value)) for key, value in batch.items()}
+    size = sizes.get(schema.RESPONSES, next(iter(sizes.values())))
+    wrong = {key: n for key, n in sizes.items() if n != size}
+    if wrong:
+        raise ValueError(f"batch fields disagree on the batch size {size}: {wrong}")
+    return size
+
+
+def select(batch: Mapping[str, Any], indices: Sequence[int] | torch.Tensor) -> dict[str, Any]:
+    """The samples ``indices`` of ``batch`` (tensors indexed on dim 0, lists element-wise), in that order."""
+    idx = torch.as_tensor(list(indices) if not isinstance(indices, torch.Tensor) else indices, dtype=torch.long)
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value.index_select(0, idx.to(value.device))
+        else:
+            out[key] = [value[i] for i in idx.tolist()]
+    return out
+
+
+def concat(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Samples of ``batches`` one after the other; every batch must have the same fields."""
+    if not batches:
+        raise ValueError("concat needs at least one batch")
+    keys = list(batches[0])
+    out: dict[str, Any] = {}
+    for key in keys:
+        parts = [b[key] for b in batches]
+        if isinstance(parts[0], torch.Tensor):
+            out[key] = torch.cat(parts, dim=0)
+        else:
+            out[key] = [x for part in parts for x in part]
+    return out
+
+
+def uid_groups(uid: Sequence[Any]) -> list[list[int]]:
+    """Sample indices of each ``uid`` group, groups in order of first appearance, samples in batch order."""
+    groups: dict[Any, list[int]] = {}
+    for i, u in enumerate(uid):
+        groups.setdefault(u, []).append(i)
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's slice of a batch: sample ``indices`` into the full batch (mini-batch by mini-batch) and
+    how many of them fall into each global mini-batch (``mini_batch_sizes``, sums to ``len(indices)``)."""
+
+    indices: list[int]
+    mini_batch_sizes: list[int]
+
+
+def shard_for_ranks(uid: Sequence[Any], num_ranks: int, ppo_mini_batch_size: int) -> list[RankShard]:
+    """Cut a batch into ``num_ranks`` data-parallel shards of whole uid groups (see the module docstring).
+
+    ``uid``: per-sample group ids; ``ppo_mini_batch_size``: prompts (groups) per global mini-batch.
+    Within a mini-batch, groups are dealt to ranks in contiguous runs of near-equal length (the first
+    ranks take one more when it does not divide). Raises ValueError if there are fewer groups than ranks.
+    """
+    if num_ranks < 1 or ppo_mini_batch_size < 1:
+        raise ValueError(f"num_ranks and ppo_mini_batch_size must be >= 1, got {num_ranks}, {ppo_mini_batch_size}")
+    groups = uid_groups(uid)
+    if len(groups) < num_ranks:
+        raise ValueError(f"a batch of {len(groups)} uid groups cannot feed trainer.num_ranks={num_ranks} ranks")
+    shards = [RankShard([], []) for _ in range(num_ranks)]
+    for start in range(0, len(groups), ppo_mini_batch_size):
+        mini = groups[start : start + ppo_mini_batch_size]
+        per_rank, extra = divmod(len(mini), num_ranks)
+        pos = 0
+        for rank, shard in enumerate(shards):
+            take = per_rank + (1 if rank < extra else 0)
+            rows = [i for group in mini[pos : pos + take] for i in group]
+            pos += take
+            shard.indices.extend(rows)
+            shard.mini_batch_sizes.append(len(rows))
+    return shards
+
+
+def local_mini_batch_sizes(uid: Sequence[Any], groups_per_mini_batch: int) -> tuple[list[int], list[int]]:
+    """``(order, sizes)`` that cut a rank-local batch into mini-batches of ``groups_per_mini_batch`` whole
+    uid groups: ``order`` lists sample indices group by group, ``sizes`` the samples per mini-batch."""
+    groups = uid_groups(uid)
+    order: list[int] = []
+    sizes: list[int] = []
+    for start in range(0, len(groups), groups_per_mini_batch):
+        rows = [i for group in groups[start : start + groups_per_mini_batch] for i in group]
+        order.extend(rows)
+        sizes.append(len(rows))
+    return order, sizes
+
+
+def micro_batch_slices(num_samples: int, micro_batch_size: int) -> list[slice]:
+    """Consecutive slices of at most ``micro_batch_size`` samples covering ``range(num_samples)``."""
+    return [slice(i, min(i + micro_batch_size, num_samples)) for i in range(0, num_samples, micro_batch_size)]

@@ -1,0 +1,215 @@
+"""FSDP2 model plumbing for the trainer ranks: process group, sharded construction, forwards, weight access.
+
+Construction (torchtitan's recipe, PyTorch FSDP2 ``fully_shard``)::
+
+    build_on_meta(hf_config)          no memory allocated
+      -> fully_shard(each decoder layer), fully_shard(root)
+      -> materialize(to_empty on cpu/cuda)   uninitialised local shards, rotary buffers rebuilt
+      -> set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)
+                                      rank 0 loads the checkpoint with ``common.models.load_model`` and
+                                      broadcasts; the other ranks never read the weights from disk
+
+Every rank holds ``Shard(0)`` rows of every parameter (``DTensor``). Gradients are reduce-scattered as
+sums (``set_gradient_divide_factor(1.0)``): the loss on each rank is already normalised by the *global*
+token count, so the sum over ranks is the gradient of the global mini-batch loss.
+
+Parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``).
+With tied embeddings (``tie_word_embeddings``, e.g. the tiny model and SmolLM2) ``lm_head.weight`` *is*
+``model.embed_tokens.weight``: ``named_parameters`` lists it once, as ``model.embed_tokens.weight``, and
+so do :func:`named_local_shards` and :func:`named_full_tensors`; a receiver that loads these names into an
+HF model with tied embeddings gets ``lm_head`` through the tie.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from common import models
+from trainers.losses import entropy_from_logits, log_probs_from_logits
+
+POLICY = "policy"
+CRITIC = "critic"
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
+                     timeout_s: float) -> None:
+    """Join the default process group (gloo on CPU, nccl on GPU) over TCP at ``master_addr:master_port``.
+
+    Idempotent when this process already belongs to a group of the same rank and size; raises
+    RuntimeError when it belongs to a different one. ``timeout_s`` bounds every collective.
+    """
+    if dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"asked to be rank {rank} of {world_size}"
+            )
+        return
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the unsharded parameters left after a forward under ``no_grad`` (the root keeps its own
+    unsharded after forward). Needed before reading parameters or saving optimizer state."""
+    for module in fsdp_modules(model):
+        module.reshard()
+
+
+def _hf_config(model_cfg: models.ModelConfig, kind: str):
+    hf_config = models.load_hf_config(model_cfg)
+    if kind == CRITIC:
+        hf_config = copy.deepcopy(hf_config)
+        hf_config.num_labels = 1
+        hf_config.classifier_dropout = 0.0
+    return hf_config
+
+
+def _build_meta(model_cfg: models.ModelConfig, kind: str) -> torch.nn.Module:
+    hf_config = _hf_config(model_cfg, kind)
+    if kind == POLICY:
+        return models.build_on_meta(hf_config, dtype=model_cfg.torch_dtype)
+    if kind == CRITIC:
+        from transformers import AutoModelForTokenClassification
+
+        with torch.device("meta"):
+            return AutoModelForTokenClassification.from_config(hf_config, dtype=model_cfg.torch_dtype)
+    raise ValueError(f"unknown model kind {kind!r}; expected {POLICY!r} or {CRITIC!r}")
+
+
+def _rank0_state_dict(model_cfg: models.ModelConfig, kind: str, fsdp_model: torch.nn.Module) -> dict:
+    """Full weights on rank 0: the policy checkpoint; for the critic, its backbone plus a zero value head."""
+    policy = models.load_model(model_cfg, device="cpu")
+    state = policy.state_dict()
+    if kind == POLICY:
+        return state
+    expected = {name for name, _ in fsdp_model.named_parameters()}
+    head = {name: torch.zeros(tuple(p.shape), dtype=model_cfg.torch_dtype)
+            for name, p in fsdp_model.named_parameters() if not name.startswith("model.")}
+    backbone = {name: t for name, t in state.items() if name in expected}
+    return {**backbone, **head}
+
+
+def build_fsdp_model(model_cfg: models.ModelConfig, kind: str, device: torch.device) -> torch.nn.Module:
+    """A ``kind`` model (``policy``: the causal LM; ``critic``: the same backbone with a scalar value head,
+    Hugging Face's ``*ForTokenClassification`` with one label, head initialised to zero) sharded with
+    FSDP2 over the default process group, weights loaded on rank 0 and broadcast. Returned in eval mode
+    (no dropout: log-probs must not depend on it). Collective: every rank must call it.
+    """
+    model = _build_meta(model_cfg, kind)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no model.layers; cannot shard it per decoder layer")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    models.materialize(model, device)
+    for module in fsdp_modules(model):
+        module.set_gradient_divide_factor(1.0)
+    state = _rank0_state_dict(model_cfg, kind, model) if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model.eval()
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions ``(batch, seq_len)`` counting only real tokens: ``cumsum(mask) - 1``, 0 on left padding,
+    so a prompt has the same positions with or without left pads."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    prompts, responses = batch["input_ids"], batch["responses"]
+    ids = torch.cat([prompts, responses], dim=1)
+    mask = torch.cat([batch["attention_mask"].to(prompts.dtype), torch.ones_like(responses)], dim=1)
+    return ids, mask, prompts.shape[1], responses.shape[1]
+
+
+def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False,
+                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probabilities of ``responses`` given the prompt, at temperature ``temperature``.
+
+    ``batch``: ``input_ids``/``attention_mask`` ``(batch, prompt_len)`` left-padded, ``responses``
+    ``(batch, response_len)``. Returns ``log_probs`` ``(batch, response_len)`` fp32, natural log of
+    ``softmax(logits / T)`` at the sampled token (``T <= 0`` means greedy: raw logits, as the rollers do),
+    and the entropy of the same distribution ``(batch, response_len)`` if ``with_entropy`` else None
+    (differentiable only with ``entropy_grad``, else computed on detached logits to save the graph).
+    Position ids are ``cumsum(attention_mask) - 1``, so left padding does not change the result.
+    """
+    ids, mask, _, resp_len = _sequence(batch)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                logits_to_keep=resp_len + 1, use_cache=False)
+    logits = out.logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    responses = batch["responses"].to(logits.device)
+    log_probs = log_probs_from_logits(logits, responses)
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return log_probs, entropy
+
+
+def response_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """Critic values ``(batch, response_len)`` fp32: the value head at the position *before* each response
+    token (the state in which that token was chosen), as GAE (Schulman et al. 2016) expects."""
+    ids, mask, prompt_len, resp_len = _sequence(batch)
+    out = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
+    return out.logits[:, prompt_len - 1 : prompt_len + resp_len - 1, 0].float()
+
+
+class LocalShard(NamedTuple):
+    """One rank's rows of one parameter: ``tensor`` holds rows ``[row_offset, row_offset + len(tensor))``
+    of the full parameter of shape ``full_shape`` (rows are contiguous: FSDP2 shards dim 0 in
+    ``torch.chunk`` order). ``tensor`` may have zero rows on high ranks when rows < ranks."""
+
+    name: str
+    tensor: torch.Tensor
+    row_offset: int
+    full_shape: tuple[int, ...]
+
+
+def named_local_shards(model: torch.nn.Module) -> Iterator[LocalShard]:
+    """This rank's ``Shard(0)`` piece of every parameter (HF names, tied weights once; see the module
+    docstring). Local, no communication; the tensors are views of the live parameters (detached)."""
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            raise TypeError(f"parameter {name} is not sharded (a forward under no_grad without reshard()?)")
+        if param.placements != (Shard(0),):
+            raise TypeError(f"parameter {name} has placements {param.placements}, expected (Shard(0),)")
+        local = param.to_local().detach()
+        rows, world, rank = param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank()
+        offset = min(rank * math.ceil(rows / world), rows)
+        assert local.shape[0] == min(math.ceil(rows / world), rows - offset), (name, local.shape, offset)
+        yield LocalShard(name, local, offset, tuple(param.shape))
+
+
+def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every parameter, gathered one at a time (``DTensor.full_tensor()``).
+
+    Collective: every rank must iterate it to the end, in step. Only rank 0 yields; the other ranks'
+    iterators yield nothing (they take part in the gathers and finish).
+    """
+    rank = dist.get_rank()
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if rank == 0:
+            yield name, full.detach()

@@ -1,0 +1,183 @@
+"""TrainerGroup: ``trainer.num_ranks`` Ray actors forming one FSDP2 process group, driven as one trainer.
+
+::
+
+    driver (controller)                          placement group: num_ranks bundles {CPU: c[, GPU: 1]}
+      TrainerGroup.update_actor(batch) ──shard by uid──> rank 0: TrainerActor(TrainerWorker) ─┐ gloo/nccl
+                                        (whole groups)  rank 1: TrainerActor(TrainerWorker) ─┤ collectives
+                                        <──gather──────  ...                                 ─┘
+      results: per-sample fields re-assembled in the caller's order; metrics from rank 0
+      (every rank computes the same global metrics)
+
+Rendezvous: rank 0's actor picks a free port on its node's loopback; ranks join
+``tcp://127.0.0.1:port`` (the MASTER_ADDR/MASTER_PORT pair, passed as ``init_method``). One node.
+
+Errors: an exception raised inside any rank reaches the caller as the original exception (same type and
+message) with a note naming the rank and method. Every wait is bounded by ``trainer.timeout_s``
+(TimeoutError). Validation errors are raised by every rank before any collective, so the group stays
+usable; an exception in the middle of a collective leaves the group unusable — ``shutdown()`` it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from common import schema
+from common.env import LOOPBACK
+from common.models import ModelConfig
+from trainers.batching import RankShard, as_batch_dict, batch_size, select, shard_for_ranks
+from trainers.config import AlgorithmConfig, TrainerConfig
+from trainers.worker import TrainerActor
+
+
+class TrainerGroup:
+    """``trainer.num_ranks`` trainer ranks as Ray actors in one placement group (see the module docstring).
+
+    ``temperature`` and ``max_response_length`` come from the ``rollout`` section. Needs Ray initialised.
+    Raises ValueError for ``device=cuda`` without enough GPUs in the cluster.
+    """
+
+    def __init__(self, trainer: TrainerConfig, algorithm: AlgorithmConfig, model: ModelConfig, *,
+                 temperature: float = 1.0, max_response_length: int | None = None):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.trainer = trainer
+        self.num_ranks = trainer.num_ranks
+        gpus = ray.cluster_resources().get("GPU", 0)
+        device = trainer.device if trainer.device != "auto" else ("cuda" if gpus >= self.num_ranks else "cpu")
+        if device == "cuda" and gpus < self.num_ranks:
+            raise ValueError(f"trainer.device=cuda needs {self.num_ranks} GPUs, the Ray cluster has {gpus}")
+        bundle = {"CPU": trainer.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
+        self._pg = placement_group([dict(bundle) for _ in range(self.num_ranks)], strategy="PACK")
+        self._actors: list = []
+        try:
+            ray.get(self._pg.ready(), timeout=trainer.timeout_s)
+            actor_cls = ray.remote(TrainerActor)
+            for rank in range(self.num_ranks):
+                strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
+                self._actors.append(actor_cls.options(
+                    num_cpus=trainer.num_cpus_per_rank, num_gpus=1 if device == "cuda" else 0,
+                    scheduling_strategy=strategy,
+                ).remote(trainer.num_threads))
+            port = self._wait([self._actors[0].free_port.remote()], "free_port")[0]
+            kwargs = {"trainer": trainer, "algorithm": algorithm, "model": model, "temperature": temperature,
+                      "max_response_length": max_response_length}
+            backend = "nccl" if device == "cuda" else "gloo"
+            self._wait([actor.setup.remote(
+                rank, self.num_ranks, LOOPBACK, port, backend, trainer.timeout_s, kwargs)
+                for rank, actor in enumerate(self._actors)], "setup")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------------------------------ plumbing
+
+    def _wait(self, refs: list, method: str) -> list:
+        """``ray.get`` every ref within ``trainer.timeout_s``; re-raise a rank's exception as itself."""
+        import ray
+
+        pending = list(refs)
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.trainer.timeout_s)
+        if pending:
+            raise TimeoutError(f"trainer {method}: {len(pending)} of {len(refs)} ranks did not answer within "
+                               f"trainer.timeout_s={self.trainer.timeout_s}")
+        results = []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as err:
+                cause = err.cause if isinstance(err.cause, BaseException) else err
+                cause.add_note(f"(raised on trainer rank {rank} in {method})")
+                raise cause from None
+        return results
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Run ``TrainerWorker.method(*args, **kwargs)`` on every rank (same arguments); per-rank results."""
+        return self._wait([a.call.remote(method, *args, **kwargs) for a in self._actors], method)
+
+    def execute(self, fn, *args, **kwargs) -> list:
+        """Run ``fn(worker, *args, **kwargs)`` on every rank; per-rank results. ``fn`` must be collective-safe
+        (every rank does the same collectives)."""
+        return self._wait([a.execute.remote(fn, *args, **kwargs) for a in self._actors], getattr(fn, "__name__", "fn"))
+
+    def _shards(self, batch: dict) -> list[RankShard]:
+        if schema.UID not in batch:
+            raise ValueError(f"a trainer batch needs {schema.UID!r} to be sharded by prompt group; has {sorted(batch)}")
+        return shard_for_ranks(batch[schema.UID], self.num_ranks, self.trainer.ppo_mini_batch_size)
+
+    def _scatter(self, method: str, batch: Mapping[str, Any], with_sizes: bool = False) -> tuple[list, list]:
+        b = as_batch_dict(batch)
+        batch_size(b)
+        shards = self._shards(b)
+        refs = []
+        for actor, shard in zip(self._actors, shards, strict=True):
+            extra = (shard.mini_batch_sizes,) if with_sizes else ()
+            refs.append(actor.call.remote(method, select(b, shard.indices), *extra))
+        return self._wait(refs, method), shards
+
+    @staticmethod
+    def _gather_fields(parts: list[dict], shards: list[RankShard]) -> dict[str, torch.Tensor]:
+        """Per-sample outputs of every rank put back in the caller's sample order."""
+        order = torch.tensor([i for shard in shards for i in shard.indices])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return {key: torch.cat([p[key] for p in parts]).index_select(0, inverse) for key in parts[0]}
+
+    # ------------------------------------------------------------------------------------------- stages
+
+    def compute_log_prob(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``TrainerWorker.compute_log_prob`` over the whole batch (``old_log_probs``, ``entropy``[,
+        ``ref_log_prob``]), rows in the caller's order."""
+        parts, shards = self._scatter("compute_log_prob", batch)
+        return self._gather_fields(parts, shards)
+
+    def compute_values(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``TrainerWorker.compute_values`` over the whole batch, rows in the caller's order."""
+        parts, shards = self._scatter("compute_values", batch)
+        return self._gather_fields(parts, shards)
+
+    def compute_advantages(self, batch: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """``TrainerWorker.compute_advantages``: (fields in the caller's order, metrics)."""
+        parts, shards = self._scatter("compute_advantages", batch)
+        return self._gather_fields([p[0] for p in parts], shards), parts[0][1]
+
+    def update_actor(self, batch: Mapping[str, Any]) -> dict[str, float]:
+        """One actor update over global mini-batches of ``ppo_mini_batch_size`` uid groups; metrics."""
+        parts, _ = self._scatter("update_actor", batch, with_sizes=True)
+        return parts[0]
+
+    def update_critic(self, batch: Mapping[str, Any]) -> dict[str, float]:
+        """One critic update (GAE only); metrics."""
+        parts, _ = self._scatter("update_critic", batch, with_sizes=True)
+        return parts[0]
+
+    def get_weight_version(self) -> int:
+        return self.call("get_weight_version")[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights (HF names, tied weights once), gathered on rank 0."""
+        return self.call("full_state_dict")[0]
+
+    def save_checkpoint(self, path: str) -> None:
+        self.call("save_checkpoint", str(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.call("load_checkpoint", str(path))
+
+    def shutdown(self) -> None:
+        """Kill the rank actors and remove the placement group. Idempotent."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        self._actors = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+

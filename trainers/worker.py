@@ -1,0 +1,335 @@
+"""The per-rank FSDP2 trainer: policy (+ optional reference and critic), optimizers, and the trainer stages.
+
+``TrainerWorker`` is a plain class holding one rank's state; it needs the default process group to be
+initialised (``trainers.fsdp.init_distributed``) and is what the tests drive directly in one process.
+``TrainerActor`` is the thin Ray actor around it that ``TrainerGroup`` (``trainers/group.py``) starts, one
+per rank. Every method that touches a model is collective: all ranks call it with their own data-parallel
+slice of the batch (whole ``uid`` groups), in the same order.
+
+Stages, in the order a training step runs them (batch in, fields or metrics out)::
+
+    compute_log_prob(batch)     -> old_log_probs, entropy (+ ref_log_prob with a reference model)
+    compute_values(batch)       -> values                                  (critic only, GAE)
+    compute_advantages(batch)   -> token_level_rewards, advantages, returns (+ metrics)
+    update_critic(batch)        -> metrics                                 (critic only)
+    update_actor(batch)         -> metrics; weight_version += 1
+
+Batches use the sample-schema names (``common/schema.py``); dicts or TensorDicts come in, dicts go out.
+The LR schedule steps once per ``update_actor`` / ``update_critic`` call (one trainer step), over
+``trainer.total_steps`` steps after ``trainer.warmup_steps`` of linear warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common import schema
+from common.env import set_torch_threads
+from common.models import ModelConfig
+from trainers import checkpoint, collectives, fsdp
+from trainers.advantages import compute_advantages as _estimate_advantages
+from trainers.batching import as_batch_dict, batch_size, local_mini_batch_sizes, select
+from trainers.config import AlgorithmConfig, TrainerConfig
+from trainers.kl import apply_kl_in_reward, make_kl_controller
+from trainers.metrics import masked_stats
+from trainers.update import (
+    CRITIC_FIELDS,
+    StepSums,
+    actor_fields,
+    actor_step,
+    critic_step,
+    filler_sample,
+    require_fields,
+    synced_micro_batches,
+)
+
+FORWARD_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES)
+ADVANTAGE_FIELDS = (schema.TOKEN_LEVEL_SCORES, schema.RESPONSE_MASK, schema.UID)
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier after ``step`` scheduler steps: linear warm-up over ``warmup_steps`` (from
+    ``1 / warmup_steps``), then ``constant`` 1 or ``cosine`` decay to 0 at ``total_steps``
+    (Loshchilov & Hutter 2017, SGDR, without restarts)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _make_optimizer(model: torch.nn.Module, cfg: TrainerConfig, lr: float):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        return lr_factor(step, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps)
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class TrainerWorker:
+    """One data-parallel rank of the trainer.
+
+    ``temperature``: ``rollout.temperature`` (log-probs of ``logits / T``; 0 = greedy, raw logits);
+    ``max_response_length``: ``rollout.max_response_length``, the constant of ``seq-mean-token-sum-norm``.
+    A critic is built when ``algorithm.adv_estimator == "gae"``; a reference model when
+    ``trainer.use_reference`` (needed by ``algorithm.use_kl_loss`` / ``use_kl_in_reward``). Raises
+    RuntimeError if the process group is not initialised, ValueError for a KL option without reference.
+    """
+
+    def __init__(self, trainer: TrainerConfig, algorithm: AlgorithmConfig, model: ModelConfig, *,
+                 temperature: float = 1.0, max_response_length: int | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("TrainerWorker needs torch.distributed initialised (trainers.fsdp.init_distributed)")
+        if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) and not trainer.use_reference:
+            raise ValueError("algorithm.use_kl_loss / use_kl_in_reward need trainer.use_reference=true")
+        self.trainer, self.algorithm, self.model_config = trainer, algorithm, model
+        self.temperature = float(temperature)
+        self.norm_length = max_response_length
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        self.policy = fsdp.build_fsdp_model(model, fsdp.POLICY, self.device)
+        self.actor_optimizer, self.actor_scheduler = _make_optimizer(self.policy, trainer, trainer.lr)
+        self.reference = None
+        if trainer.use_reference:
+            self.reference = fsdp.build_fsdp_model(model, fsdp.POLICY, self.device).requires_grad_(False)
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        if algorithm.adv_estimator == "gae":
+            self.critic = fsdp.build_fsdp_model(model, fsdp.CRITIC, self.device)
+            self.critic_optimizer, self.critic_scheduler = _make_optimizer(self.critic, trainer, trainer.critic_lr)
+        self.kl_controller = make_kl_controller(algorithm)
+        self.weight_version = 0
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        out = as_batch_dict(batch)
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+    def _mini_batches(self, batch: dict, mini_batch_sizes: list[int] | None) -> list[dict | None]:
+        """This rank's mini-batches (``None`` where it has no sample), as many as the rank with the most."""
+        if mini_batch_sizes is None:
+            groups = max(1, self.trainer.ppo_mini_batch_size // self.world_size)
+            order, mini_batch_sizes = local_mini_batch_sizes(batch[schema.UID], groups)
+            batch = select(batch, order)
+        elif sum(mini_batch_sizes) != batch_size(batch) or min(mini_batch_sizes, default=0) < 0:
+            raise ValueError(f"mini_batch_sizes {mini_batch_sizes} do not add up to the {batch_size(batch)} samples")
+        total = int(collectives.all_reduce([len(mini_batch_sizes)], dist.ReduceOp.MAX)[0])
+        minis: list[dict | None] = []
+        start = 0
+        for i in range(total):
+            size = mini_batch_sizes[i] if i < len(mini_batch_sizes) else 0
+            minis.append(select(batch, range(start, start + size)) if size else None)
+            start += size
+        return minis
+
+    @torch.no_grad()
+    def _forward_all(self, batch: dict, fn) -> list[Any]:
+        """``fn(micro_batch)`` over this rank's micro-batches (plus synced fillers, whose results are dropped)."""
+        results = [fn(mb) for mb in synced_micro_batches(batch, self.trainer.ppo_micro_batch_size,
+                                                         filler_sample(batch))]
+        return results[: math.ceil(batch_size(batch) / self.trainer.ppo_micro_batch_size)]
+
+    # ------------------------------------------------------------------------------------------- stages
+
+    def compute_log_prob(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``old_log_probs`` and ``entropy`` ``(batch, response_len)`` fp32 under the current policy at
+        ``temperature`` (+ ``ref_log_prob`` with a reference model). Needs ``input_ids``,
+        ``attention_mask``, ``responses``. Collective."""
+        b = self._to_device(batch)
+        require_fields(b, FORWARD_FIELDS, "compute_log_prob")
+        out: dict[str, torch.Tensor] = {}
+        results = self._forward_all(b, lambda mb: fsdp.response_log_probs(self.policy, mb, self.temperature, True))
+        out[schema.OLD_LOG_PROBS] = torch.cat([lp for lp, _ in results]).cpu()
+        out["entropy"] = torch.cat([ent for _, ent in results]).cpu()
+        fsdp.reshard(self.policy)
+        if self.reference is not None:
+            refs = self._forward_all(b, lambda mb: fsdp.response_log_probs(self.reference, mb, self.temperature)[0])
+            out[schema.REF_LOG_PROB] = torch.cat(refs).cpu()
+            fsdp.reshard(self.reference)
+        return out
+
+    def compute_values(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``values`` ``(batch, response_len)`` fp32 from the critic. Raises RuntimeError without a critic
+        (``algorithm.adv_estimator != "gae"``). Collective."""
+        if self.critic is None:
+            raise RuntimeError("compute_values needs a critic: set algorithm.adv_estimator=gae")
+        b = self._to_device(batch)
+        require_fields(b, FORWARD_FIELDS, "compute_values")
+        values = torch.cat(self._forward_all(b, lambda mb: fsdp.response_values(self.critic, mb))).cpu()
+        fsdp.reshard(self.critic)
+        return {schema.VALUES: values}
+
+    def compute_advantages(self, batch: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """``token_level_rewards`` (scores, minus the KL penalty with ``use_kl_in_reward``), ``advantages``
+        and ``returns`` ``(batch, response_len)`` for this rank's samples, and metrics.
+
+        Computed on the **global** batch (every rank's samples, gathered), so batch-level whitening
+        (GAE, REINFORCE++) and ``uid`` groups do not depend on how the batch was sharded. Needs
+        ``token_level_scores``, ``response_mask``, ``uid`` (+ ``values`` for gae, ``old_log_probs`` and
+        ``ref_log_prob`` for KL-in-reward, ``remax_baseline`` for remax). Collective.
+        """
+        b = as_batch_dict(batch)
+        algo = self.algorithm
+        needed = ADVANTAGE_FIELDS + ((schema.VALUES,) if algo.adv_estimator == "gae" else ()) \
+            + ((schema.OLD_LOG_PROBS, schema.REF_LOG_PROB) if algo.use_kl_in_reward else ()) \
+            + (("remax_baseline",) if algo.adv_estimator == "remax" else ())
+        require_fields(b, needed, "compute_advantages")
+        n_local = batch_size(b)
+        every = {k: collectives.all_gather_rows(b[k].cpu()) for k in needed if k != schema.UID}
+        uid = collectives.all_gather_strings([str(u) for u in b[schema.UID]])
+        offset = int(collectives.all_gather_rows(torch.tensor([n_local]))[: self.rank].sum().item())
+        mask = every[schema.RESPONSE_MASK]
+        metrics: dict[str, float] = {}
+        rewards = every[schema.TOKEN_LEVEL_SCORES].float()
+        if algo.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_in_reward(
+                rewards, every[schema.OLD_LOG_PROBS], every[schema.REF_LOG_PROB], mask,
+                kl_coef=self.kl_controller.value, estimator=algo.kl_in_reward_estimator)
+            metrics.update(kl_metrics)
+            self.kl_controller.update(kl_metrics["kl_in_reward/kl"], n_steps=len(uid))
+        advantages, returns = _estimate_advantages(
+            algo.adv_estimator, token_level_rewards=rewards, response_mask=mask, uid=uid,
+            values=every.get(schema.VALUES), gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std,
+            remax_baseline=every.get("remax_baseline"))
+        rows = slice(offset, offset + n_local)
+        metrics.update(masked_stats(advantages, mask, "advantages"))
+        metrics.update(masked_stats(returns, mask, "returns"))
+        out = {schema.TOKEN_LEVEL_REWARDS: rewards[rows], schema.ADVANTAGES: advantages[rows],
+               schema.RETURNS: returns[rows]}
+        return out, metrics
+
+    def update_actor(self, batch: Mapping[str, Any], mini_batch_sizes: list[int] | None = None) -> dict[str, float]:
+        """``trainer.ppo_epochs`` passes of PPO over ``batch``; returns flat ``actor/*`` metrics.
+
+        ``mini_batch_sizes``: this rank's samples in each global mini-batch, as ``TrainerGroup`` cuts
+        them (``trainers.batching.shard_for_ranks``); ``None`` cuts the local batch into mini-batches of
+        ``ppo_mini_batch_size // num_ranks`` uid groups. Needs ``input_ids``, ``attention_mask``,
+        ``responses``, ``response_mask``, ``old_log_probs``, ``advantages`` (+ ``ref_log_prob`` with
+        ``use_kl_loss``, ``rollout_log_probs`` with a ``stale_correction``); raises ValueError naming a
+        missing field. Metrics are over exactly the valid tokens the loss uses: ``pg_loss`` (mean per
+        mini-batch), ``pg_clipfrac``, ``ppo_kl``, ``entropy``, ``grad_norm`` (before clipping),
+        ``lr``, ``tokens_per_s`` (valid response tokens, all ranks, all epochs), ``skipped_steps``.
+        ``weight_version`` increases by one. Collective.
+        """
+        b = self._to_device(batch)
+        require_fields(b, actor_fields(self.algorithm) + ((schema.UID,) if mini_batch_sizes is None else ()),
+                       "update_actor")
+        sums = StepSums()
+        start = time.perf_counter()
+        minis = self._mini_batches(b, mini_batch_sizes)
+        filler = filler_sample(b)
+        lr = self.actor_scheduler.get_last_lr()[0]
+        for _ in range(self.trainer.ppo_epochs):
+            for mini in minis:
+                actor_step(self.policy, self.actor_optimizer, mini, filler, sums, algorithm=self.algorithm,
+                           temperature=self.temperature, micro_batch_size=self.trainer.ppo_micro_batch_size,
+                           max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length)
+        self.actor_scheduler.step()
+        self.weight_version += 1
+        metrics = sums.finish("actor")
+        metrics["actor/lr"] = lr
+        metrics["actor/tokens_per_s"] = metrics["actor/num_tokens"] / max(time.perf_counter() - start, 1e-9)
+        metrics["actor/weight_version"] = float(self.weight_version)
+        return metrics
+
+    def update_critic(self, batch: Mapping[str, Any], mini_batch_sizes: list[int] | None = None) -> dict[str, float]:
+        """``trainer.ppo_epochs`` passes of clipped value regression on ``returns``; ``critic/*`` metrics
+        (``vf_loss``, ``vf_clipfrac``, ``vpred_mean``, ``grad_norm``, ``lr``). Needs ``values`` (before the
+        update) and ``returns`` besides the prompt/response fields. Raises RuntimeError without a critic."""
+        if self.critic is None:
+            raise RuntimeError("update_critic needs a critic: set algorithm.adv_estimator=gae")
+        b = self._to_device(batch)
+        require_fields(b, CRITIC_FIELDS + ((schema.UID,) if mini_batch_sizes is None else ()), "update_critic")
+        sums = StepSums()
+        minis = self._mini_batches(b, mini_batch_sizes)
+        filler = filler_sample(b)
+        lr = self.critic_scheduler.get_last_lr()[0]
+        for _ in range(self.trainer.ppo_epochs):
+            for mini in minis:
+                critic_step(self.critic, self.critic_optimizer, mini, filler, sums, algorithm=self.algorithm,
+                            micro_batch_size=self.trainer.ppo_micro_batch_size,
+                            max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length)
+        self.critic_scheduler.step()
+        metrics = sums.finish("critic")
+        metrics["critic/lr"] = lr
+        return metrics
+
+    # ------------------------------------------------------------------------------- weights, checkpoint
+
+    def get_weight_version(self) -> int:
+        """Completed ``update_actor`` calls (0 at start; restored by ``load_checkpoint``)."""
+        return self.weight_version
+
+    def named_local_shards(self) -> Iterator[fsdp.LocalShard]:
+        """This rank's ``Shard(0)`` rows of every policy parameter, with row offsets (``fsdp.named_local_shards``)."""
+        fsdp.reshard(self.policy)
+        return fsdp.named_local_shards(self.policy)
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full policy tensors, gathered one by one; every rank must iterate, only rank 0 yields."""
+        fsdp.reshard(self.policy)
+        return fsdp.named_full_tensors(self.policy)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """All full policy tensors on CPU on rank 0 (``{}`` elsewhere). For small models and tests."""
+        return {name: t.cpu().clone() for name, t in self.named_full_tensors()}
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save everything needed to resume (``trainers.checkpoint.save``). Collective."""
+        checkpoint.save(path, self)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote (``trainers.checkpoint.load``). Collective."""
+        checkpoint.load(path, self)
+
+
+class TrainerActor:
+    """Ray actor wrapper of one rank: joins the process group, then holds a ``TrainerWorker``.
+
+    Started by ``TrainerGroup`` with ``ray.remote``; ``call(method, *args)`` runs a ``TrainerWorker``
+    method, ``execute(fn, *args)`` runs ``fn(worker, *args)`` (an extension point, e.g. for the
+    checkpoint engine's sender).
+    """
+
+    def __init__(self, num_threads: int):
+        set_torch_threads(num_threads)
+        self.worker: TrainerWorker | None = None
+
+    def free_port(self) -> int:
+        """A free TCP port on this node's loopback, for the process group's rendezvous (rank 0 only)."""
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def setup(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
+              timeout_s: float, worker_kwargs: dict) -> None:
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray gives each rank actor one GPU: its cuda:0
+        fsdp.init_distributed(rank, world_size, master_addr, master_port, backend, timeout_s)
+        self.worker = TrainerWorker(**worker_kwargs)
+
+    def call(self, method: str, *args, **kwargs):
+        if self.worker is None:
+            raise RuntimeError("the trainer actor is not set up")
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def execute(self, fn, *args, **kwargs):
+        if self.worker is None:
+            raise RuntimeError("the trainer actor is not set up")
+        return fn(self.worker, *args, **kwargs)
+
+    def close(self) -> None:
+        self.worker = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
