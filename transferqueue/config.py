@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class TransferQueueConfig:
     """Data plane. ``capacity_bytes`` per storage unit; ``shared_memory`` enables the same-node fast
     path; ``curve`` enables ZMQ CURVE auth/encryption (for sockets that leave the node); ``host`` is the
-    bind address (loopback unless configured)."""
+    bind address (loopback unless configured).
+
+    ``route_block``: samples ``[k*route_block, (k+1)*route_block)`` live on unit ``k % num_storage_units``.
+    ``shm_min_bytes``: puts smaller than this go over ZMQ frames even on one node (a shared-memory put
+    costs one more round trip). ``sampler_modules``: modules the index imports at start so their
+    ``register_sampler`` calls add custom samplers. ``start_timeout_s``: how long to wait for servers.
+    """
 
     num_storage_units: int = 2
     capacity_bytes: int = 2 * 1024**3
@@ -17,6 +23,10 @@ class TransferQueueConfig:
     curve: bool = False
     host: str = "127.0.0.1"
     request_timeout_s: float = 60.0
+    route_block: int = 64
+    shm_min_bytes: int = 64 * 1024
+    sampler_modules: list[str] = field(default_factory=list)
+    start_timeout_s: float = 60.0
 
     def __post_init__(self):
         if self.num_storage_units < 1:
@@ -25,3 +35,11 @@ class TransferQueueConfig:
             raise ValueError(f"transferqueue.capacity_bytes must be >= 1, got {self.capacity_bytes}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"transferqueue.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.route_block < 1:
+            raise ValueError(f"transferqueue.route_block must be >= 1, got {self.route_block}")
+        if self.shm_min_bytes < 0:
+            raise ValueError(f"transferqueue.shm_min_bytes must be >= 0, got {self.shm_min_bytes}")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"transferqueue.start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if not self.host or any(c in self.host for c in "/ :"):
+            raise ValueError(f"transferqueue.host must be a host name or IPv4 address, got {self.host!r}")

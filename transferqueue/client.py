@@ -1,0 +1,448 @@
+"""The TransferQueue client: ``put``, ``get_meta``, ``get_data``, ``get``, ``clear``, ``reset_consumption``,
+``status`` — each as a sync method and an ``a``-prefixed coroutine, sharing one flow (see ``transport``).
+
+::
+
+    put:      index.prepare_put (ids) -> per unit: [alloc shm block] -> put -> index.notify (fields ready)
+    get_meta: index.get_meta (long-poll; ids + tags only)
+    get_data: per unit, in parallel: get -> runs in shm blocks / raw frames -> one copy into new tensors
+
+Samples live on unit ``(id // route_block) % num_units``. Same-node units get data through shared memory
+(one memcpy each way, ZMQ carries only control); others through raw ZMQ frames (zero-copy send).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from transferqueue import wire
+from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQHandle
+from transferqueue.server import node_id
+from transferqueue.storage import ALIGN, SHM_DIR
+from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
+
+_SHM_NAME = re.compile(r"hflow-tq-\d+-[0-9a-f]{12}")
+FULL_RETRY_S = 0.01
+
+
+class ShmCache:
+    """Mappings of storage units' shared-memory blocks, opened on first use (bounded LRU)."""
+
+    def __init__(self, max_open: int = 256):
+        self.maps: OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
+        self.max_open = max_open
+
+    def view(self, name: str) -> np.ndarray:
+        hit = self.maps.get(name)
+        if hit is not None:
+            self.maps.move_to_end(name)
+            return hit[1]
+        if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
+            raise RemoteError(f"storage unit named an invalid shared-memory block {name!r}")
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self.maps[name] = (mm, np.frombuffer(mm, dtype=np.uint8))
+        while len(self.maps) > self.max_open:
+            _, (old, _) = self.maps.popitem(last=False)
+            try:
+                old.close()
+            except BufferError:  # a caller's view still uses it; it closes when collected
+                pass
+        return self.maps[name][1]
+
+    def close(self) -> None:
+        while self.maps:
+            self.maps.popitem()
+
+
+def _batch_size(data: Mapping[str, Any]) -> int:
+    if not data:
+        raise ValueError("put needs at least one field")
+    sizes = {name: (v.shape[0] if isinstance(v, torch.Tensor) and v.dim() else len(v)) for name, v in data.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"fields have different batch sizes: {sizes}")
+    return next(iter(sizes.values()))
+
+
+def _rows(value: Any, pos: np.ndarray) -> Any:
+    """Rows ``pos`` of a field value: a view for a contiguous range, else a gathered copy."""
+    if len(pos) and pos[-1] - pos[0] == len(pos) - 1:
+        return value[int(pos[0]):int(pos[-1]) + 1]
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, torch.from_numpy(pos))
+    return [value[i] for i in pos.tolist()]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def merge_copy(out: np.ndarray, src: list[np.ndarray], dst: list[tuple[int, int]]) -> None:
+    """Copy the byte stream ``src`` (buffers back to back) into ``out`` at ``dst`` segments
+    ``(offset, nbytes)`` (same total length), one ``np.copyto`` per overlap of a source and a segment."""
+    si, so = 0, 0
+    for off, n in dst:
+        while n:
+            while si < len(src) and so == len(src[si]):
+                si, so = si + 1, 0
+            take = min(n, len(src[si]) - so)
+            np.copyto(out[off:off + take], src[si][so:so + take])
+            off, n, so = off + take, n - take, so + take
+
+
+class TQClient:
+    """Client of one TransferQueue (built from the controller's ``TQHandle``); thread-safe, reusable."""
+
+    def __init__(self, handle: TQHandle):
+        self.handle = handle
+        self.num_units = len(handle.unit_addresses)
+        here = node_id()
+        self.local = [handle.shared_memory and n == here for n in handle.unit_nodes]
+        self.shm = ShmCache()
+        self._sync = SyncDriver(handle)
+        self._async = AsyncDriver(handle)
+
+    # ---------------------------------------------------------------------------------- routing
+    def units_of(self, sample_ids: Sequence[int]) -> list[tuple[int, np.ndarray]]:
+        """``(unit, positions)`` for each unit holding some of ``sample_ids`` (positions in order)."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        units = (ids // self.handle.route_block) % self.num_units
+        return [(u, np.flatnonzero(units == u)) for u in range(self.num_units) if (units == u).any()]
+
+    # -------------------------------------------------------------------------------------- put
+    def _put_flow(self, data: Mapping[str, Any], partition: str, sample_ids: Sequence[int] | None,
+                  tags: Sequence[Mapping] | None, timeout_s: float) -> Flow:
+        count = _batch_size(data)
+        if tags is not None and len(tags) != count:
+            raise ValueError(f"{len(tags)} tag dicts for {count} samples")
+        if sample_ids is not None and len(sample_ids) != count:
+            raise ValueError(f"{len(sample_ids)} sample_ids for {count} samples")
+        names = list(data)
+        ids_given = None if sample_ids is None else [int(i) for i in sample_ids]
+        [(head, _)] = yield [Call(INDEX, {"op": "prepare_put", "partition": partition, "ids": ids_given,
+                                          "count": count, "fields": names})]
+        ids = head["ids"]
+        stored: list[int] = []
+        try:
+            columns = yield from self._store(data, names, ids, timeout_s, stored)
+            yield [Call(INDEX, {"op": "notify", "partition": partition, "ids": ids, "columns": columns,
+                                "tags": None if tags is None else [dict(t) for t in tags]})]
+        except BaseException:
+            yield from self._undo(partition, ids, names, stored, new=sample_ids is None)
+            raise
+        return BatchMeta(partition, ids, names, [dict(t) for t in tags] if tags is not None else [{}] * count)
+
+    def _store(self, data, names, ids, timeout_s, stored: list[int]) -> Flow:
+        """Send each unit its rows; retry units that answer ``full`` until the deadline. Returns the
+        columns (descriptors over all samples, in ``ids`` order) for the index."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        pending = {}
+        for unit, pos in self.units_of(ids):
+            sub_ids = [ids[i] for i in pos.tolist()]
+            encoded = [wire.encode_column(n, _rows(data[n], pos), len(pos)) for n in names]
+            pending[unit] = (sub_ids, encoded)
+        while pending:
+            calls, order = [], []
+            for unit, (sub_ids, encoded) in pending.items():
+                use_shm = self.local[unit] and sum(d["nbytes"] for d, _ in encoded) >= self.handle.shm_min_bytes
+                if use_shm:
+                    calls.append(Call(unit, {"op": "alloc", "nbytes": sum(_aligned(d["nbytes"]) for d, _ in encoded)}))
+                    order.append((unit, "alloc"))
+                else:
+                    calls.append(Call(unit, {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded]},
+                                      [b for _, bufs in encoded for b in bufs]))
+                    order.append((unit, "put"))
+            replies = yield from self._tolerate_full(calls)
+            commits = []
+            for (unit, kind), reply in zip(order, replies, strict=True):
+                if reply is None:
+                    continue
+                if kind == "put":
+                    stored.append(unit)
+                    del pending[unit]
+                    continue
+                sub_ids, encoded = pending[unit]
+                commits.append((unit, self._write_block(unit, reply[0]["block"], sub_ids, encoded)))
+            if commits:
+                got = yield from self._tolerate_full([c for _, c in commits])
+                for (unit, _), reply in zip(commits, got, strict=True):
+                    if reply is not None:
+                        stored.append(unit)
+                        del pending[unit]
+            if pending:
+                if time.monotonic() > deadline:
+                    raise Full(f"storage units {sorted(pending)} stayed full for {timeout_s} s")
+                yield Sleep(FULL_RETRY_S)
+        return self._columns_for_index(data, names, ids)
+
+    @staticmethod
+    def _tolerate_full(calls: list[Call]) -> Flow:
+        """Send ``calls`` together; a ``Full`` reply becomes None (retried later), other errors raise."""
+        for call in calls:
+            call.tolerate = True
+        replies = yield calls
+        for reply in replies:
+            if isinstance(reply, Exception) and not isinstance(reply, Full):
+                raise reply
+        return [None if isinstance(r, Full) else r for r in replies]
+
+    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list) -> Call:
+        view = self.shm.view(block)
+        offsets, off = [], 0
+        for desc, bufs in encoded:
+            offsets.append(off)
+            pos = off
+            for b in bufs:
+                np.copyto(view[pos:pos + len(b)], b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8))
+                pos += len(b)
+            desc["split"] = False
+            off += _aligned(desc["nbytes"])
+        return Call(unit, {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded],
+                         "shm": {"block": block, "offsets": offsets}})
+
+    @staticmethod
+    def _columns_for_index(data, names, ids) -> list[dict]:
+        cols = []
+        for n in names:
+            v = data[n]
+            if isinstance(v, torch.Tensor):
+                cols.append({"name": n, "dtype": wire.dtype_name(v.dtype), "shape": list(v.shape[1:]),
+                             "nbytes": v.nbytes})
+            else:
+                desc, _ = wire.encode_column(n, v, len(ids))
+                desc.pop("split", None)
+                cols.append(desc)
+        return cols
+
+    def _undo(self, partition, ids, names, stored, new: bool) -> Flow:
+        calls = [Call(u, {"op": "clear", "ids": [ids[i] for i in pos.tolist()], "fields": names})
+                 for u, pos in self.units_of(ids) if u in stored]
+        if new:
+            calls.append(Call(INDEX, {"op": "clear", "partition": partition, "ids": ids}))
+        try:
+            if calls:
+                yield calls
+        except Exception:  # best effort: the original error is what the caller needs
+            pass
+
+    # --------------------------------------------------------------------------------- get_meta
+    def _get_meta_flow(self, fields, batch_size, task, partition, sampler, options, timeout_s) -> Flow:
+        [(head, _)] = yield [Call(INDEX, {"op": "get_meta", "partition": partition, "fields": list(fields),
+                                          "batch_size": batch_size, "task": task, "sampler": sampler,
+                                          "options": dict(options or {}), "timeout_s": float(timeout_s)})]
+        return BatchMeta.from_wire(head["meta"])
+
+    # --------------------------------------------------------------------------------- get_data
+    def _get_data_flow(self, meta: BatchMeta, fields: Sequence[str] | None) -> Flow:
+        names = list(fields if fields is not None else meta.fields)
+        if not names:
+            raise ValueError("get_data needs at least one field")
+        if not len(meta):
+            return Batch(meta, {n: [] for n in names})
+        routes = self.units_of(meta.sample_ids)
+        calls = [Call(u, {"op": "get", "ids": [meta.sample_ids[i] for i in pos.tolist()], "fields": names,
+                          "shm": self.local[u]}) for u, pos in routes]
+        replies = yield calls
+        return Batch(meta, {n: self._assemble(j, n, len(meta), routes, replies) for j, n in enumerate(names)})
+
+    def _assemble(self, j: int, name: str, count: int, routes, replies) -> Any:
+        """Build field ``name`` (column ``j`` of every unit's reply) in meta order: one fresh buffer, one copy."""
+        row_nb = np.zeros(count, dtype=np.int64)
+        shapes: list = [None] * count
+        dtypes = set()
+        for (_, pos), (head, _) in zip(routes, replies, strict=True):
+            col = head["columns"][j]
+            dtypes.add(col["dtype"])
+            col_shapes = col["shapes"] if "shapes" in col else [col["shape"]] * col["count"]
+            if len(col_shapes) != len(pos):
+                raise RemoteError(f"unit returned {len(col_shapes)} rows of {name!r}, expected {len(pos)}")
+            desc = {"dtype": col["dtype"], "count": len(pos), "shapes": col_shapes}
+            row_nb[pos] = wire.row_nbytes(desc)
+            for p, sh in zip(pos.tolist(), col_shapes, strict=True):
+                shapes[p] = sh
+        if len(dtypes) != 1:
+            raise RemoteError(f"field {name!r} has mixed dtypes across units: {sorted(dtypes)}")
+        dst_off = np.concatenate([[0], np.cumsum(row_nb)]).astype(np.int64)
+        dtype = dtypes.pop()
+        out_t = torch.empty(int(dst_off[-1]), dtype=torch.uint8)
+        out = out_t.numpy()
+        for (_, pos), (head, frames) in zip(routes, replies, strict=True):
+            src = self._sources(head, frames, j)
+            brk = np.flatnonzero(np.diff(pos) != 1) + 1
+            segs = [(int(dst_off[pos[s]]), int(dst_off[pos[e - 1] + 1] - dst_off[pos[s]]))
+                    for s, e in zip([0, *brk.tolist()], [*brk.tolist(), len(pos)], strict=True)]
+            merge_copy(out, src, segs)
+        desc = {"name": name, "dtype": dtype, "count": count}
+        if dtype != wire.OBJECT_DTYPE and all(sh == shapes[0] for sh in shapes):
+            desc["shape"] = shapes[0]
+        else:
+            desc["shapes"] = shapes
+        return wire.decode_column(desc, out)
+
+    def _sources(self, head: dict, frames: list, j: int) -> list[np.ndarray]:
+        """Source buffers of column ``j`` of one reply, in row order (shm views or received frames)."""
+        fi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] is None)
+        src = []
+        for seg, off, nbytes in head["columns"][j]["runs"]:
+            if seg is None:
+                buf = np.frombuffer(frames[fi].buffer, dtype=np.uint8)
+                fi += 1
+            else:
+                buf = self.shm.view(seg)[off:off + nbytes]
+            if len(buf) != nbytes:
+                raise RemoteError(f"run of {len(buf)} bytes where {nbytes} were announced")
+            src.append(buf)
+        return src
+
+    # ----------------------------------------------------------------------------- maintenance
+    def _clear_flow(self, partition: str, sample_ids: Sequence[int] | None) -> Flow:
+        ids = None if sample_ids is None else [int(i) for i in sample_ids]
+        [(head, _)] = yield [Call(INDEX, {"op": "clear", "partition": partition, "ids": ids})]
+        removed = head["ids"]
+        calls = [Call(u, {"op": "clear", "ids": [removed[i] for i in pos.tolist()]})
+                 for u, pos in self.units_of(removed)] if removed else []
+        if calls:
+            yield calls
+        return len(removed)
+
+    def _simple_flow(self, target: int, header: dict, key: str | None) -> Flow:
+        [(head, _)] = yield [Call(target, header)]
+        return head.get(key) if key else None
+
+    # ------------------------------------------------------------------------------ public API
+    def put(self, data: Mapping[str, Any], partition: str, sample_ids: Sequence[int] | None = None,
+            tags: Sequence[Mapping] | None = None, timeout_s: float | None = None) -> BatchMeta:
+        """Store a batch and mark its fields ready; returns its BatchMeta (with the sample ids).
+
+        ``data``: field name -> tensor ``(batch, *shape)`` | list of ``batch`` tensors (variable shapes) |
+        list of ``batch`` msgpack-able objects (strings, numbers, small dicts). ``sample_ids``: None to
+        create new samples in ``partition``, else existing ids to add fields to (fields are write-once).
+        ``tags``: one dict per sample (``uid``, weight versions, lengths), merged into the sample's tags.
+        Raises ValueError/TypeError for bad input, RemoteError when the index rejects it (unknown/cleared
+        ids, field already written, dtype change), Full when a unit stays full for ``timeout_s``
+        (default: the handle's request timeout; nothing of a failed put is kept), Timeout, Closed.
+        """
+        t = self._timeout(timeout_s)
+        return self._sync.run(self._put_flow(data, partition, sample_ids, tags, t), t + self.handle.request_timeout_s)
+
+    async def aput(self, data: Mapping[str, Any], partition: str, sample_ids: Sequence[int] | None = None,
+                   tags: Sequence[Mapping] | None = None, timeout_s: float | None = None) -> BatchMeta:
+        """Async ``put``."""
+        t = self._timeout(timeout_s)
+        return await self._async.run(self._put_flow(data, partition, sample_ids, tags, t),
+                                     t + self.handle.request_timeout_s)
+
+    def get_meta(self, fields: Sequence[str], batch_size: int, task: str, partition: str,
+                 sampler: str = "sequential", options: Mapping | None = None, timeout_s: float = 0.0) -> BatchMeta:
+        """Take ``batch_size`` samples whose ``fields`` are all ready and that ``task`` has not consumed,
+        chosen by ``sampler`` (``sequential`` | ``group_complete`` | ``seqlen_balanced`` | registered), and
+        mark them consumed by ``task``. ``timeout_s`` 0: answer at once; > 0: long-poll up to that long.
+        An unfilled request returns an empty BatchMeta whose ``reason`` says why (e.g. "insufficient
+        complete groups"). Raises RemoteError for a bad batch size, sampler or options."""
+        flow = self._get_meta_flow(fields, batch_size, task, partition, sampler, options, timeout_s)
+        return self._sync.run(flow, timeout_s + self.handle.request_timeout_s)
+
+    async def aget_meta(self, fields: Sequence[str], batch_size: int, task: str, partition: str,
+                        sampler: str = "sequential", options: Mapping | None = None,
+                        timeout_s: float = 0.0) -> BatchMeta:
+        """Async ``get_meta``."""
+        flow = self._get_meta_flow(fields, batch_size, task, partition, sampler, options, timeout_s)
+        return await self._async.run(flow, timeout_s + self.handle.request_timeout_s)
+
+    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
+        """Fetch ``fields`` (default ``meta.fields``) of ``meta``'s samples, in ``meta`` order, as a Batch of
+        writable tensors the caller owns (see ``Batch`` for fixed vs variable-length fields). Raises
+        RemoteError when a field is missing or was cleared, Timeout."""
+        return self._sync.run(self._get_data_flow(meta, fields), self.handle.request_timeout_s)
+
+    async def aget_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
+        """Async ``get_data``."""
+        return await self._async.run(self._get_data_flow(meta, fields), self.handle.request_timeout_s)
+
+    def get(self, fields: Sequence[str], batch_size: int, task: str, partition: str, sampler: str = "sequential",
+            options: Mapping | None = None, timeout_s: float = 0.0) -> Batch:
+        """``get_meta`` then ``get_data`` (an empty Batch, with ``meta.reason``, when nothing was ready)."""
+        meta = self.get_meta(fields, batch_size, task, partition, sampler, options, timeout_s)
+        return self.get_data(meta)
+
+    async def aget(self, fields: Sequence[str], batch_size: int, task: str, partition: str,
+                   sampler: str = "sequential", options: Mapping | None = None, timeout_s: float = 0.0) -> Batch:
+        """Async ``get``."""
+        meta = await self.aget_meta(fields, batch_size, task, partition, sampler, options, timeout_s)
+        return await self.aget_data(meta)
+
+    def clear(self, partition: str, sample_ids: Sequence[int] | None = None) -> int:
+        """Remove samples (the whole partition when ``sample_ids`` is None) from the index and the units;
+        idempotent; returns how many were removed now. Cleared ids are never served again."""
+        return self._sync.run(self._clear_flow(partition, sample_ids), self.handle.request_timeout_s)
+
+    async def aclear(self, partition: str, sample_ids: Sequence[int] | None = None) -> int:
+        """Async ``clear``."""
+        return await self._async.run(self._clear_flow(partition, sample_ids), self.handle.request_timeout_s)
+
+    def reset_consumption(self, partition: str, task: str) -> None:
+        """Make every sample of ``partition`` unconsumed for ``task`` again (idempotent)."""
+        flow = self._simple_flow(INDEX, {"op": "reset_consumption", "partition": partition, "task": task}, None)
+        self._sync.run(flow, self.handle.request_timeout_s)
+
+    async def areset_consumption(self, partition: str, task: str) -> None:
+        """Async ``reset_consumption``."""
+        flow = self._simple_flow(INDEX, {"op": "reset_consumption", "partition": partition, "task": task}, None)
+        await self._async.run(flow, self.handle.request_timeout_s)
+
+    def status(self) -> IndexStats:
+        """Production/consumption counts of the index (metadata only)."""
+        stats = self._sync.run(self._simple_flow(INDEX, {"op": "stats"}, "stats"), self.handle.request_timeout_s)
+        return IndexStats(**stats)
+
+    async def astatus(self) -> IndexStats:
+        """Async ``status``."""
+        stats = await self._async.run(self._simple_flow(INDEX, {"op": "stats"}, "stats"),
+                                      self.handle.request_timeout_s)
+        return IndexStats(**stats)
+
+    def sample_info(self, partition: str, sample_ids: Sequence[int] | None = None, limit: int = 1000) -> list[dict]:
+        """Per sample: ``{"id", "fields" (ready), "tags", "consumed_by"}`` — metadata only, consumes nothing."""
+        header = {"op": "sample_info", "partition": partition, "limit": limit,
+                  "ids": None if sample_ids is None else [int(i) for i in sample_ids]}
+        return self._sync.run(self._simple_flow(INDEX, header, "samples"), self.handle.request_timeout_s)
+
+    def unit_stats(self, unit: int) -> dict:
+        """Byte and request counters of storage unit ``unit``."""
+        return self._sync.run(self._unit_stats_flow(unit), self.handle.request_timeout_s)
+
+    def _unit_stats_flow(self, unit: int) -> Flow:
+        [(head, _)] = yield [Call(unit, {"op": "stats"})]
+        return {k: v for k, v in head.items() if k not in ("ok", "rid")}
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        t = self.handle.request_timeout_s if timeout_s is None else timeout_s
+        if t < 0:
+            raise ValueError(f"timeout_s must be >= 0, got {t}")
+        return t
+
+    def close(self) -> None:
+        """Close every socket and mapping; later calls raise Closed."""
+        self._sync.close()
+        self._async.close()
+        self.shm.close()
+
+    def __enter__(self) -> TQClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,141 @@
+"""The index process: ``MetadataIndex`` behind a ROUTER socket, with non-blocking long-poll ``get_meta``.
+
+A ``get_meta`` that cannot be filled and has ``timeout_s > 0`` is *parked* (identity, request, deadline),
+never slept on. Every ``notify``, ``reset_consumption`` or ``clear`` of a partition retries that
+partition's parked requests in arrival order; ``tick`` answers the expired ones with an empty meta and
+the sampler's reason. So one slow consumer never blocks another's request.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import asdict
+
+from transferqueue import wire
+from transferqueue.index import MetadataIndex
+from transferqueue.records import CurveKeys, IndexStats
+from transferqueue.server import Reply, RouterServer
+
+MAX_PARKED = 10_000
+
+
+def _ids_or_none(value, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) for i in value):
+        raise wire.WireError(f"{what} must be a list of ints or null")
+    return value
+
+
+class IndexServer(RouterServer):
+    """Ops: ``prepare_put``, ``notify``, ``get_meta``, ``clear``, ``reset_consumption``, ``stats``,
+    ``sample_info``, ``ping``. ``sampler_modules``: modules imported at start (they call
+    ``samplers.register_sampler``)."""
+
+    def __init__(self, address: str, curve: CurveKeys | None = None, sampler_modules: tuple[str, ...] = ()):
+        for mod in sampler_modules:
+            importlib.import_module(mod)
+        super().__init__(address, curve)
+        self.index = MetadataIndex()
+        self.parked: list[tuple[float, bytes, dict]] = []
+
+    def handle(self, identity: bytes, header: dict, frames: list) -> Reply | None:
+        if frames:
+            raise wire.WireError(f"the index takes no data frames, got {len(frames)}")
+        op = header["op"]
+        ix = self.index
+        if op == "get_meta":
+            return self._get_meta(identity, header)
+        if op == "prepare_put":
+            ids = ix.prepare_put(header.get("partition"), _ids_or_none(header.get("ids"), "ids"),
+                                 header.get("count"), list(header.get("fields") or []))
+            return {"ids": ids}, []
+        if op == "notify":
+            ids = _ids_or_none(header.get("ids"), "ids") or []
+            cols = header.get("columns")
+            if not isinstance(cols, list):
+                raise wire.WireError("notify: columns must be a list")
+            ix.notify(header.get("partition"), ids, [wire.validate_column(c, len(ids)) for c in cols],
+                      header.get("tags"))
+            self._retry(header.get("partition"))
+            return {}, []
+        if op == "clear":
+            removed = ix.clear(header.get("partition"), _ids_or_none(header.get("ids"), "ids"))
+            return {"ids": removed}, []
+        if op == "reset_consumption":
+            ix.reset_consumption(header.get("partition"), header.get("task"))
+            self._retry(header.get("partition"))
+            return {}, []
+        if op == "stats":
+            return {"stats": asdict(self.stats())}, []
+        if op == "sample_info":
+            limit = header.get("limit", 1000)
+            return {"samples": ix.sample_info(header.get("partition"), _ids_or_none(header.get("ids"), "ids"),
+                                              limit if isinstance(limit, int) else 1000)}, []
+        if op == "ping":
+            return {}, []
+        raise wire.WireError(f"unknown op {op!r} for the index")
+
+    def _get_meta(self, identity: bytes, header: dict) -> Reply | None:
+        meta = self._try(header)
+        timeout_s = header.get("timeout_s", 0.0)
+        if not isinstance(timeout_s, int | float) or timeout_s < 0:
+            raise wire.WireError(f"get_meta: timeout_s must be a number >= 0, got {timeout_s!r}")
+        if len(meta) or timeout_s == 0:
+            return {"meta": meta.to_wire()}, []
+        if len(self.parked) >= MAX_PARKED:
+            raise ValueError(f"too many parked get_meta requests ({MAX_PARKED})")
+        self.parked.append((time.monotonic() + timeout_s, identity, header))
+        return None
+
+    def _try(self, header: dict):
+        options = header.get("options") or {}
+        if not isinstance(options, dict):
+            raise wire.WireError("get_meta: options must be a map")
+        fields = header.get("fields")
+        return self.index.get_meta(header.get("partition"), list(fields) if isinstance(fields, list) else fields,
+                                   header.get("batch_size"), header.get("task"),
+                                   header.get("sampler", "sequential"), options)
+
+    def _retry(self, partition: str | None) -> None:
+        still = []
+        for deadline, identity, header in self.parked:
+            if header.get("partition") != partition:
+                still.append((deadline, identity, header))
+                continue
+            try:
+                meta = self._try(header)
+            except Exception as exc:  # options were validated when parked; defensive
+                self.send(identity, {"ok": False, "rid": header.get("rid"), "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            if len(meta):
+                self.send(identity, {"ok": True, "rid": header.get("rid"), "meta": meta.to_wire()})
+            else:
+                still.append((deadline, identity, header))
+        self.parked = still
+
+    def tick(self) -> None:
+        if not self.parked:
+            return
+        now = time.monotonic()
+        if all(deadline > now for deadline, _, _ in self.parked):
+            return
+        still = []
+        for deadline, identity, header in self.parked:
+            if deadline > now:
+                still.append((deadline, identity, header))
+                continue
+            meta = self._try(header)
+            if not len(meta):
+                meta.reason = f"timed out after {header.get('timeout_s')} s: {meta.reason}"
+            self.send(identity, {"ok": True, "rid": header.get("rid"), "meta": meta.to_wire()})
+        self.parked = still
+
+    def stats(self) -> IndexStats:
+        ix = self.index
+        return IndexStats(
+            num_samples=sum(len(p.samples) for p in ix.partitions.values()),
+            produced=ix.next_id, consumed=dict(ix.consumed), cleared=ix.cleared, bytes_stored=ix.bytes_stored,
+            ready=ix.ready_counts(), partitions={n: len(p.samples) for n, p in ix.partitions.items()},
+            requests={k: list(v) for k, v in self.requests.items()}, waiting=len(self.parked))

@@ -1,0 +1,211 @@
+"""Starting a TransferQueue: one index process plus N storage-unit processes, as plain subprocesses or
+Ray actors; both give back a ``TQHandle`` (addresses, routing, keys) for every worker's ``TQClient``.
+
+::
+
+    controller: servers = start_transferqueue(cfg)        # or start_transferqueue_ray(cfg)
+                handle = servers.handle  -> passed to every Ray actor -> TQClient(handle)
+                servers.shutdown()                          # stops the loops, unlinks shared memory
+
+Subprocesses get their settings (including CURVE secrets) as JSON on stdin, never on the command line,
+and publish their bound endpoint in a file the launcher waits for (``start_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from transferqueue.config import TransferQueueConfig
+from transferqueue.records import CurveKeys, TQError, TQHandle
+
+logger = logging.getLogger(__name__)
+
+
+def build_server(spec: dict):
+    """The server object described by ``spec`` (``role`` index|unit, ``address``, ``curve``, ...)."""
+    curve = CurveKeys(**spec["curve"]) if spec.get("curve") else None
+    if spec["role"] == "index":
+        from transferqueue.index_server import IndexServer
+
+        return IndexServer(spec["address"], curve, tuple(spec.get("sampler_modules", ())))
+    if spec["role"] == "unit":
+        from transferqueue.storage import StorageUnit
+
+        return StorageUnit(spec["address"], spec["capacity_bytes"], curve, lease_s=spec.get("lease_s", 60.0))
+    raise ValueError(f"unknown server role {spec['role']!r}")
+
+
+def _server_main() -> None:
+    """Entry of a server subprocess: read the spec from stdin, bind, publish the endpoint, serve."""
+    spec = json.loads(sys.stdin.read())
+    from transferqueue.server import node_id, write_endpoint_file
+
+    server = build_server(spec)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    write_endpoint_file(spec["endpoint_file"], {"endpoint": server.endpoint, "node": node_id(), "pid": os.getpid()})
+    server.serve_forever()
+
+
+def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None) -> list[dict]:
+    base = {"address": f"tcp://{cfg.host}:0", "curve": asdict(curve) if curve else None,
+            "lease_s": cfg.request_timeout_s}
+    specs = [dict(base, role="index", sampler_modules=list(cfg.sampler_modules))]
+    specs += [dict(base, role="unit", capacity_bytes=cfg.capacity_bytes) for _ in range(cfg.num_storage_units)]
+    return specs
+
+
+def _handle(cfg: TransferQueueConfig, infos: list[dict], curve: CurveKeys | None) -> TQHandle:
+    return TQHandle(index_address=infos[0]["endpoint"], unit_addresses=[i["endpoint"] for i in infos[1:]],
+                    unit_nodes=[i["node"] for i in infos[1:]], route_block=cfg.route_block,
+                    shared_memory=cfg.shared_memory, shm_min_bytes=cfg.shm_min_bytes,
+                    request_timeout_s=cfg.request_timeout_s, curve=curve)
+
+
+def _keys(cfg: TransferQueueConfig) -> CurveKeys | None:
+    if not cfg.curve:
+        return None
+    from transferqueue.security import make_job_keys
+
+    return make_job_keys()
+
+
+class TQServers:
+    """Running servers (subprocesses) and their handle. ``shutdown()`` is idempotent."""
+
+    def __init__(self, handle: TQHandle, procs: list[subprocess.Popen], run_dir: str):
+        self.handle, self.procs, self.run_dir = handle, procs, run_dir
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                logger.warning("TransferQueue server %d ignored SIGTERM; killing it", p.pid)
+                p.kill()
+                p.wait(timeout=5)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> TQServers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def start_transferqueue(cfg: TransferQueueConfig) -> TQServers:
+    """Start the index and ``cfg.num_storage_units`` units as subprocesses; returns once all are bound.
+
+    Raises TQError when a server exits or does not publish its endpoint within ``cfg.start_timeout_s``
+    (every started process is stopped first).
+    """
+    curve = _keys(cfg)
+    run_dir = tempfile.mkdtemp(prefix="hflow-tq-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    procs, files = [], []
+    try:
+        for i, spec in enumerate(_specs(cfg, curve)):
+            spec["endpoint_file"] = files_i = os.path.join(run_dir, f"server{i}.json")
+            files.append(files_i)
+            p = subprocess.Popen([sys.executable, "-c", "from transferqueue.launch import _server_main; _server_main()"],
+                                 stdin=subprocess.PIPE, env=env, start_new_session=True)
+            procs.append(p)
+            p.stdin.write(json.dumps(spec).encode())
+            p.stdin.close()
+        infos = _wait_files(files, procs, cfg.start_timeout_s)
+    except BaseException:
+        TQServers(None, procs, run_dir).shutdown()  # type: ignore[arg-type]
+        raise
+    return TQServers(_handle(cfg, infos, curve), procs, run_dir)
+
+
+def _wait_files(files: list[str], procs: list[subprocess.Popen], timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    infos: list[dict | None] = [None] * len(files)
+    while None in infos:
+        for i, path in enumerate(files):
+            if infos[i] is None and os.path.exists(path):
+                with open(path) as f:
+                    infos[i] = json.load(f)
+            if procs[i].poll() is not None:
+                raise TQError(f"TransferQueue server {i} exited with code {procs[i].returncode} during start")
+        if time.monotonic() > deadline:
+            raise TQError(f"TransferQueue servers did not start within {timeout_s} s")
+        time.sleep(0.02)
+    return infos  # type: ignore[return-value]
+
+
+# -------------------------------------------------------------------------------------------- Ray
+
+
+class _ServerActor:
+    """A Ray actor running one TransferQueue server loop in a thread; it answers on its own ZMQ socket."""
+
+    def __init__(self, spec: dict):
+        from common.env import set_torch_threads
+
+        set_torch_threads(1)
+        self.server = build_server(spec)
+        self.thread = threading.Thread(target=self.server.serve_forever, name=f"tq-{spec['role']}", daemon=True)
+        self.thread.start()
+
+    def info(self) -> dict[str, Any]:
+        from transferqueue.server import node_id
+
+        return {"endpoint": self.server.endpoint, "node": node_id(), "pid": os.getpid()}
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(timeout=10)
+
+
+class TQRayServers:
+    """Running servers as Ray actors and their handle. ``shutdown()`` stops loops, then kills actors."""
+
+    def __init__(self, handle: TQHandle, actors: list):
+        self.handle, self.actors = handle, actors
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        import ray
+
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=timeout_s)
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+        self.actors = []
+
+
+def start_transferqueue_ray(cfg: TransferQueueConfig, num_cpus: float = 0.1) -> TQRayServers:
+    """Start the index and units as Ray actors (``num_cpus`` each); needs ``ray.init`` done. Raises
+    TQError when they do not answer within ``cfg.start_timeout_s``."""
+    import ray
+
+    curve = _keys(cfg)
+    actor_cls = ray.remote(num_cpus=num_cpus)(_ServerActor)
+    actors = [actor_cls.remote(spec) for spec in _specs(cfg, curve)]
+    try:
+        infos = ray.get([a.info.remote() for a in actors], timeout=cfg.start_timeout_s)
+    except Exception as exc:
+        for a in actors:
+            ray.kill(a)
+        raise TQError(f"TransferQueue Ray actors did not start: {exc}") from exc
+    return TQRayServers(_handle(cfg, infos, curve), actors)

@@ -1,0 +1,148 @@
+"""The request loop shared by the index and the storage units: one ROUTER socket, one thread, no pickle.
+
+::
+
+    client DEALER --[header, *frames]--> ROUTER --handle()--> reply now, or park (long-poll) and
+                  <--[header, *frames]--                       reply later from ``tick()``
+
+Every failure inside ``handle`` (malformed message, bad ids, unknown op) becomes an error reply
+``{"ok": False, "error": ...}`` and the loop keeps serving. Replies go through ``send``; a peer that
+vanished is skipped (ROUTER_MANDATORY off). The loop wakes at least every ``tick_s`` for timers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from transferqueue import wire
+from transferqueue.records import CurveKeys
+
+logger = logging.getLogger(__name__)
+
+
+def node_id() -> str:
+    """This machine's identity for the shared-memory decision: hostname plus kernel boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+Reply = tuple[dict, list]
+
+
+class RouterServer:
+    """Base of the index and storage-unit servers. Subclasses implement ``handle`` and maybe ``tick``.
+
+    ``address``: ``tcp://host:port`` (port 0 picks a free one) or ``ipc://path``; the bound endpoint is
+    ``self.endpoint``. ``curve``: when given, the socket requires CURVE and accepts only the job's client
+    key (ZAP handler in a thread of this process).
+    """
+
+    tick_s = 0.05
+
+    def __init__(self, address: str, curve: CurveKeys | None = None, hwm: int = 1000):
+        self.ctx = zmq.Context()  # own context: one ZAP handler per server
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.auth = None
+        if curve is not None:
+            from transferqueue.security import start_authenticator
+
+            self.auth = start_authenticator(self.ctx, curve)
+            self.sock.curve_server = True
+            self.sock.curve_secretkey = curve.server_secret.encode()
+            self.sock.curve_publickey = curve.server_public.encode()
+        if address.startswith("tcp://") and address.endswith(":0"):
+            port = self.sock.bind_to_random_port(address[: address.rindex(":")])
+            self.endpoint = f"{address[: address.rindex(':')]}:{port}"
+        else:
+            self.sock.bind(address)
+            self.endpoint = address
+        self._stop = threading.Event()
+        self.requests: dict[str, list[float]] = {}
+
+    # -- subclass API
+    def handle(self, identity: bytes, header: dict, frames: list) -> Reply | None:
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        """Called after every request and at least every ``tick_s`` (timers, parked requests)."""
+
+    def send(self, identity: bytes, header: dict, frames: list | tuple = ()) -> None:
+        try:
+            self.sock.send_multipart([identity, wire.pack(header), *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("dropping a reply: peer's queue is full")
+
+    # -- loop
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(int(self.tick_s * 1000)):
+                    self._one()
+                self.tick()
+        finally:
+            self.close()
+
+    def _one(self) -> None:
+        msg = self.sock.recv_multipart(copy=False)
+        identity, rest = msg[0].bytes, msg[1:]
+        rid: Any = None
+        t0 = time.perf_counter()
+        op = "?"
+        try:
+            if not rest:
+                raise wire.WireError("empty message: expected [header, *frames]")
+            header = wire.unpack_header(rest[0])
+            rid, op = header.get("rid"), header.get("op")
+            if not isinstance(op, str):
+                op = "?"
+                raise wire.WireError("header has no string 'op'")
+            reply = self.handle(identity, header, rest[1:])
+            if reply is not None:
+                head, frames = reply
+                head.update(ok=True, rid=rid)
+                self.send(identity, head, frames)
+        except Exception as exc:  # every failure becomes an error reply; the loop keeps serving
+            if not isinstance(exc, ValueError | wire.WireError | TypeError | KeyError):
+                logger.exception("%s failed", op)
+            self.send(identity, {"ok": False, "rid": rid, "error": f"{type(exc).__name__}: {exc}",
+                                 "full": bool(getattr(exc, "full", False))})
+        stat = self.requests.setdefault(op if len(self.requests) < 64 or op in self.requests else "?", [0, 0.0, 0.0])
+        dt = time.perf_counter() - t0
+        stat[0] += 1
+        stat[1] += dt
+        stat[2] = max(stat[2], dt)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.destroy(linger=0)
+
+
+def write_endpoint_file(path: str, info: dict) -> None:
+    """Atomically publish a started server's endpoint (JSON) for the launcher to read."""
+    import json
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)

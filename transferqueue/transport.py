@@ -1,0 +1,241 @@
+"""Client-side transport: persistent DEALER sockets, request ids, and the sync/async drivers of a *flow*.
+
+A flow is a generator holding the logic of one client operation, free of I/O. It yields either a list
+of ``Call(target, header, frames)`` (sent together, replies returned in the same order) or a ``Sleep``;
+the sync driver runs it on blocking sockets (so it works inside a running event loop too), the async
+driver on ``zmq.asyncio`` sockets of the current loop. One code path for both APIs.
+
+Each ``Channel`` holds one DEALER socket per server and is used by one flow at a time (a bounded pool
+per client), so replies arrive in order; replies whose ``rid`` is stale (from a timed-out request) are
+dropped. Error replies raise ``RemoteError`` (``Full`` when the server says so); a missing reply raises
+``Timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from transferqueue import wire
+from transferqueue.records import Closed, Full, RemoteError, Timeout, TQError, TQHandle
+
+INDEX = -1
+_rids = itertools.count(1)
+
+
+@dataclass
+class Call:
+    target: int  # INDEX or a storage-unit number
+    header: dict
+    frames: list = field(default_factory=list)
+    tolerate: bool = False  # an error reply is returned as the exception object instead of raised
+
+
+@dataclass
+class Sleep:
+    seconds: float
+
+
+Flow = Generator[list[Call] | Sleep, Any, Any]
+
+
+def _setup(sock: zmq.Socket, handle: TQHandle, address: str) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    if handle.curve is not None:
+        sock.curve_serverkey = handle.curve.server_public.encode()
+        sock.curve_publickey = handle.curve.client_public.encode()
+        sock.curve_secretkey = handle.curve.client_secret.encode()
+    sock.connect(address)
+
+
+class Channel:
+    """One DEALER socket per server (created on first use), used by one flow at a time."""
+
+    def __init__(self, ctx: zmq.Context, handle: TQHandle):
+        self.ctx, self.handle = ctx, handle
+        self.socks: dict[int, zmq.Socket] = {}
+
+    def sock(self, target: int) -> zmq.Socket:
+        s = self.socks.get(target)
+        if s is None:
+            addr = self.handle.index_address if target == INDEX else self.handle.unit_addresses[target]
+            s = self.socks[target] = self.ctx.socket(zmq.DEALER)
+            _setup(s, self.handle, addr)
+        return s
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(linger=0)
+        self.socks.clear()
+
+
+def _check(reply: list, rid: int, tolerate: bool) -> tuple[dict, list] | TQError | None:
+    header = wire.unpack_header(reply[0])
+    if header.get("rid") != rid:
+        return None  # a late reply to an abandoned request
+    if not header.get("ok"):
+        err = (Full if header.get("full") else RemoteError)(header.get("error", "unknown error"))
+        if tolerate:
+            return err
+        raise err
+    return header, reply[1:]
+
+
+def _stamp(call: Call) -> tuple[int, list]:
+    rid = next(_rids)
+    call.header["rid"] = rid
+    return rid, [wire.pack(call.header), *call.frames]
+
+
+class SyncDriver:
+    """Runs flows on blocking sockets; a bounded pool of channels shared by threads."""
+
+    def __init__(self, handle: TQHandle, max_channels: int = 16):
+        self.handle = handle
+        self.ctx = zmq.Context()
+        self.pool: list[Channel] = []
+        self.created = 0
+        self.max_channels = max_channels
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def _acquire(self, deadline: float) -> Channel:
+        with self.cond:
+            while True:
+                if self.closed:
+                    raise Closed("client is closed")
+                if self.pool:
+                    return self.pool.pop()
+                if self.created < self.max_channels:
+                    self.created += 1
+                    return Channel(self.ctx, self.handle)
+                if not self.cond.wait(timeout=max(deadline - time.monotonic(), 0)):
+                    raise Timeout(f"no free channel within the timeout ({self.max_channels} busy)")
+
+    def _release(self, chan: Channel) -> None:
+        with self.cond:
+            if self.closed:
+                chan.close()
+            else:
+                self.pool.append(chan)
+                self.cond.notify()
+
+    def run(self, flow: Flow, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        chan = self._acquire(deadline)
+        try:
+            step = next(flow)
+            while True:
+                if isinstance(step, Sleep):
+                    time.sleep(step.seconds)
+                    step = flow.send(None)
+                else:
+                    step = flow.send(self._call_all(chan, step, deadline))
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            self._release(chan)
+
+    def _call_all(self, chan: Channel, calls: list[Call], deadline: float) -> list:
+        rids = []
+        for call in calls:
+            rid, msg = _stamp(call)
+            chan.sock(call.target).send_multipart(msg, copy=False)
+            rids.append(rid)
+        replies = []
+        for call, rid in zip(calls, rids, strict=True):
+            sock = chan.sock(call.target)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                    raise Timeout(f"no reply to {call.header.get('op')} within the timeout")
+                got = _check(sock.recv_multipart(copy=False), rid, call.tolerate)
+                if got is not None:
+                    replies.append(got)
+                    break
+        return replies
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            for chan in self.pool:
+                chan.close()
+            self.pool.clear()
+            self.cond.notify_all()
+        self.ctx.destroy(linger=0)
+
+
+class AsyncDriver:
+    """Runs flows on ``zmq.asyncio`` sockets; channels are per event loop (sockets bind to their loop)."""
+
+    def __init__(self, handle: TQHandle, max_channels: int = 16):
+        self.handle = handle
+        self.ctx = zmq.asyncio.Context()
+        self.pools: dict[int, tuple[list[Channel], asyncio.Semaphore]] = {}
+        self.max_channels = max_channels
+        self.closed = False
+        self.all: list[Channel] = []
+
+    async def run(self, flow: Flow, timeout_s: float) -> Any:
+        if self.closed:
+            raise Closed("client is closed")
+        deadline = time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        pool, sem = self.pools.setdefault(id(loop), ([], asyncio.Semaphore(self.max_channels)))
+        try:
+            await asyncio.wait_for(sem.acquire(), timeout=max(deadline - time.monotonic(), 0))
+        except TimeoutError:
+            raise Timeout("no free channel within the timeout") from None
+        chan = pool.pop() if pool else None
+        if chan is None:
+            chan = Channel(self.ctx, self.handle)
+            self.all.append(chan)
+        try:
+            step = next(flow)
+            while True:
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    step = flow.send(None)
+                else:
+                    step = flow.send(await self._call_all(chan, step, deadline))
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            pool.append(chan)
+            sem.release()
+
+    async def _call_all(self, chan: Channel, calls: list[Call], deadline: float) -> list:
+        rids = []
+        for call in calls:
+            rid, msg = _stamp(call)
+            await chan.sock(call.target).send_multipart(msg, copy=False)
+            rids.append(rid)
+        replies = []
+        for call, rid in zip(calls, rids, strict=True):
+            sock = chan.sock(call.target)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(int(left * 1000) + 1):
+                    raise Timeout(f"no reply to {call.header.get('op')} within the timeout")
+                got = _check(await sock.recv_multipart(copy=False), rid, call.tolerate)
+                if got is not None:
+                    replies.append(got)
+                    break
+        return replies
+
+    def close(self) -> None:
+        self.closed = True
+        for chan in self.all:
+            chan.close()
+        self.all.clear()
+        self.ctx.destroy(linger=0)

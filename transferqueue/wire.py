@@ -1,0 +1,204 @@
+"""Wire format: one msgpack header frame, then one raw frame per tensor. No pickle, ever.
+
+A request is ``[header, *frames]`` on a DEALER socket (the ROUTER prepends the peer identity); a reply is
+``[header, *frames]``. Headers are msgpack maps with ``op`` (request) or ``ok`` (reply) and the request id
+``rid`` that the client matches replies against (a late reply to an abandoned request is dropped).
+
+A tensor travels as a *column*: the values of one field for a run of samples. Its descriptor is
+``{"name", "dtype", "shape" (per-sample, fixed) | "shapes" (one per sample), "nbytes"}``; its bytes are
+the samples back to back (row-major, each sample contiguous) in one frame (fixed shape, or a packed
+variable-length column) or one frame per sample (``"split": True``). ``object`` columns hold msgpack
+encodings of Python values, one per sample, ``shapes`` giving each encoding's byte length.
+
+Every descriptor is validated against its frames (``validate_column``) before anything is stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from transferqueue.records import RemoteError
+
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+OBJECT_DTYPE = "object"
+
+
+def _build_dtypes() -> dict[str, torch.dtype]:
+    names = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
+             "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "float8_e4m3fn",
+             "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
+    return {n: getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
+DTYPES: dict[str, torch.dtype] = _build_dtypes()
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {k: v.itemsize for k, v in DTYPES.items()}
+
+
+class WireError(RemoteError):
+    """A message does not match the wire format (bad msgpack, frame count, dtype, shape, byte length)."""
+
+
+def pack(header: dict) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def unpack_header(frame, max_bytes: int = MAX_HEADER_BYTES) -> dict:
+    """Decode a header frame; raises WireError for oversized, undecodable or non-map headers."""
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(buf) > max_bytes:
+        raise WireError(f"header of {len(buf)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=False, max_bin_len=max_bytes,
+                                 max_str_len=max_bytes, max_array_len=max_bytes, max_map_len=max_bytes)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError(f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype; raises TypeError for dtypes the wire does not carry (quantized)."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} is not supported by the TransferQueue wire format") from None
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _check_shape(shape: Any, what: str) -> list[int]:
+    if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise WireError(f"{what}: shape must be a list of non-negative ints, got {shape!r}")
+    return list(shape)
+
+
+def row_nbytes(desc: dict) -> list[int]:
+    """Byte length of each sample of a validated column descriptor."""
+    if desc["dtype"] == OBJECT_DTYPE:
+        return [s[0] for s in desc["shapes"]]
+    item = ITEMSIZE[desc["dtype"]]
+    if "shape" in desc:
+        return [math.prod(desc["shape"]) * item] * desc["count"]
+    return [math.prod(s) * item for s in desc["shapes"]]
+
+
+def validate_column(desc: Any, count: int) -> dict:
+    """Check one column descriptor for ``count`` samples; returns it normalised (``count`` added).
+
+    Raises WireError naming the field for: non-map descriptor, missing/unknown dtype, bad shape(s), a
+    shapes list whose length is not ``count``, or ``nbytes`` that disagrees with dtype and shapes.
+    """
+    if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
+        raise WireError(f"column descriptor must be a map with a string name, got {desc!r:.200}")
+    name, dtype = desc["name"], desc.get("dtype")
+    if dtype != OBJECT_DTYPE and dtype not in ITEMSIZE:
+        raise WireError(f"field {name!r}: unknown dtype {dtype!r}")
+    if ("shape" in desc) == ("shapes" in desc):
+        raise WireError(f"field {name!r}: exactly one of shape / shapes is required")
+    if "shape" in desc:
+        if dtype == OBJECT_DTYPE:
+            raise WireError(f"field {name!r}: object columns need per-sample shapes")
+        shape = _check_shape(desc["shape"], f"field {name!r}")
+        out = {"name": name, "dtype": dtype, "shape": shape}
+    else:
+        shapes = desc["shapes"]
+        if not isinstance(shapes, list) or len(shapes) != count:
+            raise WireError(f"field {name!r}: shapes must be a list of {count} shapes")
+        out = {"name": name, "dtype": dtype, "shapes": [_check_shape(s, f"field {name!r}") for s in shapes]}
+        if dtype == OBJECT_DTYPE and not all(len(s) == 1 for s in out["shapes"]):
+            raise WireError(f"field {name!r}: object shapes must be [byte_length]")
+    out["count"] = count
+    out["split"] = bool(desc.get("split", False))
+    total = sum(row_nbytes(out))
+    if desc.get("nbytes") != total:
+        raise WireError(f"field {name!r}: nbytes {desc.get('nbytes')!r} != {total} implied by dtype and shape")
+    out["nbytes"] = total
+    return out
+
+
+def validate_frames(columns: list[dict], frames: Sequence) -> None:
+    """Check that ``frames`` carry exactly the bytes ``columns`` describe; raises WireError if not."""
+    expected = sum(c["count"] if c["split"] else 1 for c in columns)
+    if len(frames) != expected:
+        raise WireError(f"expected {expected} data frames for {len(columns)} columns, got {len(frames)}")
+    pos = 0
+    for col in columns:
+        sizes = row_nbytes(col) if col["split"] else [col["nbytes"]]
+        for size in sizes:
+            got = len(frames[pos].buffer if hasattr(frames[pos], "buffer") else frames[pos])
+            if got != size:
+                raise WireError(f"field {col['name']!r}: frame of {got} bytes, header says {size}")
+            pos += 1
+
+
+# ----------------------------------------------------------------------------------- client encoding
+
+
+def encode_column(name: str, value: Any, count: int) -> tuple[dict, list]:
+    """Describe one field's values for ``count`` samples; returns ``(descriptor, buffers)``.
+
+    ``value``: a tensor ``(count, *shape)`` (one buffer, no copy when contiguous), a list of ``count``
+    tensors (variable shapes; one buffer per sample, ``split``), or a list of ``count`` msgpack-able
+    objects (``object`` column, one packed buffer). Raises ValueError/TypeError for a wrong batch size,
+    CUDA tensors, or values msgpack cannot encode.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"field {name!r}: CPU tensors only on this path, got {value.device}")
+        if value.dim() == 0 or value.shape[0] != count:
+            raise ValueError(f"field {name!r}: expected batch-first tensor with {count} rows, got {tuple(value.shape)}")
+        t = value.contiguous()
+        desc = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape[1:]), "nbytes": t.nbytes}
+        return desc, [tensor_bytes(t)]
+    if not isinstance(value, list | tuple) or len(value) != count:
+        raise ValueError(f"field {name!r}: expected a tensor or a list of {count} values, got {type(value).__name__}")
+    if count and all(isinstance(v, torch.Tensor) for v in value):
+        dtypes = {v.dtype for v in value}
+        if len(dtypes) != 1:
+            raise TypeError(f"field {name!r}: samples have different dtypes {sorted(map(str, dtypes))}")
+        parts = [v.contiguous() for v in value]
+        for v in parts:
+            if v.device.type != "cpu":
+                raise ValueError(f"field {name!r}: CPU tensors only on this path, got {v.device}")
+        desc = {"name": name, "dtype": dtype_name(parts[0].dtype), "shapes": [list(v.shape) for v in parts],
+                "nbytes": sum(v.nbytes for v in parts), "split": True}
+        return desc, [tensor_bytes(v) for v in parts]
+    try:
+        blobs = [msgpack.packb(v, use_bin_type=True) for v in value]
+    except TypeError as exc:
+        raise TypeError(f"field {name!r}: values must be tensors or msgpack-able objects: {exc}") from None
+    desc = {"name": name, "dtype": OBJECT_DTYPE, "shapes": [[len(b)] for b in blobs],
+            "nbytes": sum(len(b) for b in blobs)}
+    return desc, [b"".join(blobs)]
+
+
+def decode_column(desc: dict, out: np.ndarray) -> Any:
+    """Turn a filled uint8 buffer ``out`` of a column into the user-facing value (see ``Batch``)."""
+    rows = row_nbytes(desc)
+    if desc["dtype"] == OBJECT_DTYPE:
+        res, pos = [], 0
+        raw = out.tobytes()
+        for n in rows:
+            res.append(msgpack.unpackb(raw[pos:pos + n], raw=False, strict_map_key=False))
+            pos += n
+        return res
+    flat = torch.from_numpy(out).view(DTYPES[desc["dtype"]]) if out.size else torch.empty(0, dtype=DTYPES[desc["dtype"]])
+    if "shape" in desc:
+        return flat.view(desc["count"], *desc["shape"])
+    res, pos, item = [], 0, ITEMSIZE[desc["dtype"]]
+    for shape, n in zip(desc["shapes"], rows, strict=True):
+        res.append(flat[pos // item:(pos + n) // item].view(*shape))
+        pos += n
+    return res
