@@ -1,0 +1,509 @@
+"""Any ``rollers.engine.Engine`` (in practice the torch engine) behind SGLang's native HTTP endpoints.
+
+So the client path that talks to real SGLang servers on GPUs (``rollers.sglang_engine``) runs on every
+machine. Field names and answers follow SGLang 0.5.x (``rollers.sglang_protocol``); what differs:
+
+* ``/generate`` takes one request of token ids (no ``text``, no batches, no top-logprobs);
+* ``/update_weights_from_tensor`` is absent: its payload is pickled and this server accepts no pickle.
+  Weights come through ``/update_weights_from_distributed`` (gloo on CPU) or ``/update_weights_from_disk``
+  (a directory of safetensors files);
+* ``/get_weight_version`` (older SGLang) is served beside ``/get_model_info``'s ``weight_version``.
+
+::
+
+    HTTP client ──/generate──> admission gate ──> engine.generate / engine.stream ──> JSON or SSE
+                 ──/pause_generation, /continue_generation, /flush_cache──> engine
+                 ──/update_weights_from_distributed──> (drain if not paused) ──> receive broadcasts
+                                                        (thread) ──> engine.load_weights ──> flush
+
+A weight update on an engine that is not paused waits for in-flight requests to finish while holding
+new ones back (SGLang's writer lock), then loads; after ``/pause_generation`` it loads at once.
+Bad requests get HTTP 400 with ``{"success": false, "message": ...}`` (plus SGLang's ``error`` object).
+Run it with ``python -m rollers.sglang_server --model tiny --port 30000``; it binds 127.0.0.1 by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from rollers import sglang_protocol as proto
+from rollers.engine import PAUSE_MODES, Engine, EngineError
+
+logger = logging.getLogger(__name__)
+
+# Fields accepted per endpoint: SGLang's names (io_struct.py), BaseReq's ``rid`` included.
+PAUSE_FIELDS = ("rid", "mode")
+CONTINUE_FIELDS = ("rid", "torch_empty_cache")
+BEGIN_UPDATE_FIELDS = ("rid", "selector")
+END_UPDATE_FIELDS = ("rid",)
+INIT_GROUP_FIELDS = ("rid", "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
+DESTROY_GROUP_FIELDS = ("rid", "group_name")
+UPDATE_DISTRIBUTED_FIELDS = (
+    "rid", "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+    "load_format", "selector", "torch_empty_cache",
+)
+UPDATE_DISK_FIELDS = (
+    "rid", "model_path", "load_format", "abort_all_requests", "weight_version", "torch_empty_cache",
+    "flush_cache", "keep_pause", "recapture_cuda_graph", "token_step",
+)
+DEFAULT_MAX_BODY_BYTES = 32 * 1024**2
+
+
+class BadRequest(Exception):
+    """A request this server refuses with HTTP 400 (the message says why)."""
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    body = {"success": False, "message": message,
+            "error": {"message": message, "type": "invalid_request_error", "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class SGLangServer:
+    """Serves ``engine`` over HTTP with SGLang's endpoint and field names.
+
+    ``vocab_size``: token ids in ``[0, vocab_size)`` are accepted; ``model_path``: reported by
+    ``/get_model_info``; ``tokenizer``: optional, fills ``text`` and logprob texts; ``max_body_bytes``:
+    larger bodies get 400; ``group_timeout_s``: limit of every rendezvous/broadcast of a weight update;
+    ``drain_timeout_s``: how long an update on an unpaused engine waits for requests to finish;
+    ``allow_remote_master``: accept a non-loopback ``master_address`` (off: loopback only).
+    """
+
+    def __init__(
+        self, engine: Engine, *, vocab_size: int, model_path: str = "", tokenizer=None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, group_timeout_s: float = 120.0,
+        drain_timeout_s: float = 300.0, allow_remote_master: bool = False,
+    ):
+        if vocab_size < 1 or max_body_bytes < 1024:
+            raise ValueError(f"vocab_size must be >= 1 and max_body_bytes >= 1024, got {vocab_size}, {max_body_bytes}")
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.max_body_bytes = max_body_bytes
+        self.group_timeout_s = group_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.allow_remote_master = allow_remote_master
+        self._groups: dict[str, Any] = {}
+        self._paused = False
+        self._num_in_flight = 0
+        self._idle = asyncio.Condition()
+        self._admitting = asyncio.Event()
+        self._admitting.set()
+        self._update_lock = asyncio.Lock()
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes)
+        r = app.router
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.health)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self.model_info)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind and serve; returns the port (a free one for ``port`` 0)."""
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        logger.info("SGLang-API server for %s on http://%s:%d", type(self.engine).__name__, host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop serving, destroy weight-update groups, shut the engine down. Idempotent."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        for name in list(self._groups):
+            self._destroy_group(name)
+        await self.engine.shutdown()
+
+    # ------------------------------------------------------------------------------------- helpers
+
+    async def _json(self, request: web.Request, fields: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise BadRequest(f"request body exceeds the limit of {self.max_body_bytes} bytes") from exc
+        if not raw.strip():
+            body: Any = {}
+        else:
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+        if fields:
+            unknown = sorted(set(body) - set(fields))
+            if unknown:
+                raise BadRequest(f"{request.path}: unknown field(s) {unknown}; accepted: {list(fields)}")
+            missing = [k for k in required if k not in body]
+            if missing:
+                raise BadRequest(f"{request.path}: missing field(s) {missing}")
+        return body
+
+    @asynccontextmanager
+    async def _exclusive(self, abort_all: bool) -> AsyncIterator[None]:
+        """Hold the engine for a weight update: at once when paused, else stop admitting, wait (at most
+        ``drain_timeout_s``) for in-flight requests to finish (or abort them) and pause in place."""
+        async with self._update_lock:
+            if self._paused:
+                yield
+                return
+            self._admitting.clear()
+            try:
+                if abort_all:
+                    await self.engine.pause("abort")
+                async with self._idle:
+                    try:
+                        await asyncio.wait_for(self._idle.wait_for(lambda: self._num_in_flight == 0),
+                                               self.drain_timeout_s)
+                    except TimeoutError as exc:
+                        raise BadRequest(
+                            f"{self._num_in_flight} requests still running after {self.drain_timeout_s} s; "
+                            "pause generation first") from exc
+                if not abort_all:
+                    await self.engine.pause("in_place")
+                try:
+                    yield
+                finally:
+                    await self.engine.resume()
+            finally:
+                self._admitting.set()
+
+    def _version_for_update(self, value: Any) -> int:
+        if value is None:
+            version = self.engine.weight_version + 1
+            logger.warning("weight update without weight_version: committing %d (current + 1)", version)
+            return version
+        try:
+            return proto.parse_weight_version(value)
+        except proto.ProtocolError as exc:
+            raise BadRequest(str(exc)) from exc
+
+    async def _load(self, tensors, version: int, flush: bool) -> tuple[bool, str]:
+        try:
+            await self.engine.load_weights(tensors, version)
+        except (KeyError, ValueError, EngineError) as exc:
+            return False, f"Failed to update weights: {exc}"
+        message = f"Succeeded to update model weights. Weight version updated to {version}."
+        if flush:
+            try:
+                await self.engine.flush_cache()
+            except EngineError as exc:
+                return False, (f"Weights were updated, but the cache was not flushed because requests are "
+                               f"still running or queued ({exc}). Retract or finish them, then call /flush_cache.")
+        return True, message
+
+    @staticmethod
+    def _result(success: bool, message: str, **extra) -> web.Response:
+        return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+    # ------------------------------------------------------------------------------------ generation
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._json(request, ())
+            parsed = proto.parse_generate_body(body, self.vocab_size, default_rid=uuid.uuid4().hex)
+        except (BadRequest, proto.ProtocolError) as exc:
+            return _error(str(exc))
+        await self._admitting.wait()
+        self._num_in_flight += 1
+        try:
+            if parsed.stream:
+                return await self._generate_stream(request, parsed)
+            started = time.perf_counter()
+            out = await self.engine.generate(parsed.request)
+            return web.json_response(self._answer(out, parsed, time.perf_counter() - started))
+        except ValueError as exc:
+            return _error(str(exc))
+        except EngineError as exc:
+            return _error(str(exc), status=503)
+        finally:
+            async with self._idle:
+                self._num_in_flight -= 1
+                self._idle.notify_all()
+
+    def _answer(self, out, parsed: proto.ParsedGenerate, latency_s: float | None) -> dict:
+        texts = None
+        if self.tokenizer is not None and parsed.return_text_in_logprobs:
+            texts = [self.tokenizer.decode([t]) for t in out.output_ids]
+        answer = proto.output_to_sglang(out, self.engine.weight_version, parsed.return_logprob, texts, latency_s)
+        if self.tokenizer is not None:
+            answer["text"] = self.tokenizer.decode(out.output_ids)
+        return answer
+
+    async def _generate_stream(self, request: web.Request, parsed: proto.ParsedGenerate) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        started = time.perf_counter()
+        stream = self.engine.stream(parsed.request)
+        try:
+            async for out in stream:
+                latency = time.perf_counter() - started if out.finish_reason else None
+                event = json.dumps(self._answer(out, parsed, latency))
+                await response.write(b"data: " + event.encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+        except (ValueError, EngineError) as exc:
+            error = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}
+            await response.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+        except ConnectionResetError:  # the client went away: closing the stream aborts the request
+            return response
+        finally:
+            await stream.aclose()
+        await response.write_eof()
+        return response
+
+    # ------------------------------------------------------------------------------------- control
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if await self.engine.health() else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": str(self.engine.weight_version),
+            "served_model_name": self.model_path,
+        })
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.engine.weight_version)})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "POST"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+        try:
+            timeout_s = float(request.query.get("timeout", "0"))
+        except ValueError:
+            return web.Response(status=400, text=f"timeout must be a number, got {request.query['timeout']!r}\n")
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while True:
+            try:
+                await self.engine.flush_cache()
+                return web.Response(text="Cache flushed.\n")
+            except EngineError as exc:
+                if time.monotonic() >= deadline:
+                    return web.Response(status=400, text=f"Cache not flushed: {exc}\n")
+            await asyncio.sleep(0.05)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request, PAUSE_FIELDS)
+        except BadRequest as exc:
+            return _error(str(exc))
+        mode = body.get("mode", "abort")  # SGLang's default
+        if mode not in PAUSE_MODES:
+            return _error(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        await self.engine.pause(mode)
+        self._paused = True
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        try:
+            await self._json(request, CONTINUE_FIELDS)
+        except BadRequest as exc:
+            return _error(str(exc))
+        await self.engine.resume()
+        self._paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request, BEGIN_UPDATE_FIELDS)
+        except BadRequest as exc:
+            return _error(str(exc))
+        if body.get("selector", "all") not in ("all", "target"):
+            return _error(f"selector must be 'all' or 'target' (no draft model here), got {body['selector']!r}")
+        return self._result(True, "Weight-update session opened (no-op for this engine).")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            await self._json(request, END_UPDATE_FIELDS)
+        except BadRequest as exc:
+            return _error(str(exc))
+        return self._result(True, "Weight-update session closed (no-op for this engine).")
+
+    # ---------------------------------------------------------------------------------- weight updates
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        required = ("master_address", "master_port", "rank_offset", "world_size")
+        try:
+            body = await self._json(request, INIT_GROUP_FIELDS, required)
+        except BadRequest as exc:
+            return _error(str(exc))
+        group_name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
+        backend = body.get("backend", "nccl")
+        address, port, rank, world = (body[k] for k in required)
+        if backend != "gloo":
+            return _error(f"backend must be 'gloo' on this CPU server, got {backend!r}")
+        if not isinstance(address, str) or not (self.allow_remote_master or _is_loopback(address)):
+            return _error(f"master_address {address!r} is not a loopback address (allow_remote_master is off)")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (port, rank, world)) or not (
+            0 < port < 65536 and 0 < rank < world
+        ):
+            return _error(f"need 0 < master_port < 65536 and 0 < rank_offset < world_size, got {port}, {rank}, {world}")
+        if not isinstance(group_name, str) or not group_name or group_name in self._groups:
+            return _error(f"group_name {group_name!r} is empty or already initialised")
+        try:
+            self._groups[group_name] = await asyncio.to_thread(
+                proto.init_weights_group, address, port, rank, world, group_name, backend, self.group_timeout_s)
+        except Exception as exc:  # torch raises RuntimeError/DistStoreError/DistNetworkError subclasses
+            return self._result(False, f"Failed to initialize custom process group: {exc}.")
+        return self._result(True, "Succeeded to initialize custom process group.")
+
+    def _destroy_group(self, name: str) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(self._groups.pop(name))
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request, DESTROY_GROUP_FIELDS)
+        except BadRequest as exc:
+            return _error(str(exc))
+        name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
+        if name not in self._groups:
+            return self._result(False, "The group to be destroyed does not exist.")
+        self._destroy_group(name)
+        return self._result(True, "Succeeded to destroy custom process group.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request, UPDATE_DISTRIBUTED_FIELDS, ("names", "dtypes", "shapes"))
+            specs = proto.parse_tensor_specs(body["names"], body["dtypes"], body["shapes"])
+            group_name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
+            if group_name not in self._groups:
+                raise BadRequest(f"group {group_name!r} is not initialised: call /init_weights_update_group first")
+            load_format = body.get("load_format")
+            if load_format not in (None, proto.FLATTENED_BUCKET):
+                raise BadRequest(f"load_format must be null or {proto.FLATTENED_BUCKET!r}, got {load_format!r}")
+            version = self._version_for_update(body.get("weight_version"))
+            async with self._exclusive(bool(body.get("abort_all_requests", False))):
+                try:
+                    tensors = await asyncio.wait_for(asyncio.to_thread(
+                        proto.receive_weights, specs, self._groups[group_name], load_format), self.group_timeout_s)
+                except Exception as exc:  # a failed/timed-out broadcast: keep the old weights and version
+                    return self._result(False, f"Failed to receive weights: {exc}")
+                ok, message = await self._load(tensors, version, bool(body.get("flush_cache", True)))
+        except (BadRequest, proto.ProtocolError) as exc:
+            return _error(str(exc))
+        return self._result(ok, message)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request, UPDATE_DISK_FIELDS, ("model_path",))
+            files = sorted(Path(str(body["model_path"])).glob("*.safetensors"))
+            if not files:
+                raise BadRequest(f"model_path {body['model_path']!r} holds no *.safetensors files")
+            if body.get("load_format") not in (None, "auto", "safetensors"):
+                raise BadRequest(f"load_format must be null, 'auto' or 'safetensors', got {body['load_format']!r}")
+            version = self._version_for_update(body.get("weight_version"))
+            async with self._exclusive(bool(body.get("abort_all_requests", False))):
+                tensors = await asyncio.to_thread(_read_safetensors, files)
+                ok, message = await self._load(tensors, version, bool(body.get("flush_cache", True)))
+        except (BadRequest, proto.ProtocolError) as exc:
+            return _error(str(exc))
+        if ok:
+            self.model_path = str(body["model_path"])
+        return self._result(ok, message, num_paused_requests=0)
+
+
+def _read_safetensors(files: list[Path]) -> list[tuple[str, Any]]:
+    from safetensors.torch import load_file
+
+    return [item for f in files for item in load_file(f).items()]
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Serve the torch engine behind SGLang's HTTP API.")
+    p.add_argument("--model", default="tiny", help="tiny | smollm2-135m-instruct | a local HF model directory")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-batch-slots", type=int, default=16)
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--allow-remote-master", action="store_true")
+    return p.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from common.models import ModelConfig, load_model, load_tokenizer
+    from rollers.torch_engine import TorchEngine
+
+    model_cfg = ModelConfig(path=args.model, dtype=args.dtype)
+    model, tokenizer = load_model(model_cfg), load_tokenizer(model_cfg)
+    engine = TorchEngine(model, tokenizer, max_batch_slots=args.max_batch_slots,
+                         weight_version=args.weight_version, seed=args.seed)
+    server = SGLangServer(engine, vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+                          model_path=args.model, tokenizer=tokenizer, max_body_bytes=args.max_body_bytes,
+                          allow_remote_master=args.allow_remote_master)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start(args.host, args.port)
+    print(f"SGLANG_SERVER_READY port={server.port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from common.env import setup_process_env
+
+    args = _parse_args(argv)
+    setup_process_env(num_threads=args.num_threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    main()
