@@ -1,0 +1,595 @@
+"""The roller: take a prompt group, generate ``rollout.n`` samples, score them, put the response fields back.
+
+::
+
+    controller ──grant(k)──> admission permits ─┐
+                                                 ▼
+    channel.take_group() ──> PromptGroup ──> n requests (per-sample seeds) ──> engine (continuous batching)
+                                                 │   finish_reason=abort (pause for a weight update)?
+                                                 │   → resubmit prompt + partial output after resume
+                                                 ▼
+                          decode ─> reward fn (thread, timeout) ─> build_response_fields ─> channel.put_group
+                                                 │ raised / NaN / timed out
+                                                 ▼
+                                 FailedGroup (counted in stats(), drained by the controller)
+
+**Admission.** The roller starts a group only when its ``Admission`` says so. ``PermitAdmission``: the
+controller calls ``grant(k)`` to allow ``k`` more groups (its staleness rule decides ``k``); each started
+group spends one permit, a poll that finds no group gives it back. ``OpenAdmission``: the prompt feeder
+already puts only admitted groups, so the roller takes whatever is there. Either way at most
+``max_groups_in_flight`` groups are generated at once (enough to fill the engine's batch slots).
+
+**Channel.** ``GroupChannel`` is the roller's only view of the data plane: ``take_group`` (one whole
+``uid`` group of the ``rollout`` task, or ``None`` on timeout) and ``put_group`` (response fields into
+the same sample ids). ``LocalGroupChannel`` is an in-process one (tests, single-process runs).
+
+**Failures.** A reward that raises, returns NaN/inf or times out (``rollout.reward_timeout_s``) fails its
+whole group: nothing of it is put, a ``FailedGroup`` is recorded (``drain_failures``) and counted; other
+groups are unaffected. An ``EngineError`` (the engine died) ends ``run`` with that error, so the
+controller sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from common import schema
+from rollers.config import RolloutConfig
+from rollers.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
+from rollers.rewards import RewardFn, RewardResult, score_responses
+
+logger = logging.getLogger(__name__)
+
+REWARD_BASELINES = "reward_baselines"  # (batch,) fp32: reward of the prompt's greedy response (ReMax)
+_MAX_FAILURES_KEPT = 1024
+
+
+# ------------------------------------------------------------------------------------------ records
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt group as the roller receives it: ``rollout.n`` samples sharing ``uid``.
+
+    ``sample_ids``: the data plane's ids of the samples (responses go back into them); ``input_ids``:
+    the prompt token ids (unpadded; the same for every sample); ``ground_truth``: the task's answer.
+    """
+
+    uid: str
+    sample_ids: tuple[int, ...]
+    input_ids: tuple[int, ...]
+    ground_truth: dict
+
+
+@dataclass
+class GroupResult:
+    """What is put back for a group: ``fields`` (``build_response_fields`` output) for ``sample_ids``."""
+
+    uid: str
+    sample_ids: tuple[int, ...]
+    fields: dict[str, Any]
+    rewards: list[float]
+
+
+@dataclass(frozen=True)
+class FailedGroup:
+    """A group that was not put: ``stage`` is ``reward`` or ``generate``; ``errors`` one line per problem."""
+
+    uid: str
+    sample_ids: tuple[int, ...]
+    stage: str
+    errors: tuple[str, ...]
+
+
+class GroupChannel(Protocol):
+    async def take_group(self, timeout_s: float) -> PromptGroup | None:
+        """One whole prompt group not yet taken by the ``rollout`` task, or None after ``timeout_s``."""
+
+    async def put_group(self, result: GroupResult) -> None:
+        """Put the response fields of ``result`` into its sample ids."""
+
+
+class LocalGroupChannel:
+    """An in-process ``GroupChannel``: bounded asyncio queues of groups in and results out."""
+
+    def __init__(self, maxsize: int = 1024):
+        self.groups: asyncio.Queue[PromptGroup] = asyncio.Queue(maxsize)
+        self.results: asyncio.Queue[GroupResult] = asyncio.Queue(maxsize)
+
+    async def take_group(self, timeout_s: float) -> PromptGroup | None:
+        try:
+            return await asyncio.wait_for(self.groups.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def put_group(self, result: GroupResult) -> None:
+        await asyncio.wait_for(self.results.put(result), 60.0)
+
+
+# ------------------------------------------------------------------------------------------ admission
+
+
+class OpenAdmission:
+    """Every poll may start a group (the prompt feeder puts only admitted groups)."""
+
+    async def acquire(self, timeout_s: float) -> bool:
+        return True
+
+    def give_back(self) -> None:
+        pass
+
+
+class PermitAdmission:
+    """Counted permits: ``grant(k)`` allows ``k`` more groups; ``acquire`` waits up to ``timeout_s``."""
+
+    def __init__(self, permits: int = 0):
+        if permits < 0:
+            raise ValueError(f"permits must be >= 0, got {permits}")
+        self._permits = permits
+        self._changed = asyncio.Event()
+
+    @property
+    def permits(self) -> int:
+        return self._permits
+
+    def grant(self, num_groups: int) -> None:
+        """Allow ``num_groups`` (>= 0, else ValueError) more groups to start."""
+        if num_groups < 0:
+            raise ValueError(f"grant needs num_groups >= 0, got {num_groups}")
+        self._permits += num_groups
+        self._changed.set()
+
+    async def acquire(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._permits == 0:
+            self._changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        self._permits -= 1
+        return True
+
+    def give_back(self) -> None:
+        self._permits += 1
+        self._changed.set()
+
+
+# ------------------------------------------------------------------------------ outputs → schema
+
+
+def sample_seed(base_seed: int, uid: str, index: int, num_prefix_tokens: int = 0) -> int:
+    """The sampling seed of sample ``index`` of group ``uid`` (62 bits, from blake2b).
+
+    Depends only on (``rollout.seed``, uid, index) — not on batch composition or which roller runs it —
+    and on ``num_prefix_tokens`` for a continuation after an abort, so a resumed sample does not replay
+    the random stream of its first part.
+    """
+    digest = hashlib.blake2b(f"{base_seed}:{uid}:{index}:{num_prefix_tokens}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def build_response_fields(
+    outputs: Sequence[GenerationOutput], scores: Sequence[float], pad_token_id: int, pad_to: int | None = None
+) -> dict[str, Any]:
+    """The response fields of DESIGN.md's sample schema for finished engine outputs.
+
+    ``outputs``: one per sample, each with >= 1 token and ``finish_reason`` set; ``scores``: one reward
+    per sample; ``pad_to``: response width (default: the longest output). Returns, with B samples and
+    L = width: ``responses`` (B, L) int64 right-padded with ``pad_token_id``; ``response_mask`` (B, L)
+    int64, 1 on the output's own tokens (through the stop token inclusive) and 0 on padding — positional,
+    so pads are excluded even when ``pad_token_id`` is an EOS id; ``rollout_log_probs`` (B, L) fp32,
+    0 on padding; ``token_level_scores`` (B, L) fp32, the reward on the last valid token;
+    ``min_weight_version``/``max_weight_version``/``response_length`` (B,) int64; ``finish_reason``
+    list of B str. Raises ValueError for mismatched lengths, empty or unfinished outputs, or an output
+    longer than ``pad_to``.
+    """
+    if len(outputs) != len(scores) or not outputs:
+        raise ValueError(f"need one score per output and at least one output: {len(outputs)} vs {len(scores)}")
+    lengths = [len(o.output_ids) for o in outputs]
+    width = max(lengths) if pad_to is None else pad_to
+    for out, length in zip(outputs, lengths, strict=True):
+        if length == 0 or out.finish_reason not in schema.FINISH_REASONS:
+            raise ValueError(f"output {out.request_id!r}: {length} tokens, finish_reason={out.finish_reason!r}; "
+                             f"need >= 1 token and one of {list(schema.FINISH_REASONS)}")
+        if not length == len(out.output_log_probs) == len(out.weight_versions):
+            raise ValueError(f"output {out.request_id!r}: {length} tokens but {len(out.output_log_probs)} "
+                             f"log-probs and {len(out.weight_versions)} weight versions")
+        if length > width:
+            raise ValueError(f"output {out.request_id!r} has {length} tokens, more than pad_to={width}")
+    batch = len(outputs)
+    responses = torch.full((batch, width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((batch, width), dtype=torch.int64)
+    log_probs = torch.zeros((batch, width), dtype=torch.float32)
+    token_scores = torch.zeros((batch, width), dtype=torch.float32)
+    for row, (out, length, score) in enumerate(zip(outputs, lengths, scores, strict=True)):
+        responses[row, :length] = torch.tensor(out.output_ids, dtype=torch.int64)
+        mask[row, :length] = 1
+        log_probs[row, :length] = torch.tensor(out.output_log_probs, dtype=torch.float32)
+        token_scores[row, length - 1] = float(score)
+    return {
+        schema.RESPONSES: responses,
+        schema.RESPONSE_MASK: mask,
+        schema.ROLLOUT_LOG_PROBS: log_probs,
+        schema.TOKEN_LEVEL_SCORES: token_scores,
+        schema.MIN_WEIGHT_VERSION: torch.tensor([o.min_weight_version for o in outputs], dtype=torch.int64),
+        schema.MAX_WEIGHT_VERSION: torch.tensor([o.max_weight_version for o in outputs], dtype=torch.int64),
+        schema.RESPONSE_LENGTH: torch.tensor(lengths, dtype=torch.int64),
+        schema.FINISH_REASON: [o.finish_reason for o in outputs],
+    }
+
+
+# ----------------------------------------------------------------------------------------- the roller
+
+
+class _Aborted(Exception):
+    """A sample was aborted more than ``rollout.max_resubmits`` times."""
+
+
+@dataclass
+class _Counters:
+    started_at: float = field(default_factory=time.perf_counter)
+    num_tokens: int = 0
+    num_samples: int = 0
+    num_groups: int = 0
+    num_truncated: int = 0
+    num_failed_rewards: int = 0
+    num_failed_groups: int = 0
+    num_resubmits: int = 0
+    in_flight: int = 0
+    busy_s: float = 0.0
+    busy_since: float | None = None
+    lengths: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+class Roller:
+    """The generate → score → put loop over one engine (no Ray here; ``RollerActor`` wraps it).
+
+    ``engine``: a started ``Engine``; ``tokenizer``: decodes responses for the reward and gives the pad
+    id; ``reward_fn``: ``(response_text, ground_truth) -> float``; ``rollout``: sampling config;
+    ``channel``: a ``GroupChannel``; ``admission``: ``PermitAdmission`` (default, starts with 0 permits)
+    or ``OpenAdmission``; ``max_groups_in_flight``: groups generated concurrently; ``remax_baseline``:
+    also generate one greedy response per group and put its reward as ``reward_baselines`` (ReMax,
+    Li et al. 2023); ``pad_to_max_length``: pad responses to ``rollout.max_response_length`` instead of
+    the group's longest; ``roller_id``: prefix of request ids.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        reward_fn: RewardFn,
+        rollout: RolloutConfig,
+        channel: GroupChannel,
+        *,
+        admission: PermitAdmission | OpenAdmission | None = None,
+        max_groups_in_flight: int = 4,
+        remax_baseline: bool = False,
+        pad_to_max_length: bool = False,
+        poll_timeout_s: float = 0.5,
+        roller_id: str = "roller0",
+    ):
+        if max_groups_in_flight < 1:
+            raise ValueError(f"max_groups_in_flight must be >= 1, got {max_groups_in_flight}")
+        self.engine, self.tokenizer, self.reward_fn = engine, tokenizer, reward_fn
+        self.rollout, self.channel = rollout, channel
+        self.admission = admission if admission is not None else PermitAdmission()
+        self.max_groups_in_flight = max_groups_in_flight
+        self.remax_baseline = remax_baseline
+        self.pad_to_max_length = pad_to_max_length
+        self.poll_timeout_s = poll_timeout_s
+        self.roller_id = roller_id
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = tokenizer.eos_token_id
+        self._stop_ids = (eos,) if eos is not None else ()
+        self._counters = _Counters()
+        self._failures: deque[FailedGroup] = deque(maxlen=_MAX_FAILURES_KEPT)
+        self._stopping = asyncio.Event()
+        self._reward_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{roller_id}-reward")
+
+    # ------------------------------------------------------------------------------ control
+
+    def grant(self, num_groups: int) -> None:
+        """Allow ``num_groups`` more groups (``PermitAdmission`` only; TypeError otherwise)."""
+        if not isinstance(self.admission, PermitAdmission):
+            raise TypeError("grant() needs PermitAdmission; this roller admits every group (OpenAdmission)")
+        self.admission.grant(num_groups)
+
+    def stop(self) -> None:
+        """Ask ``run`` to stop starting groups; it returns once the running ones are put."""
+        self._stopping.set()
+
+    def close(self) -> None:
+        """Release the reward threads (a reward call that hangs is abandoned). Idempotent."""
+        self._reward_pool.shutdown(wait=False, cancel_futures=True)
+
+    def drain_failures(self) -> list[FailedGroup]:
+        """Failed groups since the last call (oldest first; at most the last 1024 are kept)."""
+        out = list(self._failures)
+        self._failures.clear()
+        return out
+
+    async def run(self, max_groups: int | None = None) -> int:
+        """Take, generate, score and put groups until ``stop()`` (or ``max_groups`` are started).
+
+        Returns the number of groups started. Raises the first ``EngineError`` (after cancelling the
+        other groups in flight).
+        """
+        slots = asyncio.Semaphore(self.max_groups_in_flight)
+        tasks: set[asyncio.Task] = set()
+        errors: list[BaseException] = []
+
+        def on_done(task: asyncio.Task) -> None:
+            slots.release()
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                errors.append(task.exception())
+
+        started = 0
+        try:
+            while not self._stopping.is_set() and (max_groups is None or started < max_groups):
+                if errors:
+                    raise errors[0]
+                if not await _acquire(slots, self.poll_timeout_s):
+                    continue
+                if not await self.admission.acquire(self.poll_timeout_s):
+                    slots.release()
+                    continue
+                group = await self.channel.take_group(self.poll_timeout_s)
+                if group is None:
+                    self.admission.give_back()
+                    slots.release()
+                    continue
+                task = asyncio.create_task(self.process_group(group), name=f"{self.roller_id}-{group.uid}")
+                tasks.add(task)
+                task.add_done_callback(on_done)
+                started += 1
+            while tasks and not errors:
+                await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
+            if errors:
+                raise errors[0]
+        finally:
+            pending = set(tasks)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        return started
+
+    # ------------------------------------------------------------------------------ one group
+
+    async def process_group(self, group: PromptGroup) -> GroupResult | FailedGroup:
+        """Generate, score and put one group; returns what was put or the recorded failure."""
+        n = len(group.sample_ids)
+        try:
+            samples = [self._generate(group, i, greedy=False) for i in range(n)]
+            if self.remax_baseline:
+                samples.append(self._generate(group, n, greedy=True))
+            outputs = await asyncio.gather(*samples)
+        except _Aborted as exc:
+            return self._fail(group, "generate", [str(exc)])
+        texts = self.tokenizer.batch_decode([o.output_ids for o in outputs], skip_special_tokens=True)
+        try:
+            results = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(
+                    self._reward_pool, score_responses, self.reward_fn, texts, [group.ground_truth] * len(texts)
+                ),
+                self.rollout.reward_timeout_s,
+            )
+        except TimeoutError:
+            self._counters.num_failed_rewards += len(texts)
+            return self._fail(group, "reward", [f"scoring took longer than rollout.reward_timeout_s="
+                                                f"{self.rollout.reward_timeout_s}"])
+        failed = [f"sample {i}: {r.error}" for i, r in enumerate(results) if r.failed]
+        if failed:
+            self._counters.num_failed_rewards += len(failed)
+            return self._fail(group, "reward", failed)
+        return await self._put(group, outputs[:n], results)
+
+    async def _put(self, group: PromptGroup, outputs: list[GenerationOutput],
+                   results: list[RewardResult]) -> GroupResult:
+        scores = [r.score for r in results]
+        pad_to = self.rollout.max_response_length if self.pad_to_max_length else None
+        fields = build_response_fields(outputs, scores[: len(outputs)], self.pad_token_id, pad_to)
+        if self.remax_baseline:
+            fields[REWARD_BASELINES] = torch.full((len(outputs),), scores[-1], dtype=torch.float32)
+        result = GroupResult(group.uid, group.sample_ids, fields, scores[: len(outputs)])
+        await self.channel.put_group(result)
+        c = self._counters
+        c.num_groups += 1
+        c.num_samples += len(outputs)
+        c.num_truncated += sum(o.finish_reason == "length" for o in outputs)
+        c.lengths.extend(len(o.output_ids) for o in outputs)
+        return result
+
+    def _fail(self, group: PromptGroup, stage: str, errors: list[str]) -> FailedGroup:
+        failure = FailedGroup(group.uid, group.sample_ids, stage, tuple(errors))
+        self._counters.num_failed_groups += 1
+        self._failures.append(failure)
+        logger.warning("group %s failed at %s: %s", group.uid, stage, "; ".join(errors)[:500])
+        return failure
+
+    async def _generate(self, group: PromptGroup, index: int, greedy: bool) -> GenerationOutput:
+        """One sample, resubmitting prompt + partial output after each abort (partial rollout)."""
+        cfg = self.rollout
+        merged = GenerationOutput(request_id=f"{self.roller_id}/{group.uid}/{index}",
+                                  prompt_tokens=len(group.input_ids))
+        for attempt in range(cfg.max_resubmits + 1):
+            done = len(merged.output_ids)
+            sampling = SamplingParams(
+                max_new_tokens=cfg.max_response_length - done,
+                temperature=0.0 if greedy else cfg.temperature,
+                top_p=cfg.top_p, top_k=cfg.top_k,
+                seed=sample_seed(cfg.seed, group.uid, index, done),
+                stop_token_ids=self._stop_ids,
+            )
+            request = GenerationRequest(f"{merged.request_id}/{attempt}",
+                                        tuple(group.input_ids) + tuple(merged.output_ids), sampling)
+            out = await self._tracked(request)
+            merged.output_ids += out.output_ids
+            merged.output_log_probs += out.output_log_probs
+            merged.weight_versions += out.weight_versions
+            if out.finish_reason != "abort":
+                merged.finish_reason = out.finish_reason
+                return merged
+            if len(merged.output_ids) >= cfg.max_response_length:
+                merged.finish_reason = "length"
+                return merged
+            self._counters.num_resubmits += 1
+        raise _Aborted(f"sample {index} aborted {cfg.max_resubmits + 1} times (rollout.max_resubmits)")
+
+    async def _tracked(self, request: GenerationRequest) -> GenerationOutput:
+        c = self._counters
+        if c.in_flight == 0:
+            c.busy_since = time.perf_counter()
+        c.in_flight += 1
+        try:
+            out = await self.engine.generate(request)
+        finally:
+            c.in_flight -= 1
+            if c.in_flight == 0 and c.busy_since is not None:
+                c.busy_s += time.perf_counter() - c.busy_since
+                c.busy_since = None
+        c.num_tokens += len(out.output_ids)
+        return out
+
+    # ------------------------------------------------------------------------------ metrics
+
+    def stats(self) -> dict[str, float]:
+        """Since construction: ``tokens_per_s`` (generated, incl. aborted parts), ``requests_in_flight``,
+        ``busy_ratio`` (share of wall time with >= 1 request in flight), ``response_length_mean/min/max``
+        (tokens, last 4096 put samples), ``truncation_ratio`` (finish_reason ``length`` / put samples),
+        ``num_groups``, ``num_samples``, ``num_failed_groups``, ``num_failed_rewards`` (samples),
+        ``num_resubmits`` (partial-rollout continuations)."""
+        c = self._counters
+        now = time.perf_counter()
+        elapsed = max(now - c.started_at, 1e-9)
+        busy = c.busy_s + (now - c.busy_since if c.busy_since is not None else 0.0)
+        lengths = list(c.lengths)
+        return {
+            "tokens_per_s": c.num_tokens / elapsed,
+            "requests_in_flight": float(c.in_flight),
+            "busy_ratio": min(busy / elapsed, 1.0),
+            "response_length_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+            "response_length_min": float(min(lengths, default=0)),
+            "response_length_max": float(max(lengths, default=0)),
+            "truncation_ratio": c.num_truncated / c.num_samples if c.num_samples else 0.0,
+            "num_groups": float(c.num_groups),
+            "num_samples": float(c.num_samples),
+            "num_failed_groups": float(c.num_failed_groups),
+            "num_failed_rewards": float(c.num_failed_rewards),
+            "num_resubmits": float(c.num_resubmits),
+        }
+
+
+async def _acquire(semaphore: asyncio.Semaphore, timeout_s: float) -> bool:
+    try:
+        await asyncio.wait_for(semaphore.acquire(), timeout_s)
+        return True
+    except TimeoutError:
+        return False
+
+
+__all__ = [
+    "REWARD_BASELINES", "EngineError", "FailedGroup", "GroupChannel", "GroupResult", "LocalGroupChannel",
+    "OpenAdmission", "PermitAdmission", "PromptGroup", "Roller", "build_response_fields", "sample_seed",
+]
+
+
+# ------------------------------------------------------------------------------------------ Ray actor
+
+
+class RollerActor:
+    """The roller as a Ray actor (async: one event loop runs the engine, the roller loop and the calls).
+
+    Builds the model (``common.models``), tokenizer, ``TorchEngine`` (``rollers.max_batch_slots`` slots),
+    the reward function (``rollout.reward`` for ``task``) and the channel (``channel_factory()``, called
+    inside the actor; it must be serialisable by Ray). ``admission``: ``permits`` (the controller calls
+    ``grant``) or ``open``. Use ``remote_roller(num_cpus)`` to get the Ray class.
+    Raises NotImplementedError for ``rollers.engine=sglang`` (the SGLang client is wired elsewhere).
+    """
+
+    def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, task: str, channel_factory,
+                 *, admission: str = "permits", remax_baseline: bool = False, roller_id: str = "roller0"):
+        from common.env import set_torch_threads
+        from common.models import load_model, load_tokenizer
+        from rollers.rewards import build_reward_fn
+        from rollers.torch_engine import TorchEngine
+
+        set_torch_threads(rollers_cfg.num_threads)
+        if rollers_cfg.engine != "torch":
+            raise NotImplementedError(f"rollers.engine={rollers_cfg.engine!r}: RollerActor builds the torch engine only")
+        if admission not in ("permits", "open"):
+            raise ValueError(f"admission={admission!r} is not one of ['permits', 'open']")
+        tokenizer = load_tokenizer(model_cfg)
+        self.engine = TorchEngine(load_model(model_cfg), tokenizer, max_batch_slots=rollers_cfg.max_batch_slots,
+                                  seed=rollout_cfg.seed)
+        self.roller = Roller(
+            self.engine, tokenizer, build_reward_fn(rollout_cfg.reward, task), rollout_cfg, channel_factory(),
+            admission=PermitAdmission() if admission == "permits" else OpenAdmission(),
+            max_groups_in_flight=max(1, rollers_cfg.max_batch_slots // rollout_cfg.n),
+            remax_baseline=remax_baseline, roller_id=roller_id,
+        )
+        self._run_task: asyncio.Task | None = None
+
+    async def start(self, max_groups: int | None = None) -> None:
+        """Start the loop in the background (idempotent while it runs)."""
+        if self._run_task is None or self._run_task.done():
+            self._run_task = asyncio.create_task(self.roller.run(max_groups), name="roller-run")
+
+    async def wait(self, timeout_s: float) -> int | None:
+        """The loop's result (groups started) once it ended, None if still running after ``timeout_s``;
+        re-raises the loop's error (e.g. ``EngineError``)."""
+        if self._run_task is None:
+            raise RuntimeError("the roller was never started")
+        done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
+        return self._run_task.result() if done else None
+
+    async def grant(self, num_groups: int) -> None:
+        self.roller.grant(num_groups)
+
+    async def stats(self) -> dict[str, float]:
+        return self.roller.stats()
+
+    async def drain_failures(self) -> list[FailedGroup]:
+        return self.roller.drain_failures()
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: int) -> None:
+        await self.engine.load_weights(named_tensors, weight_version)
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop (running groups finish, bounded by ``timeout_s``), then the engine. Idempotent."""
+        self.roller.stop()
+        if self._run_task is not None and not self._run_task.done():
+            done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
+            if not done:
+                self._run_task.cancel()
+                await asyncio.gather(self._run_task, return_exceptions=True)
+        await self.engine.shutdown()
+        self.roller.close()
+
+
+def remote_roller(num_cpus: float = 0.5):
+    """``RollerActor`` as a Ray actor class with ``num_cpus`` logical CPUs (imports Ray lazily)."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus)(RollerActor)
