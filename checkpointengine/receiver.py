@@ -213,6 +213,18 @@ class UpdateResult:
     num_bytes: int
 
 
+async def _flush(engine, pause_mode: str) -> None:
+    """Flush the prefix cache. Requests kept by a ``retract``/``in_place`` pause make engines refuse a
+    flush (SGLang does too); their KV is recomputed (retract) or deliberately kept (in_place), so the
+    flush is skipped with a warning then. After an ``abort`` pause a refusal is an error."""
+    try:
+        await engine.flush_cache()
+    except RuntimeError as exc:  # rollers.engine.EngineError (checkpointengine may not import rollers)
+        if pause_mode == "abort":
+            raise
+        logger.warning("prefix cache not flushed after a %s pause: %s", pause_mode, exc)
+
+
 async def apply_update(engine, receiver: WeightReceiver, version: int, pause_mode: str = "retract"
                        ) -> UpdateResult:
     """Update ``engine`` (a ``rollers.engine.Engine``) to ``version``: pause(``pause_mode``) → receive
@@ -227,7 +239,7 @@ async def apply_update(engine, receiver: WeightReceiver, version: int, pause_mod
     try:
         tensors = await asyncio.to_thread(lambda: list(receiver.receive(version)))
         await engine.load_weights(tensors, version)
-        await engine.flush_cache()
+        await _flush(engine, pause_mode)
     except BaseException as exc:
         receiver.fail(version, f"{type(exc).__name__}: {exc}")
         await engine.resume()
