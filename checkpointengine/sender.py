@@ -218,7 +218,7 @@ class WeightSender:
             self._broadcast_msg(rnd, Begin(version))
             num_buckets, num_bytes = body(rnd)
             self._broadcast_msg(rnd, End(version, num_buckets, num_bytes))
-            self._await(rnd, lambda: all(r in rnd.results for r in rnd.active), "ack")
+            self._await(rnd, lambda: [r for r in rnd.active if r not in rnd.results], "ack")
         except BaseException as exc:
             self._broadcast_msg(rnd, Abort(version, f"{type(exc).__name__}: {exc}"), quiet=True)
             self._stats["num_failed_syncs"] += 1
@@ -387,21 +387,21 @@ class WeightSender:
                     rnd.active.discard(roller)
 
     def _await_wants(self, rnd: _Round) -> None:
-        def ready() -> bool:
+        def pending() -> list[str]:
             for roller in list(rnd.active):
                 want = self._wants.get(roller)
                 if want is not None and want > rnd.version:
                     rnd.results[roller] = (f"wants weight_version {want} but the sender is sending "
                                            f"{rnd.version}")
                     rnd.active.discard(roller)
-            return all(self._wants.get(r) == rnd.version for r in rnd.active)
+            return [r for r in rnd.active if self._wants.get(r) != rnd.version]
 
-        self._await(rnd, ready, "want")
+        self._await(rnd, pending, "want")
         for roller in rnd.active:
             self._wants.pop(roller, None)
 
     def _await_consumed(self, rnd: _Round, index: int) -> None:
-        self._await(rnd, lambda: all(rnd.consumed.get(r, -1) >= index or r in rnd.results for r in rnd.active),
+        self._await(rnd, lambda: [r for r in rnd.active if rnd.consumed.get(r, -1) < index and r not in rnd.results],
                     f"consume bucket {index}")
 
     def _ensure_group(self, rnd: _Round) -> None:
@@ -419,12 +419,12 @@ class WeightSender:
                                              self.cfg.timeout_s)
         self._group_members = members
 
-    def _await(self, rnd: _Round, done: Callable[[], bool], what: str) -> None:
+    def _await(self, rnd: _Round, pending: Callable[[], list[str]], what: str) -> None:
+        """Handle incoming messages until ``pending()`` (rollers still owing ``what``) is empty."""
         deadline = time.monotonic() + self.cfg.timeout_s
-        while not done():
+        while missing := sorted(pending()):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(r for r in rnd.active if r not in rnd.results)
                 raise WeightSyncTimeout(f"weight_version {rnd.version}: rollers {missing} did not {what} within "
                                         f"{self.cfg.timeout_s:.1f} s")
             if self._sock.poll(min(left, 1.0) * 1000):
