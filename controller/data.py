@@ -16,8 +16,8 @@ Step arithmetic (one step = ``data.train_batch_size`` prompts; epochs are reshuf
 dataset size, ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps``.
 ``PromptDataset.batches(total_steps)`` yields exactly ``total_steps`` ``PromptBatch`` es and stops —
 nothing is produced beyond the last step, so a feeder that prefetches never has a batch to cancel.
-``prompt_fields(batch, n, pad_token_id)`` builds the TransferQueue prompt fields of a batch, each prompt
-repeated ``rollout.n`` times under one ``uid``.
+``prompt_fields(prompts, n, pad_token_id, uids)`` builds the TransferQueue prompt fields and tags of a
+batch, each prompt repeated ``rollout.n`` times under one ``uid`` tag.
 """
 
 from __future__ import annotations
@@ -172,14 +172,17 @@ class PromptDataset:
             yield PromptBatch(step, epoch, tuple(self.prompts[i] for i in picked))
 
 
-def prompt_fields(prompts: Sequence[Prompt], n: int, pad_token_id: int, uids: Sequence[str]) -> dict[str, Any]:
-    """The prompt fields of ``prompts``, each repeated ``n`` (``rollout.n``) times in a row.
+def prompt_fields(
+    prompts: Sequence[Prompt], n: int, pad_token_id: int, uids: Sequence[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The prompt fields and per-sample tags of ``prompts``, each prompt repeated ``n`` (``rollout.n``) times.
 
-    Returns ``input_ids`` (batch, prompt_len) int64 left-padded with ``pad_token_id``, ``attention_mask``
-    (batch, prompt_len) int64, ``uid`` (list of batch str; ``uids[i]`` for the n rows of prompt i) and
-    ``ground_truth`` (list of batch JSON str, ``rollers.tasks.encode_ground_truth``), with
-    batch = ``len(prompts) * n``. Raises ValueError when ``uids`` and ``prompts`` differ in length or
-    ``n`` < 1.
+    Returns ``(data, tags)`` ready for ``TQClient.put(data, partition, tags=tags)`` (what
+    ``rollers.roller.TQGroupChannel`` reads), with batch = ``len(prompts) * n``: ``data`` holds
+    ``input_ids`` (batch, prompt_len) int64 left-padded with ``pad_token_id``, ``attention_mask``
+    (batch, prompt_len) int64 and ``ground_truth`` (batch JSON str, ``rollers.tasks.encode_ground_truth``);
+    ``tags[j]`` is ``{"uid": uids[j // n]}``. Raises ValueError when ``uids`` and ``prompts`` differ in
+    length, ``prompts`` is empty or ``n`` < 1.
     """
     if len(uids) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(uids)} uids")
@@ -194,9 +197,9 @@ def prompt_fields(prompts: Sequence[Prompt], n: int, pad_token_id: int, uids: Se
         rows = slice(i * n, (i + 1) * n)
         input_ids[rows, width - length:] = torch.tensor(prompt.input_ids, dtype=torch.int64)
         attention_mask[rows, width - length:] = 1
-    return {
+    data = {
         schema.INPUT_IDS: input_ids,
         schema.ATTENTION_MASK: attention_mask,
-        schema.UID: [uid for uid in uids for _ in range(n)],
         schema.GROUND_TRUTH: [encode_ground_truth(p.ground_truth) for p in prompts for _ in range(n)],
     }
+    return data, [{schema.UID: uid} for uid in uids for _ in range(n)]

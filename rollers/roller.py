@@ -21,7 +21,8 @@ already puts only admitted groups, so the roller takes whatever is there. Either
 
 **Channel.** ``GroupChannel`` is the roller's only view of the data plane: ``take_group`` (one whole
 ``uid`` group of the ``rollout`` task, or ``None`` on timeout) and ``put_group`` (response fields into
-the same sample ids). ``LocalGroupChannel`` is an in-process one (tests, single-process runs).
+the same sample ids). ``TQGroupChannel`` is the TransferQueue one; ``LocalGroupChannel`` an in-process
+one (tests, single-process runs).
 
 **Failures.** A reward that raises, returns NaN/inf or times out (``rollout.reward_timeout_s``) fails its
 whole group: nothing of it is put, a ``FailedGroup`` is recorded (``drain_failures``) and counted; other
@@ -114,6 +115,54 @@ class LocalGroupChannel:
 
     async def put_group(self, result: GroupResult) -> None:
         await asyncio.wait_for(self.results.put(result), 60.0)
+
+
+class TQGroupChannel:
+    """A ``GroupChannel`` over the TransferQueue (``transferqueue.client.TQClient``).
+
+    ``take_group``: ``aget_meta([input_ids, attention_mask, ground_truth], n, task, partition,
+    sampler="group_complete", options={"group_size": n})`` long-polls for one whole ``uid`` group the
+    ``task`` (default ``rollout``) has not consumed, then ``aget_data``; the prompt is row 0's
+    ``input_ids`` where ``attention_mask`` is 1 (the feeder puts them with ``controller.data.prompt_fields``).
+    ``put_group``: ``aput`` of the response fields into the same sample ids, with tags
+    ``min_weight_version``, ``max_weight_version``, ``finish_reason``, ``response_length`` per sample.
+    """
+
+    PROMPT_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.GROUND_TRUTH)
+    TAG_FIELDS = (schema.MIN_WEIGHT_VERSION, schema.MAX_WEIGHT_VERSION, schema.FINISH_REASON, schema.RESPONSE_LENGTH)
+
+    def __init__(self, client, partition: str, n: int, task: str = "rollout", put_timeout_s: float = 60.0):
+        if n < 1:
+            raise ValueError(f"rollout.n must be >= 1, got {n}")
+        self.client, self.partition, self.n, self.task = client, partition, n, task
+        self.put_timeout_s = put_timeout_s
+
+    async def take_group(self, timeout_s: float) -> PromptGroup | None:
+        from rollers.tasks import decode_ground_truth
+
+        meta = await self.client.aget_meta(list(self.PROMPT_FIELDS), self.n, self.task, self.partition,
+                                           sampler="group_complete", options={"group_size": self.n},
+                                           timeout_s=timeout_s)
+        if len(meta) == 0:
+            return None
+        batch = await self.client.aget_data(meta)
+        ids, mask = batch[schema.INPUT_IDS][0], batch[schema.ATTENTION_MASK][0]
+        uids = {tag.get(schema.UID) for tag in meta.tags}
+        if len(uids) != 1 or None in uids:
+            raise ValueError(f"samples {meta.sample_ids} do not share one uid tag: {uids}")
+        return PromptGroup(uids.pop(), tuple(meta.sample_ids), tuple(ids[mask.bool()].tolist()),
+                           decode_ground_truth(batch[schema.GROUND_TRUTH][0]))
+
+    async def put_group(self, result: GroupResult) -> None:
+        fields = result.fields
+        tags = [
+            {name: (fields[name][i] if name == schema.FINISH_REASON else int(fields[name][i]))
+             for name in self.TAG_FIELDS}
+            for i in range(len(result.sample_ids))
+        ]
+        data = {k: v for k, v in fields.items() if k != schema.FINISH_REASON}
+        await self.client.aput(data, self.partition, sample_ids=list(result.sample_ids), tags=tags,
+                               timeout_s=self.put_timeout_s)
 
 
 # ------------------------------------------------------------------------------------------ admission

@@ -119,11 +119,11 @@ def test_prompt_fields_repeat_each_prompt_n_times(tok):
     dataset = _dataset(tok, 2, train_batch_size=2, system_prompt="")
     prompts = list(dataset.prompts)
     prompts[1] = type(prompts[1])(1, prompts[1].input_ids[:-2], prompts[1].ground_truth)  # a shorter one
-    fields = prompt_fields(prompts, n=3, pad_token_id=tok.pad_token_id, uids=["u0", "u1"])
+    fields, tags = prompt_fields(prompts, n=3, pad_token_id=tok.pad_token_id, uids=["u0", "u1"])
     ids, mask = fields["input_ids"], fields["attention_mask"]
     width = len(prompts[0].input_ids)
     assert ids.shape == (6, width) and mask.shape == (6, width)
-    assert fields["uid"] == ["u0"] * 3 + ["u1"] * 3
+    assert tags == [{"uid": "u0"}] * 3 + [{"uid": "u1"}] * 3
     assert tuple(ids[4, 2:].tolist()) == prompts[1].input_ids and ids[4, :2].tolist() == [tok.pad_token_id] * 2
     assert mask[4].tolist() == [0, 0] + [1] * (width - 2) and mask[0].sum() == width
     assert decode_ground_truth(fields["ground_truth"][5]) == prompts[1].ground_truth

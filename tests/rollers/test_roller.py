@@ -437,3 +437,62 @@ def test_ray_actor_rolls_groups_and_reports(ray_cluster, tok):
         ray.kill(actor)
         for q in (groups_q, results_q):
             q.shutdown()
+
+
+# ------------------------------------------------------------------------------------ TransferQueue
+
+
+@pytest.fixture(scope="module")
+def tq_servers():
+    from transferqueue.config import TransferQueueConfig
+    from transferqueue.launch import start_transferqueue
+
+    servers = start_transferqueue(TransferQueueConfig(num_storage_units=2, capacity_bytes=64 * 1024**2,
+                                                      route_block=4, request_timeout_s=20.0))
+    yield servers
+    servers.shutdown()
+
+
+def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
+    """Feeder puts prompt fields (controller.data.prompt_fields) → roller takes whole groups, puts responses
+    into the same ids → a trainer-side get_meta(group_complete) sees complete groups with every field."""
+    from controller.config import DataConfig
+    from controller.data import PromptDataset, prompt_fields
+    from rollers.roller import TQGroupChannel
+    from transferqueue.client import TQClient
+
+    cfg = DataConfig(task="tiny-repeat", size=3, train_batch_size=3, max_prompt_length=32)
+    dataset = PromptDataset.from_config(cfg, tok)
+    data, tags = prompt_fields(dataset.prompts, N, tok.pad_token_id, uids=["g0", "g1", "g2"])
+    response_fields = [schema.RESPONSES, schema.RESPONSE_MASK, schema.ROLLOUT_LOG_PROBS,
+                       schema.TOKEN_LEVEL_SCORES, schema.RESPONSE_LENGTH]
+
+    async def scenario():
+        client = TQClient(tq_servers.handle)
+        try:
+            meta = await client.aput(data, "step0", tags=tags)
+            engine = TorchEngine(model, tok, max_batch_slots=8)
+            channel = TQGroupChannel(client, "step0", n=N)
+            roller = Roller(engine, tok, tiny_repeat_reward, RolloutConfig(n=N, max_response_length=5), channel,
+                            admission=OpenAdmission(), max_groups_in_flight=2, poll_timeout_s=0.2)
+            assert await roller.run(max_groups=3) == 3
+            await engine.shutdown()
+            roller.close()
+            assert await channel.take_group(0.1) is None  # every group consumed by the rollout task
+            train = await client.aget_meta(response_fields + [schema.INPUT_IDS], 3 * N, "train", "step0",
+                                           sampler="group_complete", options={"group_size": N}, timeout_s=10)
+            batch = await client.aget_data(train)
+            return meta, train, batch
+        finally:
+            client.close()
+
+    meta, train, batch = run(scenario())
+    assert sorted(train.sample_ids) == sorted(meta.sample_ids)
+    by_id = dict(zip(train.sample_ids, train.tags, strict=True))
+    for tag in by_id.values():
+        assert tag[schema.FINISH_REASON] in ("stop", "length")
+        assert tag[schema.MIN_WEIGHT_VERSION] == 0 and 1 <= tag[schema.RESPONSE_LENGTH] <= 5
+    lengths = batch[schema.RESPONSE_LENGTH]
+    masks = batch[schema.RESPONSE_MASK]
+    for row in range(len(train)):
+        assert int(masks[row].sum()) == int(lengths[row]) == by_id[train.sample_ids[row]][schema.RESPONSE_LENGTH]
