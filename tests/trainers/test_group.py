@@ -47,8 +47,9 @@ def test_shards_keep_uid_groups_whole_and_mini_batches_global():
 
 
 def test_two_ranks_equal_one_rank(group, single):
-    batch = make_batch(num_groups=4, n=2, seed=7)
-    shuffled = [5, 0, 7, 2, 1, 6, 3, 4]  # ranks receive whole groups, results come back in this order
+    # 5 groups, 2 per mini-batch: the last mini-batch has one group, so rank 1 runs a masked filler step.
+    batch = make_batch(num_groups=5, n=2, seed=7)
+    shuffled = [5, 0, 9, 7, 2, 1, 8, 6, 3, 4]  # ranks receive whole groups; results come back in this order
     batch = {k: (v[shuffled] if isinstance(v, torch.Tensor) else [v[i] for i in shuffled]) for k, v in batch.items()}
     two, one = with_training_fields(group, batch), with_training_fields(single, batch)
     for key in (schema.OLD_LOG_PROBS, "entropy", schema.ADVANTAGES, schema.RETURNS):
