@@ -202,18 +202,18 @@ class RowShard:
     that holds it writes it)."""
 
     name: str
-    local: torch.Tensor
+    tensor: torch.Tensor
     row_offset: int
     full_shape: tuple[int, ...]
 
     def __post_init__(self):
-        if tuple(self.local.shape[1:]) != tuple(self.full_shape[1:]):
-            raise ValueError(f"shard {self.name!r}: local shape {tuple(self.local.shape)} does not match "
+        if tuple(self.tensor.shape[1:]) != tuple(self.full_shape[1:]):
+            raise ValueError(f"shard {self.name!r}: local shape {tuple(self.tensor.shape)} does not match "
                              f"full shape {self.full_shape} beyond dim 0")
-        if self.full_shape and not 0 <= self.row_offset <= self.row_offset + self.local.shape[0] \
+        if self.full_shape and not 0 <= self.row_offset <= self.row_offset + self.tensor.shape[0] \
                 <= self.full_shape[0]:
             raise ValueError(f"shard {self.name!r}: rows [{self.row_offset}, "
-                             f"{self.row_offset + self.local.shape[0]}) outside {self.full_shape[0]} rows")
+                             f"{self.row_offset + self.tensor.shape[0]}) outside {self.full_shape[0]} rows")
 
 
 def write_rows(buffer: torch.Tensor, entry: TensorEntry, shard: RowShard) -> None:
@@ -223,16 +223,16 @@ def write_rows(buffer: torch.Tensor, entry: TensorEntry, shard: RowShard) -> Non
     ``[row_offset * row_elems, (row_offset + rows) * row_elems)``; only its overlap with the entry is
     written. Other ranks write the rest.
     """
-    if entry.nbytes == 0 or shard.local.numel() == 0:
+    if entry.nbytes == 0 or shard.tensor.numel() == 0:
         return
     row_elems = _numel(shard.full_shape[1:]) if shard.full_shape else 1
     lo = shard.row_offset * row_elems
-    hi = lo + shard.local.numel()
+    hi = lo + shard.tensor.numel()
     first, last = _element_range(entry)
     a, b = max(lo, first), min(hi, last)
     if a >= b:
         return
-    entry_view(buffer, entry)[a - first: b - first].copy_(shard.local.reshape(-1)[a - lo: b - lo])
+    entry_view(buffer, entry)[a - first: b - first].copy_(shard.tensor.reshape(-1)[a - lo: b - lo])
 
 
 class BucketUnpacker:

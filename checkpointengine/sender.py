@@ -83,6 +83,7 @@ class _Round:
     active: set[str]
     consumed: dict[str, int] = field(default_factory=dict)
     results: dict[str, str | None] = field(default_factory=dict)  # roller -> None (ack) | error
+    started: bool = False  # every target's Want arrived; earlier Consumed/Ack/Fail are stale
 
 
 def _resolve_group_backend(name: str) -> str:
@@ -399,6 +400,7 @@ class WeightSender:
         self._await(rnd, pending, "want")
         for roller in rnd.active:
             self._wants.pop(roller, None)
+        rnd.started = True
 
     def _await_consumed(self, rnd: _Round, index: int) -> None:
         self._await(rnd, lambda: [r for r in rnd.active if rnd.consumed.get(r, -1) < index and r not in rnd.results],
@@ -448,8 +450,8 @@ class WeightSender:
             else:
                 self._wants[roller] = msg.version
         elif isinstance(msg, Consumed | Ack | Fail):
-            if rnd is None or msg.version != rnd.version or roller not in rnd.active:
-                return  # late message of an earlier update
+            if rnd is None or not rnd.started or msg.version != rnd.version or roller not in rnd.active:
+                return  # late message of an earlier update (a roller sends it before its next Want)
             if isinstance(msg, Consumed):
                 rnd.consumed[roller] = max(rnd.consumed.get(roller, -1), msg.index)
             elif isinstance(msg, Ack):
