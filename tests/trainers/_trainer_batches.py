@@ -41,13 +41,15 @@ def make_batch(num_groups: int = 2, n: int = 4, prompt_len: int = 6, response_le
     }
 
 
-def single_rank_group():
-    """Generator for a module fixture: this pytest process as rank 0 of a 1-rank gloo group."""
+def single_rank_group(backend: str = "gloo"):
+    """Generator for a module fixture: this pytest process as rank 0 of a 1-rank group (gloo or nccl)."""
     import torch.distributed as dist
 
     from trainers.fsdp import init_distributed
 
-    init_distributed(0, 1, "127.0.0.1", free_port(), "gloo", 120)
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    init_distributed(0, 1, "127.0.0.1", free_port(), backend, 120)
     try:
         yield
     finally:

@@ -175,6 +175,20 @@ def test_critic_values_and_update():
     assert losses[-1] < losses[0]
 
 
+def test_tensordict_batches_are_accepted():
+    from tensordict import TensorDict
+
+    worker = make_worker()
+    batch = make_batch(num_groups=1, n=2)
+    uid = batch.pop(schema.UID)
+    td = TensorDict(batch, batch_size=[2])
+    td.set_non_tensor(schema.UID, uid)
+    out = worker.compute_log_prob(td)
+    torch.testing.assert_close(out[schema.OLD_LOG_PROBS], worker.compute_log_prob(batch)[schema.OLD_LOG_PROBS])
+    fields, _ = worker.compute_advantages({**td.to_dict(), schema.UID: uid})
+    assert fields[schema.ADVANTAGES].shape == batch[schema.RESPONSES].shape
+
+
 def test_lr_schedule():
     assert lr_factor(0, schedule="constant", warmup_steps=4, total_steps=10) == 0.25
     assert lr_factor(5, schedule="constant", warmup_steps=4, total_steps=10) == 1.0
