@@ -157,6 +157,7 @@ class TrainerGroup:
         return parts[0]
 
     def get_weight_version(self) -> int:
+        """The trainer's ``weight_version`` (completed actor updates; the same on every rank)."""
         return self.call("get_weight_version")[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -164,9 +165,11 @@ class TrainerGroup:
         return self.call("full_state_dict")[0]
 
     def save_checkpoint(self, path: str) -> None:
+        """Every rank writes its shards of one DCP checkpoint directory (``trainers/checkpoint.py``)."""
         self.call("save_checkpoint", str(path))
 
     def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint (saved with any number of ranks). Raises FileNotFoundError without one."""
         self.call("load_checkpoint", str(path))
 
     def shutdown(self) -> None:

@@ -58,11 +58,13 @@ def actor_fields(algorithm: AlgorithmConfig) -> tuple[str, ...]:
 
 
 def filler_sample(batch: dict) -> dict:
-    """One sample of ``batch`` with ``response_mask`` all zero: a micro-batch that contributes nothing."""
+    """One sample of ``batch`` with ``response_mask`` all zero (when it has one): a micro-batch that
+    contributes nothing to a loss; forward-only callers drop its outputs."""
     if batch_size(batch) == 0:
         raise ValueError("this rank has no sample at all; every rank needs at least one uid group")
     row = select(batch, [0])
-    row[schema.RESPONSE_MASK] = torch.zeros_like(row[schema.RESPONSE_MASK])
+    if schema.RESPONSE_MASK in row:
+        row[schema.RESPONSE_MASK] = torch.zeros_like(row[schema.RESPONSE_MASK])
     return row
 
 

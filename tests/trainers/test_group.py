@@ -14,8 +14,8 @@ from trainers.group import TrainerGroup
 from trainers.worker import TrainerWorker
 
 TINY = ModelConfig(path="tiny")
-# 4 prompts x 2 samples, 2 prompts per mini-batch: two optimizer steps per update, micro-batches of 3.
-TRAINER = {"ppo_mini_batch_size": 2, "ppo_micro_batch_size": 3, "lr": 1e-3, "num_threads": 1,
+# 2 prompts per mini-batch (several optimizer steps per update), micro-batches of 4 samples.
+TRAINER = {"ppo_mini_batch_size": 2, "ppo_micro_batch_size": 4, "lr": 1e-3, "num_threads": 1,
            "num_cpus_per_rank": 0.25, "timeout_s": 100.0}
 ALGORITHM = AlgorithmConfig(adv_estimator="reinforce_plus_plus")  # batch whitening: needs the global batch
 
@@ -47,7 +47,8 @@ def test_shards_keep_uid_groups_whole_and_mini_batches_global():
 
 
 def test_two_ranks_equal_one_rank(group, single):
-    # 5 groups, 2 per mini-batch: the last mini-batch has one group, so rank 1 runs a masked filler step.
+    # 5 groups x 2 samples, 2 groups per mini-batch: rank 0 gets 3 groups, rank 1 gets 2. Rank 1 runs a
+    # filler forward in compute_log_prob (1 micro-batch vs 2) and a masked filler step in the last mini-batch.
     batch = make_batch(num_groups=5, n=2, seed=7)
     shuffled = [5, 0, 9, 7, 2, 1, 8, 6, 3, 4]  # ranks receive whole groups; results come back in this order
     batch = {k: (v[shuffled] if isinstance(v, torch.Tensor) else [v[i] for i in shuffled]) for k, v in batch.items()}
