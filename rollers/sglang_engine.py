@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 import torch
+from aiohttp.http_exceptions import LineTooLong
 
 from rollers import sglang_protocol as proto
 from rollers.engine import PAUSE_MODES, Engine, EngineError, GenerationOutput, GenerationRequest
@@ -61,14 +62,16 @@ class SGLangEngine(Engine):
     ``request_timeout_s``: limit of one ``/generate``; ``control_timeout_s``: other calls;
     ``group_timeout_s``: rendezvous and broadcasts of a weight update; ``max_retries``/``backoff_s``/
     ``max_backoff_s``: ``/flush_cache`` retries while the server answers 400 (delays ``backoff_s``,
-    doubled each time up to ``max_backoff_s``); ``on_shutdown``: awaited by ``shutdown`` (the launcher
+    doubled each time up to ``max_backoff_s``); ``max_event_bytes``: longest SSE line accepted (SGLang
+    streams the cumulative output, so long responses make long lines); ``on_shutdown``: awaited by
+    ``shutdown`` (the launcher
     stops its server there). Create and use it on one event loop.
     """
 
     def __init__(
         self, url: str, *, request_timeout_s: float = 600.0, control_timeout_s: float = 120.0,
         group_timeout_s: float = 120.0, max_retries: int = 8, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-        on_shutdown: Callable[[], Awaitable[None]] | None = None,
+        max_event_bytes: int = 256 * 1024**2, on_shutdown: Callable[[], Awaitable[None]] | None = None,
     ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -78,6 +81,7 @@ class SGLangEngine(Engine):
         self.request_timeout_s, self.control_timeout_s, self.group_timeout_s = (
             request_timeout_s, control_timeout_s, group_timeout_s)
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self.max_event_bytes = max_event_bytes
         self._on_shutdown = on_shutdown
         self._session: aiohttp.ClientSession | None = None
         self._weight_version = 0
@@ -157,7 +161,7 @@ class SGLangEngine(Engine):
                     if r.status == 400:
                         raise ValueError(f"request {request.request_id!r} refused: {message}")
                     raise SGLangHTTPError("/generate", r.status, message)
-                async for raw in r.content:
+                while raw := await r.content.readline(max_line_length=self.max_event_bytes):
                     line = raw.decode().strip()
                     if not line.startswith("data:"):
                         continue
@@ -169,7 +173,7 @@ class SGLangEngine(Engine):
                         raise EngineError(f"/generate stream of {request.request_id!r} failed: {event['error']}")
                     out = self._seen(proto.parse_generate_output(event, request.request_id, out))
                     yield out
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, LineTooLong) as exc:
             raise EngineError(f"/generate stream of {request.request_id!r} failed: {exc!r}") from exc
         if out is None or out.finish_reason is None:
             raise EngineError(f"/generate stream of {request.request_id!r} ended before the request finished")

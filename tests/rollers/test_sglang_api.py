@@ -120,6 +120,16 @@ def test_generate_and_stream_agree(served):
     run(main())
 
 
+def test_stream_lines_longer_than_the_limit_fail_clearly(served):
+    async def main():
+        async with connected(served.url, max_event_bytes=1500) as client:
+            with pytest.raises(EngineError, match="stream of 'long' failed"):
+                _ = [o async for o in client.stream(_request("long", n=200, ignore_eos=True))]
+            assert await client.health()
+
+    run(main())
+
+
 def test_raw_answer_fields_and_sse_framing(served):
     body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 5},
             "return_logprob": True}
@@ -272,6 +282,38 @@ def test_weight_update_in_flight_keeps_every_request(served):
         switch = versions.index(new)
         assert switch >= 3 and all(v == new for v in versions[switch:])
     assert fresh.weight_versions == [new] * 5
+
+
+def test_update_without_pause_drains_in_flight_requests_first(torch_only):
+    """SGLang's writer lock: an update on an unpaused server waits for running requests (they finish on
+    the old weights), holds new ones back, then loads; no request mixes versions."""
+    weights = _perturbed(torch_only.model, seed=606)
+
+    async def main():
+        async with connected(torch_only.url) as client:
+            old = await client.get_weight_version()
+            progressed = [asyncio.Event() for _ in range(2)]
+
+            async def consume(i, n):
+                last = None
+                async for out in client.stream(_request(f"drain-{i}", n=n, seed=i, ignore_eos=True)):
+                    last = out
+                    if i < 2 and len(out.output_ids) >= 2:
+                        progressed[i].set()
+                return last
+
+            running = [asyncio.create_task(consume(i, 60)) for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in progressed)), 30)
+            update = asyncio.create_task(client.load_weights(weights.items(), old + 1))
+            await asyncio.sleep(0.05)
+            late = asyncio.create_task(consume(2, 10))
+            await update
+            return old, await asyncio.gather(*running), await late
+
+    old, running, late = run(main())
+    for out in running:
+        assert out.finish_reason == "length" and out.weight_versions == [old] * 60
+    assert late.finish_reason == "length" and len(set(late.weight_versions)) == 1
 
 
 def test_trainer_path_flattened_bucket_broadcast(torch_only):
