@@ -217,7 +217,8 @@ class TrainerWorker:
         ``use_kl_loss``, ``rollout_log_probs`` with a ``stale_correction``); raises ValueError naming a
         missing field. Metrics are over exactly the valid tokens the loss uses: ``pg_loss`` (mean per
         mini-batch), ``pg_clipfrac``, ``ppo_kl``, ``entropy``, ``grad_norm`` (before clipping),
-        ``lr``, ``tokens_per_s`` (valid response tokens, all ranks, all epochs), ``skipped_steps``.
+        ``lr``, ``tokens_per_s`` (valid response tokens, all ranks, all epochs), ``skipped_steps``,
+        ``advantages/mean|max|min``.
         ``weight_version`` increases by one. Collective.
         """
         b = self._to_device(batch)
@@ -239,6 +240,8 @@ class TrainerWorker:
         metrics["actor/lr"] = lr
         metrics["actor/tokens_per_s"] = metrics["actor/num_tokens"] / max(time.perf_counter() - start, 1e-9)
         metrics["actor/weight_version"] = float(self.weight_version)
+        metrics.update(collectives.global_masked_stats(b[schema.ADVANTAGES], b[schema.RESPONSE_MASK],
+                                                       "actor/advantages"))
         return metrics
 
     def update_critic(self, batch: Mapping[str, Any], mini_batch_sizes: list[int] | None = None) -> dict[str, float]:
@@ -261,6 +264,7 @@ class TrainerWorker:
         self.critic_scheduler.step()
         metrics = sums.finish("critic")
         metrics["critic/lr"] = lr
+        metrics.update(collectives.global_masked_stats(b[schema.RETURNS], b[schema.RESPONSE_MASK], "critic/returns"))
         return metrics
 
     # ------------------------------------------------------------------------------- weights, checkpoint

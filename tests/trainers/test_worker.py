@@ -77,6 +77,9 @@ def test_step0_ratio_is_one_and_nothing_clipped():
     assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
     assert metrics["actor/num_tokens"] == mask.sum().item()
+    valid_adv = batch[schema.ADVANTAGES][mask]
+    assert metrics["actor/advantages/mean"] == pytest.approx(valid_adv.double().mean().item(), abs=1e-6)
+    assert metrics["actor/advantages/max"] == pytest.approx(valid_adv.max().item())
     assert worker.get_weight_version() == 1
 
 
