@@ -25,9 +25,10 @@ the same sample ids). ``TQGroupChannel`` is the TransferQueue one; ``LocalGroupC
 one (tests, single-process runs).
 
 **Failures.** A reward that raises, returns NaN/inf or times out (``rollout.reward_timeout_s``) fails its
-whole group: nothing of it is put, a ``FailedGroup`` is recorded (``drain_failures``) and counted; other
-groups are unaffected. An ``EngineError`` (the engine died) ends ``run`` with that error, so the
-controller sees it.
+whole group, and so does a request the engine rejects (ValueError, e.g. too long) or a sample aborted
+more than ``rollout.max_resubmits`` times: nothing of the group is put, a ``FailedGroup`` is recorded
+(``drain_failures``) and counted; other groups are unaffected. An ``EngineError`` (the engine died) or
+a data-plane error ends ``run`` with that error, so the controller sees it.
 """
 
 from __future__ import annotations
@@ -424,12 +425,18 @@ class Roller:
         """Generate, score and put one group; returns what was put or the recorded failure."""
         n = len(group.sample_ids)
         try:
-            samples = [self._generate(group, i, greedy=False) for i in range(n)]
-            if self.remax_baseline:
-                samples.append(self._generate(group, n, greedy=True))
-            outputs = await asyncio.gather(*samples)
-        except _Aborted as exc:
-            return self._fail(group, "generate", [str(exc)])
+            async with asyncio.TaskGroup() as samples:  # one failing sample cancels its siblings
+                tasks = [samples.create_task(self._generate(group, i, greedy=False)) for i in range(n)]
+                if self.remax_baseline:
+                    tasks.append(samples.create_task(self._generate(group, n, greedy=True)))
+        except ExceptionGroup as group_error:
+            # A request the engine rejects (ValueError) or a sample aborted too often fails this group;
+            # anything else (EngineError: the engine is gone) ends the roller.
+            failed, fatal = group_error.split((_Aborted, ValueError))
+            if fatal is not None:
+                raise fatal.exceptions[0] from group_error
+            return self._fail(group, "generate", [f"{type(e).__name__}: {e}" for e in failed.exceptions])
+        outputs = [task.result() for task in tasks]
         texts = self.tokenizer.batch_decode([o.output_ids for o in outputs], skip_special_tokens=True)
         try:
             results = await asyncio.wait_for(

@@ -345,6 +345,14 @@ def test_too_many_aborts_fail_the_group(tok):
     assert len(engine.requests) == 3 and channel.results.empty()
 
 
+def test_rejected_request_fails_only_its_group(tok):
+    engine, channel, roller = _scripted_roller(tok, [ValueError("prompt too long"), ([5, 6], [0, 0], "length")])
+    failure = run(roller.process_group(make_group(tok, 0, n=1)))
+    assert failure.stage == "generate" and "ValueError: prompt too long" in failure.errors[0]
+    assert isinstance(run(roller.process_group(make_group(tok, 1, n=1))), GroupResult)
+    roller.close()
+
+
 def test_engine_error_ends_run_with_that_error(tok):
     engine, channel, roller = _scripted_roller(tok, [EngineError("the engine failed: boom")])
     channel.groups.put_nowait(make_group(tok, 0, n=1))
@@ -496,3 +504,16 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
     masks = batch[schema.RESPONSE_MASK]
     for row in range(len(train)):
         assert int(masks[row].sum()) == int(lengths[row]) == by_id[train.sample_ids[row]][schema.RESPONSE_LENGTH]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(reward=""), "rollout.reward"),
+        (dict(reward_timeout_s=0), "rollout.reward_timeout_s"),
+        (dict(max_resubmits=-1), "rollout.max_resubmits"),
+    ],
+)
+def test_rollout_config_rejects_bad_reward_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RolloutConfig(**kwargs)
