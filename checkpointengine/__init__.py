@@ -6,6 +6,7 @@ rows on one node). Receive side (rollers): ``WeightReceiver`` and the ``apply_up
 message flow and ``bucket`` for the bucket format.
 """
 
+from checkpointengine import trainer_hooks
 from checkpointengine.bucket import RowShard, TensorEntry
 from checkpointengine.naming import MissingWeightsError, WeightNameMapper
 from checkpointengine.protocol import (
@@ -20,5 +21,5 @@ from checkpointengine.sender import SyncReport, WeightSender
 __all__ = [
     "MissingWeightsError", "RowShard", "SyncReport", "TensorEntry", "UpdateResult", "WeightNameMapper",
     "WeightReceiver", "WeightSender", "WeightSyncAborted", "WeightSyncError", "WeightSyncHandle",
-    "WeightSyncTimeout", "WeightUpdateError", "apply_update",
+    "WeightSyncTimeout", "WeightUpdateError", "apply_update", "trainer_hooks",
 ]

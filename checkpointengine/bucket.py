@@ -197,7 +197,7 @@ def write_full(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor) -
 
 @dataclass(frozen=True)
 class RowShard:
-    """One rank's ``Shard(0)`` piece of a tensor: ``local`` holds rows ``[row_offset, row_offset + rows)``
+    """One rank's ``Shard(0)`` piece of a tensor: ``tensor`` holds rows ``[row_offset, row_offset + rows)``
     of the full tensor of shape ``full_shape``. A 0-d tensor is not sharded (``row_offset`` 0, the rank
     that holds it writes it)."""
 

@@ -190,6 +190,8 @@ class WeightSender:
                     group: dist.ProcessGroup | None = None) -> SyncReport | None:
         """Every rank: write this rank's ``Shard(0)`` rows into the shared slots (shm backend only).
 
+        ``shards``: ``RowShard`` or any record with ``name``, ``tensor``, ``row_offset``, ``full_shape``
+        (e.g. ``trainers.fsdp.LocalShard``).
         All ranks must pass the same names, full shapes and dtypes in the same order. ``group``: the
         trainer's process group (default: the default group; a single process needs none). Returns the
         report on the leader, None elsewhere; raises as ``send``, on every rank, when any rank fails.
@@ -198,8 +200,10 @@ class WeightSender:
             raise ValueError(f"send_shards needs checkpointengine.backend='shm', not {self.handle.backend!r}; "
                              "use send(named_full_tensors()) across nodes")
         agree = _make_agree(group)
-        stream = self.mapper.route((s.name, s) for s in shards)
-        body = self._packed_body(stream, write_rows, lambda s: (s.local.dtype, s.full_shape), agree)
+        rows = (s if isinstance(s, RowShard) else RowShard(s.name, s.tensor, s.row_offset, tuple(s.full_shape))
+                for s in shards)
+        stream = self.mapper.route((s.name, s) for s in rows)
+        body = self._packed_body(stream, write_rows, lambda s: (s.tensor.dtype, s.full_shape), agree)
         if not self.is_leader:
             self._round = _Round(version, [], set())
             body(self._round)
