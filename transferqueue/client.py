@@ -89,6 +89,18 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+POPULATE_MIN_BYTES = 1 << 20
+
+
+def new_buffer(nbytes: int) -> np.ndarray:
+    """A fresh writable uint8 buffer the caller owns. Large ones are anonymous mappings pre-faulted by the
+    kernel in one call (MAP_POPULATE), which is several times faster to fill than first-touch faults."""
+    if nbytes < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
+        return np.empty(nbytes, dtype=np.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    return np.frombuffer(mm, dtype=np.uint8)  # keeps ``mm`` alive as long as any view of it
+
+
 def merge_copy(out: np.ndarray, src: list[np.ndarray], dst: list[tuple[int, int]]) -> None:
     """Copy the byte stream ``src`` (buffers back to back) into ``out`` at ``dst`` segments
     ``(offset, nbytes)`` (same total length), one ``np.copyto`` per overlap of a source and a segment."""
@@ -278,8 +290,7 @@ class TQClient:
             raise RemoteError(f"field {name!r} has mixed dtypes across units: {sorted(dtypes)}")
         dst_off = np.concatenate([[0], np.cumsum(row_nb)]).astype(np.int64)
         dtype = dtypes.pop()
-        out_t = torch.empty(int(dst_off[-1]), dtype=torch.uint8)
-        out = out_t.numpy()
+        out = new_buffer(int(dst_off[-1]))
         for (_, pos), (head, frames) in zip(routes, replies, strict=True):
             src = self._sources(head, frames, j)
             brk = np.flatnonzero(np.diff(pos) != 1) + 1

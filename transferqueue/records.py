@@ -108,8 +108,10 @@ class BatchMeta:
                          [t for m in metas for t in m.tags], dict(first.schemas), first.task)
 
     def to_wire(self) -> dict:
-        d = asdict(self)
-        return d
+        """A msgpack-able dict (no deep copy: tags are passed through as they are)."""
+        return {"partition": self.partition, "sample_ids": self.sample_ids, "fields": self.fields, "tags": self.tags,
+                "schemas": {k: {"dtype": v.dtype, "shape": v.shape} for k, v in self.schemas.items()},
+                "task": self.task, "reason": self.reason}
 
     @staticmethod
     def from_wire(d: dict) -> BatchMeta:

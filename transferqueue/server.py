@@ -12,6 +12,7 @@ vanished is skipped (ROUTER_MANDATORY off). The loop wakes at least every ``tick
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -49,6 +50,7 @@ class RouterServer:
     """
 
     tick_s = 0.05
+    gc_every_s = 5.0
 
     def __init__(self, address: str, curve: CurveKeys | None = None, hwm: int = 1000):
         self.ctx = zmq.Context()  # own context: one ZAP handler per server
@@ -88,13 +90,21 @@ class RouterServer:
 
     # -- loop
     def serve_forever(self) -> None:
+        """Serve until ``stop()``. Python's automatic cyclic GC is off in the loop: a full collection over a
+        million-sample index stalls every request for ~100 ms; young generations are collected every
+        ``gc_every_s`` instead (the servers create almost no reference cycles)."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        gc.disable()
+        next_gc = time.monotonic() + self.gc_every_s
         try:
             while not self._stop.is_set():
                 if poller.poll(int(self.tick_s * 1000)):
                     self._one()
                 self.tick()
+                if time.monotonic() > next_gc:
+                    gc.collect(1)
+                    next_gc = time.monotonic() + self.gc_every_s
         finally:
             self.close()
 
