@@ -43,6 +43,21 @@ SAMPLING_FIELDS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "sampling_seed", "stop_token_ids", "ignore_eos",
     "n", "min_new_tokens", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
 )
+# Fields our server accepts on the other endpoints (SGLang's names; BaseReq's ``rid`` included).
+PAUSE_FIELDS = ("rid", "mode")
+CONTINUE_FIELDS = ("rid", "torch_empty_cache")
+BEGIN_UPDATE_FIELDS = ("rid", "selector")
+END_UPDATE_FIELDS = ("rid",)
+INIT_GROUP_FIELDS = ("rid", "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
+DESTROY_GROUP_FIELDS = ("rid", "group_name")
+UPDATE_DISTRIBUTED_FIELDS = (
+    "rid", "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+    "load_format", "selector", "torch_empty_cache",
+)
+UPDATE_DISK_FIELDS = (
+    "rid", "model_path", "load_format", "abort_all_requests", "weight_version", "torch_empty_cache",
+    "flush_cache", "recapture_cuda_graph",
+)  # torch_empty_cache / recapture_cuda_graph: CUDA-only, no effect here
 SGLANG_DEFAULT_WEIGHT_VERSION = "default"  # what SGLang reports when launched without --weight-version
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one flat uint8 broadcast per call

@@ -44,21 +44,6 @@ from rollers.engine import PAUSE_MODES, Engine, EngineError
 
 logger = logging.getLogger(__name__)
 
-# Fields accepted per endpoint: SGLang's names (io_struct.py), BaseReq's ``rid`` included.
-PAUSE_FIELDS = ("rid", "mode")
-CONTINUE_FIELDS = ("rid", "torch_empty_cache")
-BEGIN_UPDATE_FIELDS = ("rid", "selector")
-END_UPDATE_FIELDS = ("rid",)
-INIT_GROUP_FIELDS = ("rid", "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
-DESTROY_GROUP_FIELDS = ("rid", "group_name")
-UPDATE_DISTRIBUTED_FIELDS = (
-    "rid", "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
-    "load_format", "selector", "torch_empty_cache",
-)
-UPDATE_DISK_FIELDS = (
-    "rid", "model_path", "load_format", "abort_all_requests", "weight_version", "torch_empty_cache",
-    "flush_cache", "keep_pause", "recapture_cuda_graph", "token_step",
-)
 DEFAULT_MAX_BODY_BYTES = 32 * 1024**2
 
 
@@ -329,7 +314,7 @@ class SGLangServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json(request, PAUSE_FIELDS)
+            body = await self._json(request, proto.PAUSE_FIELDS)
         except BadRequest as exc:
             return _error(str(exc))
         mode = body.get("mode", "abort")  # SGLang's default
@@ -341,7 +326,7 @@ class SGLangServer:
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         try:
-            await self._json(request, CONTINUE_FIELDS)
+            await self._json(request, proto.CONTINUE_FIELDS)
         except BadRequest as exc:
             return _error(str(exc))
         await self.engine.resume()
@@ -350,7 +335,7 @@ class SGLangServer:
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json(request, BEGIN_UPDATE_FIELDS)
+            body = await self._json(request, proto.BEGIN_UPDATE_FIELDS)
         except BadRequest as exc:
             return _error(str(exc))
         if body.get("selector", "all") not in ("all", "target"):
@@ -359,7 +344,7 @@ class SGLangServer:
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         try:
-            await self._json(request, END_UPDATE_FIELDS)
+            await self._json(request, proto.END_UPDATE_FIELDS)
         except BadRequest as exc:
             return _error(str(exc))
         return self._result(True, "Weight-update session closed (no-op for this engine).")
@@ -369,7 +354,7 @@ class SGLangServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         required = ("master_address", "master_port", "rank_offset", "world_size")
         try:
-            body = await self._json(request, INIT_GROUP_FIELDS, required)
+            body = await self._json(request, proto.INIT_GROUP_FIELDS, required)
         except BadRequest as exc:
             return _error(str(exc))
         group_name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
@@ -399,7 +384,7 @@ class SGLangServer:
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json(request, DESTROY_GROUP_FIELDS)
+            body = await self._json(request, proto.DESTROY_GROUP_FIELDS)
         except BadRequest as exc:
             return _error(str(exc))
         name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
@@ -410,11 +395,13 @@ class SGLangServer:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json(request, UPDATE_DISTRIBUTED_FIELDS, ("names", "dtypes", "shapes"))
+            body = await self._json(request, proto.UPDATE_DISTRIBUTED_FIELDS, ("names", "dtypes", "shapes"))
             specs = proto.parse_tensor_specs(body["names"], body["dtypes"], body["shapes"])
             group_name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
             if group_name not in self._groups:
                 raise BadRequest(f"group {group_name!r} is not initialised: call /init_weights_update_group first")
+            if body.get("selector", "all") not in ("all", "target"):
+                raise BadRequest(f"selector must be 'all' or 'target' (no draft model here), got {body['selector']!r}")
             load_format = body.get("load_format")
             if load_format not in (None, proto.FLATTENED_BUCKET):
                 raise BadRequest(f"load_format must be null or {proto.FLATTENED_BUCKET!r}, got {load_format!r}")
@@ -432,7 +419,7 @@ class SGLangServer:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json(request, UPDATE_DISK_FIELDS, ("model_path",))
+            body = await self._json(request, proto.UPDATE_DISK_FIELDS, ("model_path",))
             files = sorted(Path(str(body["model_path"])).glob("*.safetensors"))
             if not files:
                 raise BadRequest(f"model_path {body['model_path']!r} holds no *.safetensors files")

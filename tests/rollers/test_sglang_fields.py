@@ -22,7 +22,6 @@ import pytest
 from common.env import cache_dir
 from common.models import ModelConfig, load_model
 from rollers import sglang_protocol as proto
-from rollers import sglang_server as server
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher
@@ -30,7 +29,7 @@ from rollers.sglang_launcher import SGLangLauncher
 WHEEL_SPEC = "sglang>=0.5,<0.6"
 IO_STRUCT = "sglang/srt/managers/io_struct.py"
 SAMPLING = "sglang/srt/sampling/sampling_params.py"
-# Request structure of each POST endpoint (sglang/srt/entrypoints/http_server.py).
+# Request structure of each POST endpoint (sglang/srt/entrypoints/http_proto.py).
 ENDPOINT_STRUCTS = {
     "/generate": "GenerateReqInput",
     "/pause_generation": "PauseGenerationReqInput",
@@ -115,14 +114,14 @@ def test_the_check_catches_misspelled_fields(sglang_fields):
 def test_server_accepts_only_sglang_fields(sglang_fields):
     accepted = {
         "/generate": proto.GENERATE_FIELDS,
-        "/pause_generation": server.PAUSE_FIELDS,
-        "/continue_generation": server.CONTINUE_FIELDS,
-        "/begin_weight_update": server.BEGIN_UPDATE_FIELDS,
-        "/end_weight_update": server.END_UPDATE_FIELDS,
-        "/init_weights_update_group": server.INIT_GROUP_FIELDS,
-        "/destroy_weights_update_group": server.DESTROY_GROUP_FIELDS,
-        "/update_weights_from_distributed": server.UPDATE_DISTRIBUTED_FIELDS,
-        "/update_weights_from_disk": server.UPDATE_DISK_FIELDS,
+        "/pause_generation": proto.PAUSE_FIELDS,
+        "/continue_generation": proto.CONTINUE_FIELDS,
+        "/begin_weight_update": proto.BEGIN_UPDATE_FIELDS,
+        "/end_weight_update": proto.END_UPDATE_FIELDS,
+        "/init_weights_update_group": proto.INIT_GROUP_FIELDS,
+        "/destroy_weights_update_group": proto.DESTROY_GROUP_FIELDS,
+        "/update_weights_from_distributed": proto.UPDATE_DISTRIBUTED_FIELDS,
+        "/update_weights_from_disk": proto.UPDATE_DISK_FIELDS,
     }
     for path, fields in accepted.items():
         assert violations(path, dict.fromkeys(fields), sglang_fields) == []
