@@ -5,8 +5,9 @@ SGLang (``/init_weights_update_group``, ``/update_weights_from_distributed``; se
 ``UpdateWeightsFromDistributedReqInput``) forms a ``torch.distributed`` group of trainer rank 0 (rank 0)
 plus every engine (rank ``rank_offset`` + its tp rank) under ``group_name``; an update then names the
 tensors (``names``, ``dtypes``, ``shapes``) and rank 0 broadcasts each one, in that order. The groups
-here are stateless: built from a ``TCPStore`` without touching the process's default group, so a
-trainer's own FSDP group and a roller's engine are unaffected.
+here are built the way SGLang builds them (``init_custom_process_group``): a TCP rendezvous hosted by
+rank 0 and a process group of its own, independent of the process's default group, so a trainer's own
+FSDP group and a roller's engine are unaffected.
 
 The server side of our SGLang-API server calls ``init_weights_update_group`` and ``receive_tensors``;
 the trainer side calls ``create_sender_group`` and ``broadcast_tensors``.
@@ -43,34 +44,44 @@ class WeightUpdateGroup:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
 
-def _new_group(store: dist.Store, rank: int, world_size: int, group_name: str, backend: str,
-               timeout_s: float, host: str) -> dist.ProcessGroup:
-    prefixed = dist.PrefixStore(group_name, store)
+def _rendezvous(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    from torch.distributed import distributed_c10d as c10d
+
     timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    raise ValueError(f"broadcast backend {backend!r} is not one of {list(GROUP_BACKENDS)}")
+    store, _, _ = next(c10d.rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def _new_group(store: dist.Store, rank: int, world_size: int, group_name: str, backend: str,
+               timeout_s: float) -> dist.ProcessGroup:
+    """A process group of its own under ``group_name``, built exactly as SGLang's
+    ``init_custom_process_group`` does (torch's ``_new_process_group_helper``), so both sides derive
+    the same store keys whichever of them is ours."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if backend not in GROUP_BACKENDS:
+        raise ValueError(f"broadcast backend {backend!r} is not one of {list(GROUP_BACKENDS)}")
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store), group_name=group_name,
+        backend_options=None, timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
 
 
 def create_sender_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 2,
-                        timeout_s: float = 120.0) -> dist.TCPStore:
+                        timeout_s: float = 120.0) -> dist.Store:
     """The rendezvous store of a new group, served by the sender on ``host``:``port`` (0 = a free port;
-    read it back from ``store.port``). Call before telling the rollers to join."""
+    read it back from ``store.port``). Call before telling the rollers to join; it does not wait for them."""
     return dist.TCPStore(host, port, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
 
-def create_sender_group(store: dist.TCPStore, world_size: int, group_name: str, backend: str = "gloo",
-                        timeout_s: float = 120.0, host: str = "127.0.0.1") -> WeightUpdateGroup:
+def create_sender_group(store: dist.Store, world_size: int, group_name: str, backend: str = "gloo",
+                        timeout_s: float = 120.0) -> WeightUpdateGroup:
     """Rank 0's side of the group; blocks until all ``world_size`` members joined (or ``timeout_s``)."""
-    pg = _new_group(store, 0, world_size, group_name, backend, timeout_s, host)
+    pg = _new_group(store, 0, world_size, group_name, backend, timeout_s)
     return WeightUpdateGroup(pg, store, 0, world_size, group_name, backend, store.port)
 
 
@@ -86,16 +97,13 @@ def init_weights_update_group(master_address: str, master_port: int, rank_offset
         raise ValueError(f"rank_offset={rank_offset} must be in [1, world_size={world_size})")
     if backend not in GROUP_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(GROUP_BACKENDS)}")
-    store = dist.TCPStore(master_address, master_port, world_size, False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    pg = _new_group(store, rank_offset, world_size, group_name, backend, timeout_s, master_address)
+    store = _rendezvous(master_address, master_port, rank_offset, world_size, timeout_s)
+    pg = _new_group(store, rank_offset, world_size, group_name, backend, timeout_s)
     return WeightUpdateGroup(pg, store, rank_offset, world_size, group_name, backend, master_port)
 
 
 def _broadcast(group: WeightUpdateGroup, tensor: torch.Tensor):
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    return group.process_group.broadcast([tensor], opts)
+    return dist.broadcast(tensor, src=0, group=group.process_group, async_op=True)
 
 
 def broadcast_tensors(group: WeightUpdateGroup, tensors: Iterable[torch.Tensor]) -> list:
@@ -131,9 +139,7 @@ def destroy_group(group: WeightUpdateGroup | None) -> None:
     """Release a group (idempotent on ``None``)."""
     if group is None:
         return
-    shutdown = getattr(group.process_group, "shutdown", None)
-    if shutdown is not None:
-        try:
-            shutdown()
-        except RuntimeError:  # already torn down by a peer's exit
-            pass
+    try:
+        dist.destroy_process_group(group.process_group)
+    except (RuntimeError, ValueError, KeyError):  # already torn down by a peer's exit
+        pass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -417,7 +418,7 @@ class WeightSender:
         bc.destroy_group(self._group)
         self._group = None
         store = bc.create_sender_store(LOOPBACK, 0, len(members) + 1, self.cfg.timeout_s)
-        name = f"hflow-weights-v{rnd.version}"
+        name = f"hflow-weights-{uuid.uuid4().hex[:12]}"
         for i, roller in enumerate(members):
             msg = GroupInit(LOOPBACK, store.port, i + 1, len(members) + 1, name, self.handle.broadcast_backend)
             self._sock.send_multipart([roller.encode(), encode(msg)])
