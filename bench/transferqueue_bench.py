@@ -31,7 +31,7 @@ UPSTREAM_ENV = ROOT / "bench" / ".envs" / "upstream-tq"
 UPSTREAM_PKGS = ["torch==2.13.0", "transferqueue==0.1.11"]
 NUM_FIELDS = 8
 SHAPES = {"L": (1024, 1024), "S": (128, 128)}
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0"}
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0"}
 
 
 def log(msg: str) -> None:
@@ -134,9 +134,9 @@ def bench_zmq(data: dict, reps: int) -> float:
 def bench_ray(data: dict, reps: int) -> tuple[float, float]:
     """Ray object store: ``ray.put`` of the dict; ``ray.get`` plus a clone of every tensor (Ray's
     zero-copy results are read-only views of the store)."""
-    from common.env import init_ray
-
     import ray
+
+    from common.env import init_ray
 
     init_ray(num_cpus=4, object_store_bytes=1024**3)
     try:
@@ -157,32 +157,33 @@ def bench_ours(payloads: dict, reps: int) -> dict:
     from transferqueue import TQClient, start_transferqueue
     from transferqueue.config import TransferQueueConfig
 
-    out = {}
     cfg = TransferQueueConfig(num_storage_units=1, capacity_bytes=2 * 1024**3)
     with start_transferqueue(cfg) as servers, TQClient(servers.handle) as client:
-        for size, data in payloads.items():
-            fields = list(data)
-            count = [0]
+        return {size: _ours_one(client, size, data, reps) for size, data in payloads.items()}
 
-            def put():
-                client.put(data, partition=f"{size}-{count[0]}")
 
-            def clear():
-                client.clear(f"{size}-{count[0]}")
-                count[0] += 1
+def _ours_one(client, size: str, data: dict, reps: int) -> tuple[float, float, int]:
+    """(put s, get s, bytes): each put into a fresh partition (the previous one cleared, untimed)."""
+    fields, count = list(data), [0]
 
-            put_s = median(timed(put, reps, setup=clear))
-            client.clear(f"{size}-{count[0]}")
-            meta = client.put(data, partition=f"{size}-get")
+    def put():
+        client.put(data, partition=f"{size}-{count[0]}")
 
-            def get():
-                batch = client.get_data(meta, fields)
-                assert batch[fields[0]].shape == data[fields[0]].shape
+    def clear():
+        client.clear(f"{size}-{count[0]}")
+        count[0] += 1
 
-            get_s = median(timed(get, reps))
-            client.clear(f"{size}-get")
-            out[size] = (put_s, get_s, nbytes(data))
-    return out
+    put_s = median(timed(put, reps, setup=clear))
+    client.clear(f"{size}-{count[0]}")
+    meta = client.put(data, partition=f"{size}-get")
+
+    def get():
+        batch = client.get_data(meta, fields)
+        assert batch[fields[0]].shape == data[fields[0]].shape
+
+    get_s = median(timed(get, reps))
+    client.clear(f"{size}-get")
+    return put_s, get_s, nbytes(data)
 
 
 def bench_meta(num_samples: int, reps: int) -> tuple[float, float]:
@@ -250,35 +251,37 @@ def upstream_worker(reps: int) -> None:
     import ray
     import transfer_queue as tq
     from omegaconf import OmegaConf
-    from tensordict import TensorDict
 
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=1024**3, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
     client = tq.get_client()
-    out = {}
-    for size in ("L", "S"):
-        data = payload(size)
-        td = TensorDict(data, batch_size=[SHAPES[size][0]])
-        fields = list(data)
-        count = [0]
-
-        def put(td=td, size=size):
-            client.put(td, partition_id=f"{size}-{count[0]}")
-
-        def clear(size=size):
-            client.clear_partition(f"{size}-{count[0]}")
-            count[0] += 1
-
-        put_s = median(timed(put, reps, setup=clear))
-        client.put(td, partition_id=f"{size}-get")
-        meta = client.get_meta(data_fields=fields, batch_size=SHAPES[size][0], partition_id=f"{size}-get",
-                               task_name="bench")
-        get_s = median(timed(lambda meta=meta: client.get_data(meta), reps))
-        out[size] = [put_s, get_s, nbytes(data)]
+    out = {size: _upstream_one(client, size, reps) for size in ("L", "S")}
     print("UPSTREAM " + json.dumps(out), flush=True)
     tq.close()
     ray.shutdown()
+
+
+def _upstream_one(client, size: str, reps: int) -> list:
+    from tensordict import TensorDict
+
+    data = payload(size)
+    td = TensorDict(data, batch_size=[SHAPES[size][0]])
+    fields, count = list(data), [0]
+
+    def put():
+        client.put(td, partition_id=f"{size}-{count[0]}")
+
+    def clear():
+        client.clear_partition(f"{size}-{count[0]}")
+        count[0] += 1
+
+    put_s = median(timed(put, reps, setup=clear))
+    client.put(td, partition_id=f"{size}-get")
+    meta = client.get_meta(data_fields=fields, batch_size=SHAPES[size][0], partition_id=f"{size}-get",
+                           task_name="bench")
+    get_s = median(timed(lambda: client.get_data(meta), reps))
+    return [put_s, get_s, nbytes(data)]
 
 
 # ------------------------------------------------------------------------------------------------ main

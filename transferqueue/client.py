@@ -16,6 +16,8 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,7 +28,7 @@ import torch
 from transferqueue import wire
 from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQHandle
 from transferqueue.server import node_id
-from transferqueue.storage import ALIGN, SHM_DIR
+from transferqueue.storage import ALIGN, SHM_DIR, size_class
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
 
 _SHM_NAME = re.compile(r"hflow-tq-\d+-[0-9a-f]{12}")
@@ -92,13 +94,44 @@ def _aligned(n: int) -> int:
 POPULATE_MIN_BYTES = 1 << 20
 
 
-def new_buffer(nbytes: int) -> np.ndarray:
-    """A fresh writable uint8 buffer the caller owns. Large ones are anonymous mappings pre-faulted by the
-    kernel in one call (MAP_POPULATE), which is several times faster to fill than first-touch faults."""
-    if nbytes < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
-        return np.empty(nbytes, dtype=np.uint8)
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-    return np.frombuffer(mm, dtype=np.uint8)  # keeps ``mm`` alive as long as any view of it
+class BufferPool:
+    """Where ``get`` allocates the caller's output buffers: a bounded cache of freed buffers, like PyTorch's
+    caching allocator. A large buffer is an anonymous mapping pre-faulted by the kernel in one call
+    (MAP_POPULATE); when every tensor viewing it is gone (``weakref.finalize``), the mapping goes back to
+    the cache (up to ``max_bytes``) so the next ``get`` of that size class copies into already-faulted
+    pages. While any tensor of a batch lives, its memory belongs to the caller alone."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self.cached_bytes = 0
+        self.free: dict[int, list[mmap.mmap]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if nbytes < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
+            return np.empty(nbytes, dtype=np.uint8)
+        size = size_class(nbytes)
+        with self.lock:
+            pool = self.free.get(size)
+            mm = pool.pop() if pool else None
+            if mm is not None:
+                self.cached_bytes -= size
+        if mm is None:
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        weakref.finalize(arr, self._give_back, mm, size)
+        return arr
+
+    def _give_back(self, mm: mmap.mmap, size: int) -> None:
+        with self.lock:
+            if self.cached_bytes + size <= self.max_bytes:
+                self.free.setdefault(size, []).append(mm)
+                self.cached_bytes += size
+
+    def clear(self) -> None:
+        with self.lock:
+            self.free.clear()
+            self.cached_bytes = 0
 
 
 def merge_copy(out: np.ndarray, src: list[np.ndarray], dst: list[tuple[int, int]]) -> None:
@@ -123,6 +156,7 @@ class TQClient:
         here = node_id()
         self.local = [handle.shared_memory and n == here for n in handle.unit_nodes]
         self.shm = ShmCache()
+        self.buffers = BufferPool()
         self._sync = SyncDriver(handle)
         self._async = AsyncDriver(handle)
 
@@ -290,7 +324,7 @@ class TQClient:
             raise RemoteError(f"field {name!r} has mixed dtypes across units: {sorted(dtypes)}")
         dst_off = np.concatenate([[0], np.cumsum(row_nb)]).astype(np.int64)
         dtype = dtypes.pop()
-        out = new_buffer(int(dst_off[-1]))
+        out = self.buffers.take(int(dst_off[-1]))
         for (_, pos), (head, frames) in zip(routes, replies, strict=True):
             src = self._sources(head, frames, j)
             brk = np.flatnonzero(np.diff(pos) != 1) + 1
@@ -451,6 +485,7 @@ class TQClient:
         self._sync.close()
         self._async.close()
         self.shm.close()
+        self.buffers.clear()
 
     def __enter__(self) -> TQClient:
         return self

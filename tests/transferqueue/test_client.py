@@ -195,3 +195,18 @@ def test_status_counts(client):
     assert st.bytes_stored >= before.bytes_stored + 4 * 8 * 4
     assert st.requests["get_meta"][0] >= 1
     assert client.unit_stats(0)["requests"]
+
+
+def test_large_gets_never_share_memory_while_alive(client):
+    """Output buffers are recycled only after every tensor viewing them is gone."""
+    p = part()
+    src = torch.arange(512 * 1024, dtype=torch.float64).view(64, 8192)  # 4 MiB: pooled mapping path
+    meta = client.put({"x": src}, partition=p)
+    a = client.get_data(meta)["x"]
+    b = client.get_data(meta)["x"]
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    a.fill_(-1)
+    del a
+    c = client.get_data(meta)["x"]  # may reuse a's pages
+    c.fill_(-2)
+    assert torch.equal(b, src) and torch.equal(client.get_data(meta)["x"], src)
