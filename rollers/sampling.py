@@ -50,20 +50,36 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[i
 
 
 def _draw(log_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
-    """Inverse-CDF draw of one token per row from top-k/top-p filtered ``log_probs`` (batch, vocab)."""
-    probs, order = torch.sort(log_probs.exp(), dim=-1, descending=True)
+    """Inverse-CDF draw of one token per row from top-k/top-p filtered ``log_probs`` (batch, vocab).
+
+    Without top-k/top-p the CDF runs over the vocabulary in id order (no sort); with them, over the
+    probability-sorted vocabulary (a ``topk`` when only top-k is set, a full sort when top-p is).
+    """
+    probs = log_probs.exp()
     vocab = probs.shape[1]
-    ranks = torch.arange(vocab, device=probs.device)
+    uniforms = torch.cat([torch.rand(1, generator=r.generator, device=r.generator.device) for r in rows])
+    uniforms = uniforms.to(probs.device)
+    if all(r.top_k < 0 and r.top_p >= 1.0 for r in rows):
+        return _inverse_cdf(probs, uniforms)
+    if all(r.top_p >= 1.0 for r in rows) and all(r.top_k > 0 for r in rows):
+        probs, order = torch.topk(probs, max(r.top_k for r in rows), dim=-1)
+    else:
+        probs, order = torch.sort(probs, dim=-1, descending=True)
+    width = probs.shape[1]
+    ranks = torch.arange(width, device=probs.device)
     top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=probs.device)
     top_p = torch.tensor([r.top_p for r in rows], device=probs.device)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep = (ranks[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
-    keep[:, 0] = True
-    cdf = torch.cumsum(probs * keep, dim=-1)
-    uniforms = torch.cat([torch.rand(1, generator=r.generator, device=r.generator.device) for r in rows])
-    targets = uniforms.to(probs.device) * cdf[:, -1]
-    pick = torch.searchsorted(cdf, targets[:, None], right=True).clamp_(max=vocab - 1)
-    # A uniform landing exactly on the total mass would pick past the last kept token; step back onto it.
-    last_kept = keep.sum(dim=-1, keepdim=True) - 1
-    pick = torch.minimum(pick, last_kept)
-    return order.gather(1, pick)[:, 0]
+    keep = (ranks[None, :] < top_k[:, None]) & (torch.cumsum(probs, dim=-1) - probs < top_p[:, None])
+    keep[:, 0] = True  # the most likely token is always allowed
+    return order.gather(1, _inverse_cdf(probs * keep, uniforms)[:, None])[:, 0]
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Column index per row where the running sum of ``weights`` (batch, n) first exceeds
+    ``uniform * total``; never a zero-weight column."""
+    cdf = torch.cumsum(weights, dim=-1)
+    targets = uniforms * cdf[:, -1]
+    pick = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
+    # A uniform rounding onto the total would pick past the end: step back to the last positive weight.
+    last_positive = weights.shape[1] - 1 - torch.argmax((weights.flip(-1) > 0).to(torch.int8), dim=-1)
+    return torch.minimum(pick, last_positive)

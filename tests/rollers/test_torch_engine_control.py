@@ -15,7 +15,7 @@ from common.models import ModelConfig, apply_chat_template, load_model, load_tok
 from rollers.engine import EngineError, GenerationRequest, SamplingParams
 from rollers.torch_engine import TorchEngine
 
-TIMEOUT_S = 60
+TIMEOUT_S = 100  # below pytest-timeout's 120 s; generous for a loaded 2-core machine
 MAX_NEW = 14
 
 
