@@ -155,7 +155,7 @@ class SGLangServer:
         else:
             try:
                 body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise BadRequest(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")

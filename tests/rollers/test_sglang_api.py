@@ -416,6 +416,7 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(torch_only):
     cases = [
         ("/generate", b"{not json", "not valid JSON"),
         ("/generate", b"[1, 2]", "must be a JSON object"),
+        ("/generate", b"[" * 100_000, "not valid JSON"),
         ("/generate", json.dumps({"input_ids": [1], "bogus": 1}).encode(), "unknown"),
         ("/generate", json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": -3}}).encode(),
          "max_new_tokens must be >= 1"),
