@@ -86,6 +86,7 @@ class SGLangEngine(Engine):
         self._session: aiohttp.ClientSession | None = None
         self._weight_version = 0
         self._own_group: tuple[str, Any] | None = None  # (group_name, process group) of load_weights
+        self._model_info_path = "/model_info"
         self._has_update_session: bool | None = None  # server knows /begin_weight_update (None: not asked)
         self._closed = False
 
@@ -217,12 +218,21 @@ class SGLangEngine(Engine):
             return False
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._call("GET", "/get_model_info")
+        """``/model_info`` (SGLang ≥ 0.5.2x; ``/get_model_info`` there is deprecated), falling back to
+        ``/get_model_info`` on servers that answer 404."""
+        if self._model_info_path == "/model_info":
+            try:
+                return await self._call("GET", "/model_info")
+            except SGLangHTTPError as exc:
+                if exc.status != 404:
+                    raise
+                self._model_info_path = "/get_model_info"
+        return await self._call("GET", self._model_info_path)
 
     async def get_weight_version(self) -> int:
-        """The server's weight version (``/get_model_info``; SGLang's string read as an int)."""
+        """The server's weight version (from the model info; SGLang's string read as an int)."""
         info = await self.get_model_info()
-        return proto.parse_weight_version(info["weight_version"], "/get_model_info weight_version")
+        return proto.parse_weight_version(info["weight_version"], f"{self._model_info_path} weight_version")
 
     # ---------------------------------------------------------------------------- weight updates
 

@@ -467,3 +467,47 @@ def test_client_rejects_bad_arguments_before_sending(served):
     run(main())
     with pytest.raises(ValueError, match="http"):
         SGLangEngine("127.0.0.1:1")
+
+
+def test_client_against_an_older_sglang_api():
+    """An older server (stub): no ``/model_info``, no ``/begin_weight_update``, version ``"default"``,
+    and ``/flush_cache`` answering 400 twice while requests drain: the client falls back, retries, and
+    completes pause → update → flush → continue."""
+    from aiohttp import web
+
+    calls: list[str] = []
+    flush_refusals = [2]
+
+    async def handle(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        if request.path == "/flush_cache" and flush_refusals[0] > 0:
+            flush_refusals[0] -= 1
+            return web.Response(status=400, text="Cache not flushed: 1 running request\n")
+        if request.path == "/get_model_info":
+            return web.json_response({"weight_version": "default", "is_generation": True})
+        if request.path == "/update_weights_from_disk":
+            return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+        return web.json_response({"status": "ok"}) if request.path != "/health" else web.Response()
+
+    async def main():
+        app = web.Application()
+        for path in ("/health", "/get_model_info"):
+            app.router.add_get(path, handle)
+        for path in ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk"):
+            app.router.add_post(path, handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            async with connected(f"http://127.0.0.1:{runner.addresses[0][1]}", backoff_s=0.01) as client:
+                assert client.weight_version == 0  # SGLang's "default"
+                await client.update_weights(lambda: client.update_weights_from_disk("/ckpt", 1), mode="retract")
+                assert client.weight_version == 1
+        finally:
+            await runner.cleanup()
+
+    run(main())
+    # (/model_info and /begin_weight_update got aiohttp's 404 before reaching ``handle``.)
+    assert calls == ["/health", "/get_model_info", "/pause_generation", "/update_weights_from_disk",
+                     "/flush_cache", "/flush_cache", "/flush_cache", "/continue_generation"]

@@ -42,7 +42,7 @@ ENDPOINT_STRUCTS = {
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
 }
-GET_ENDPOINTS = {"/health", "/get_model_info"}
+GET_ENDPOINTS = {"/health", "/model_info"}
 
 
 def _fetch_wheel() -> Path:
