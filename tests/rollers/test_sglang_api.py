@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ def served(request):
         launcher = SGLangLauncher("torch", model, max_batch_slots=8, startup_timeout_s=TIMEOUT_S,
                                   extra_args=("--max-body-bytes", str(MAX_BODY_BYTES)))
     else:
+        if importlib.util.find_spec("sglang") is None:
+            pytest.skip("SGLang is not installed on this GPU machine (pip install 'sglang>=0.5,<0.6')")
         model = ModelConfig(path="smollm2-135m-instruct")
         launcher = SGLangLauncher("sglang", model, mem_fraction=0.3, startup_timeout_s=600)
     request.addfinalizer(lambda: asyncio.run(launcher.stop()))
