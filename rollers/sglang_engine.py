@@ -110,7 +110,7 @@ class SGLangEngine(Engine):
                 if r.status >= 400:
                     raise SGLangHTTPError(path, r.status, _message(text))
                 return json.loads(text) if r.content_type == "application/json" else text
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
             raise EngineError(f"{method} {self.url}{path} failed: {exc!r}") from exc
 
     async def _post_ok(self, path: str, body: dict, timeout_s: float | None = None) -> str:
@@ -250,20 +250,19 @@ class SGLangEngine(Engine):
         finally:
             await self.resume()
 
-    async def _in_update_session(self, call: Awaitable[str]) -> str:
-        """Run ``call`` inside SGLang's ``/begin_weight_update`` … ``/end_weight_update`` (servers ≥ 0.5.2x
-        refuse weight loads outside one; older servers answer 404 and need none)."""
+    async def _in_update_session(self, path: str, body: dict[str, Any]) -> str:
+        """POST ``body`` to ``path`` inside SGLang's ``/begin_weight_update`` … ``/end_weight_update``
+        (servers ≥ 0.5.2x refuse weight loads outside one; older servers answer 404 and need none)."""
         if self._has_update_session is not False:
             try:
                 await self._post_ok("/begin_weight_update", {})
                 self._has_update_session = True
             except SGLangHTTPError as exc:
                 if exc.status != 404:
-                    call.close()
                     raise
                 self._has_update_session = False
         try:
-            return await call
+            return await self._post_ok(path, body, self.group_timeout_s)
         finally:
             if self._has_update_session:
                 await self._post_ok("/end_weight_update", {})
@@ -291,16 +290,14 @@ class SGLangEngine(Engine):
                                 "flush_cache": flush_cache, "weight_version": str(weight_version)}
         if load_format is not None:
             body["load_format"] = load_format
-        message = await self._in_update_session(
-            self._post_ok("/update_weights_from_distributed", body, self.group_timeout_s))
+        message = await self._in_update_session("/update_weights_from_distributed", body)
         self._weight_version = max(self._weight_version, weight_version)
         return message
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = False) -> str:
         """Load the weights under ``model_path`` (safetensors) and commit ``weight_version``."""
         body = {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": flush_cache}
-        message = await self._in_update_session(
-            self._post_ok("/update_weights_from_disk", body, self.group_timeout_s))
+        message = await self._in_update_session("/update_weights_from_disk", body)
         self._weight_version = max(self._weight_version, weight_version)
         return message
 
