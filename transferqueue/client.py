@@ -13,12 +13,7 @@ Samples live on unit ``(id // route_block) % num_units``. Same-node units get da
 
 from __future__ import annotations
 
-import mmap
-import os
-import re
-import threading
-import weakref
-from collections import OrderedDict
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,47 +21,13 @@ import numpy as np
 import torch
 
 from transferqueue import wire
-from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQHandle
+from transferqueue.buffers import BufferPool, ShmCache, merge_copy
+from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQError, TQHandle
 from transferqueue.server import node_id
-from transferqueue.storage import ALIGN, SHM_DIR, size_class
+from transferqueue.storage import ALIGN
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
 
-_SHM_NAME = re.compile(r"hflow-tq-\d+-[0-9a-f]{12}")
 FULL_RETRY_S = 0.01
-
-
-class ShmCache:
-    """Mappings of storage units' shared-memory blocks, opened on first use (bounded LRU)."""
-
-    def __init__(self, max_open: int = 256):
-        self.maps: OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
-        self.max_open = max_open
-
-    def view(self, name: str) -> np.ndarray:
-        hit = self.maps.get(name)
-        if hit is not None:
-            self.maps.move_to_end(name)
-            return hit[1]
-        if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
-            raise RemoteError(f"storage unit named an invalid shared-memory block {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        self.maps[name] = (mm, np.frombuffer(mm, dtype=np.uint8))
-        while len(self.maps) > self.max_open:
-            _, (old, _) = self.maps.popitem(last=False)
-            try:
-                old.close()
-            except BufferError:  # a caller's view still uses it; it closes when collected
-                pass
-        return self.maps[name][1]
-
-    def close(self) -> None:
-        while self.maps:
-            self.maps.popitem()
 
 
 def _batch_size(data: Mapping[str, Any]) -> int:
@@ -91,67 +52,20 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-POPULATE_MIN_BYTES = 1 << 20
-
-
-class BufferPool:
-    """Where ``get`` allocates the caller's output buffers: a bounded cache of freed buffers, like PyTorch's
-    caching allocator. A large buffer is an anonymous mapping pre-faulted by the kernel in one call
-    (MAP_POPULATE); when every tensor viewing it is gone (``weakref.finalize``), the mapping goes back to
-    the cache (up to ``max_bytes``) so the next ``get`` of that size class copies into already-faulted
-    pages. While any tensor of a batch lives, its memory belongs to the caller alone."""
-
-    def __init__(self, max_bytes: int = 1 << 30):
-        self.max_bytes = max_bytes
-        self.cached_bytes = 0
-        self.free: dict[int, list[mmap.mmap]] = {}
-        self.lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        if nbytes < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
-            return np.empty(nbytes, dtype=np.uint8)
-        size = size_class(nbytes)
-        with self.lock:
-            pool = self.free.get(size)
-            mm = pool.pop() if pool else None
-            if mm is not None:
-                self.cached_bytes -= size
-        if mm is None:
-            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-        arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
-        weakref.finalize(arr, self._give_back, mm, size)
-        return arr
-
-    def _give_back(self, mm: mmap.mmap, size: int) -> None:
-        with self.lock:
-            if self.cached_bytes + size <= self.max_bytes:
-                self.free.setdefault(size, []).append(mm)
-                self.cached_bytes += size
-
-    def clear(self) -> None:
-        with self.lock:
-            self.free.clear()
-            self.cached_bytes = 0
-
-
-def merge_copy(out: np.ndarray, src: list[np.ndarray], dst: list[tuple[int, int]]) -> None:
-    """Copy the byte stream ``src`` (buffers back to back) into ``out`` at ``dst`` segments
-    ``(offset, nbytes)`` (same total length), one ``np.copyto`` per overlap of a source and a segment."""
-    si, so = 0, 0
-    for off, n in dst:
-        while n:
-            while si < len(src) and so == len(src[si]):
-                si, so = si + 1, 0
-            take = min(n, len(src[si]) - so)
-            np.copyto(out[off:off + take], src[si][so:so + take])
-            off, n, so = off + take, n - take, so + take
-
-
 class TQClient:
     """Client of one TransferQueue (built from the controller's ``TQHandle``); thread-safe, reusable."""
 
-    def __init__(self, handle: TQHandle):
+    def __init__(self, handle: TQHandle, device: str | torch.device | None = None):
+        """``device``: move tensor fields over the units' p2p path (``handle.p2p_backend``: NCCL for a CUDA
+        device, gloo for ``cpu``) and return them on this device; None uses shared memory / ZMQ frames.
+        Raises ValueError when a device is given but the TransferQueue has no p2p path."""
         self.handle = handle
+        self.device = None if device is None else torch.device(device)
+        if self.device is not None and not handle.p2p_backend:
+            raise ValueError("a client device needs transferqueue.p2p_backend set (gloo or nccl)")
+        if self.device is not None and handle.p2p_backend == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"p2p_backend nccl needs a CUDA client device, got {self.device}")
+        self.links: dict = {}
         self.num_units = len(handle.unit_addresses)
         here = node_id()
         self.local = [handle.shared_memory and n == here for n in handle.unit_nodes]
@@ -195,6 +109,9 @@ class TQClient:
         columns (descriptors over all samples, in ``ids`` order) for the index."""
         import time
 
+        if self.device is not None:
+            yield from self._store_p2p(data, names, ids, stored)
+            return self._columns_for_index(data, names, ids)
         deadline = time.monotonic() + timeout_s
         pending = {}
         for unit, pos in self.units_of(ids):
@@ -234,6 +151,45 @@ class TQClient:
                     raise Full(f"storage units {sorted(pending)} stayed full for {timeout_s} s")
                 yield Sleep(FULL_RETRY_S)
         return self._columns_for_index(data, names, ids)
+
+    def _link(self, unit: int) -> Flow:
+        """This client's p2p link to ``unit`` (joined on first use), locked for the caller's request."""
+        from transferqueue.p2p import client_join
+
+        link = self.links.get(unit)
+        if link is None:
+            link_id = uuid.uuid4().hex
+            [(head, _)] = yield [Call(unit, {"op": "p2p_connect", "link": link_id, "node": node_id(),
+                                             "backend": self.handle.p2p_backend})]
+            link = self.links[unit] = client_join(self.handle.p2p_backend, head, link_id,
+                                                  self.handle.request_timeout_s, self.device)
+        while not link.lock.acquire(blocking=False):
+            yield Sleep(0.001)
+        return link
+
+    def _drop_link(self, unit: int) -> None:
+        link = self.links.pop(unit, None)
+        if link is not None:
+            link.abort()
+
+    def _store_p2p(self, data, names, ids, stored: list[int]) -> Flow:
+        from transferqueue.p2p import encode_device_column
+
+        for unit, pos in self.units_of(ids):
+            encoded = [encode_device_column(n, _rows(data[n], pos), len(pos), self.device) for n in names]
+            link = yield from self._link(unit)
+            tensors = [t for _, t in encoded]
+            try:
+                yield [Call(unit, {"op": "put", "ids": [ids[i] for i in pos.tolist()], "p2p": link.id,
+                                   "columns": [d for d, _ in encoded]},
+                            after_send=lambda link=link, tensors=tensors: [w.wait() for w in link.send(tensors)])]
+            except (TQError, RuntimeError) as exc:
+                if not isinstance(exc, RemoteError):
+                    self._drop_link(unit)  # a transfer failed half-way: the link's order is lost
+                raise
+            finally:
+                link.lock.release()
+            stored.append(unit)
 
     @staticmethod
     def _tolerate_full(calls: list[Call]) -> Flow:
@@ -301,11 +257,42 @@ class TQClient:
             return Batch(meta, {n: [] for n in names})
         routes = self.units_of(meta.sample_ids)
         calls = [Call(u, {"op": "get", "ids": [meta.sample_ids[i] for i in pos.tolist()], "fields": names,
-                          "shm": self.local[u]}) for u, pos in routes]
-        replies = yield calls
-        return Batch(meta, {n: self._assemble(j, n, len(meta), routes, replies) for j, n in enumerate(names)})
+                          "shm": self.local[u] and self.device is None}) for u, pos in routes]
+        if self.device is None:
+            replies = yield calls
+            received = [[] for _ in routes]
+        else:
+            replies, received = yield from self._get_p2p(routes, calls)
+        return Batch(meta, {n: self._assemble(j, n, len(meta), routes, replies, received)
+                            for j, n in enumerate(names)})
 
-    def _assemble(self, j: int, name: str, count: int, routes, replies) -> Any:
+    def _get_p2p(self, routes, calls: list[Call]) -> Flow:
+        """Send the gets with this client's links, then receive every ``p2p`` run of the replies in order."""
+        links = []
+        try:
+            for u, _ in routes:
+                links.append((yield from self._link(u)))
+            for call, link in zip(calls, links, strict=True):
+                call.header["p2p"] = link.id
+            try:
+                replies = yield calls
+                received = []
+                for (head, _), link in zip(replies, links, strict=True):
+                    bufs = [torch.empty(run[2], dtype=torch.uint8, device=self.device)
+                            for col in head["columns"] for run in col["runs"] if run[0] == "p2p"]
+                    for work in link.recv(bufs):
+                        work.wait()
+                    received.append(bufs)
+            except (TQError, RuntimeError):
+                for u, _ in routes:
+                    self._drop_link(u)  # a unit may have started sends nobody will receive
+                raise
+            return replies, received
+        finally:
+            for link in links:
+                link.lock.release()
+
+    def _assemble(self, j: int, name: str, count: int, routes, replies, received) -> Any:
         """Build field ``name`` (column ``j`` of every unit's reply) in meta order: one fresh buffer, one copy."""
         row_nb = np.zeros(count, dtype=np.int64)
         shapes: list = [None] * count
@@ -324,9 +311,12 @@ class TQClient:
             raise RemoteError(f"field {name!r} has mixed dtypes across units: {sorted(dtypes)}")
         dst_off = np.concatenate([[0], np.cumsum(row_nb)]).astype(np.int64)
         dtype = dtypes.pop()
-        out = self.buffers.take(int(dst_off[-1]))
-        for (_, pos), (head, frames) in zip(routes, replies, strict=True):
-            src = self._sources(head, frames, j)
+        if self.device is not None and dtype != wire.OBJECT_DTYPE:
+            out = torch.empty(int(dst_off[-1]), dtype=torch.uint8, device=self.device)
+        else:
+            out = self.buffers.take(int(dst_off[-1]))
+        for (_, pos), (head, frames), got in zip(routes, replies, received, strict=True):
+            src = self._sources(head, frames, got, j)
             brk = np.flatnonzero(np.diff(pos) != 1) + 1
             segs = [(int(dst_off[pos[s]]), int(dst_off[pos[e - 1] + 1] - dst_off[pos[s]]))
                     for s, e in zip([0, *brk.tolist()], [*brk.tolist(), len(pos)], strict=True)]
@@ -338,14 +328,20 @@ class TQClient:
             desc["shapes"] = shapes
         return wire.decode_column(desc, out)
 
-    def _sources(self, head: dict, frames: list, j: int) -> list[np.ndarray]:
-        """Source buffers of column ``j`` of one reply, in row order (shm views or received frames)."""
+    def _sources(self, head: dict, frames: list, received: list, j: int) -> list:
+        """Source buffers of column ``j`` of one reply, in row order (shm views, frames or p2p tensors)."""
         fi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] is None)
+        pi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] == "p2p")
         src = []
         for seg, off, nbytes in head["columns"][j]["runs"]:
             if seg is None:
                 buf = np.frombuffer(frames[fi].buffer, dtype=np.uint8)
                 fi += 1
+            elif seg == "p2p":
+                if pi >= len(received):
+                    raise RemoteError("reply announces more p2p runs than were received")
+                buf = received[pi]
+                pi += 1
             else:
                 buf = self.shm.view(seg)[off:off + nbytes]
             if len(buf) != nbytes:

@@ -27,6 +27,8 @@ class TransferQueueConfig:
     shm_min_bytes: int = 64 * 1024
     sampler_modules: list[str] = field(default_factory=list)
     start_timeout_s: float = 60.0
+    p2p_backend: str = ""
+    p2p_device: str = "cpu"
 
     def __post_init__(self):
         if self.num_storage_units < 1:
@@ -41,5 +43,11 @@ class TransferQueueConfig:
             raise ValueError(f"transferqueue.shm_min_bytes must be >= 0, got {self.shm_min_bytes}")
         if self.start_timeout_s <= 0:
             raise ValueError(f"transferqueue.start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if self.p2p_backend not in ("", "gloo", "nccl"):
+            raise ValueError(f"transferqueue.p2p_backend must be '', 'gloo' or 'nccl', got {self.p2p_backend!r}")
+        if self.p2p_device not in ("cpu", "cuda"):
+            raise ValueError(f"transferqueue.p2p_device must be 'cpu' or 'cuda', got {self.p2p_device!r}")
+        if self.p2p_backend == "nccl" and self.p2p_device != "cuda":
+            raise ValueError("transferqueue.p2p_backend=nccl needs transferqueue.p2p_device=cuda")
         if not self.host or any(c in self.host for c in "/ :"):
             raise ValueError(f"transferqueue.host must be a host name or IPv4 address, got {self.host!r}")

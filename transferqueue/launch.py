@@ -42,7 +42,8 @@ def build_server(spec: dict):
     if spec["role"] == "unit":
         from transferqueue.storage import StorageUnit
 
-        return StorageUnit(spec["address"], spec["capacity_bytes"], curve, lease_s=spec.get("lease_s", 60.0))
+        return StorageUnit(spec["address"], spec["capacity_bytes"], curve, lease_s=spec.get("lease_s", 60.0),
+                           p2p=spec.get("p2p"))
     raise ValueError(f"unknown server role {spec['role']!r}")
 
 
@@ -62,7 +63,11 @@ def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None) -> list[dict]:
     base = {"address": f"tcp://{cfg.host}:0", "curve": asdict(curve) if curve else None,
             "lease_s": cfg.request_timeout_s}
     specs = [dict(base, role="index", sampler_modules=list(cfg.sampler_modules))]
-    specs += [dict(base, role="unit", capacity_bytes=cfg.capacity_bytes) for _ in range(cfg.num_storage_units)]
+    for i in range(cfg.num_storage_units):
+        p2p = None
+        if cfg.p2p_backend:
+            p2p = {"backend": cfg.p2p_backend, "device": "cpu" if cfg.p2p_device == "cpu" else f"cuda:{i}"}
+        specs.append(dict(base, role="unit", capacity_bytes=cfg.capacity_bytes, p2p=p2p))
     return specs
 
 
@@ -70,7 +75,7 @@ def _handle(cfg: TransferQueueConfig, infos: list[dict], curve: CurveKeys | None
     return TQHandle(index_address=infos[0]["endpoint"], unit_addresses=[i["endpoint"] for i in infos[1:]],
                     unit_nodes=[i["node"] for i in infos[1:]], route_block=cfg.route_block,
                     shared_memory=cfg.shared_memory, shm_min_bytes=cfg.shm_min_bytes,
-                    request_timeout_s=cfg.request_timeout_s, curve=curve)
+                    request_timeout_s=cfg.request_timeout_s, curve=curve, p2p_backend=cfg.p2p_backend)
 
 
 def _keys(cfg: TransferQueueConfig) -> CurveKeys | None:

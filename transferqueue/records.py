@@ -177,7 +177,7 @@ class TQHandle:
     """Everything a worker needs to build a client: addresses, routing, keys. Small and serialisable.
 
     ``unit_nodes``: a node identity per storage unit (host + boot id) used to pick the shared-memory
-    path. ``route_block``: samples ``[k*route_block, (k+1)*route_block)`` live on unit ``k % N``.
+    path. ``p2p_backend``: the units' device path (``""`` off, ``gloo``, ``nccl``). ``route_block``: samples ``[k*route_block, (k+1)*route_block)`` live on unit ``k % N``.
     """
 
     index_address: str
@@ -188,6 +188,7 @@ class TQHandle:
     shm_min_bytes: int = 64 * 1024
     request_timeout_s: float = 60.0
     curve: CurveKeys | None = None
+    p2p_backend: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

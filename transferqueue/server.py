@@ -73,6 +73,7 @@ class RouterServer:
             self.sock.bind(address)
             self.endpoint = address
         self._stop = threading.Event()
+        self.after_reply = None
         self.requests: dict[str, list[float]] = {}
 
     # -- subclass API
@@ -122,11 +123,14 @@ class RouterServer:
             if not isinstance(op, str):
                 op = "?"
                 raise wire.WireError("header has no string 'op'")
+            self.after_reply = None
             reply = self.handle(identity, header, rest[1:])
             if reply is not None:
                 head, frames = reply
                 head.update(ok=True, rid=rid)
                 self.send(identity, head, frames)
+            if self.after_reply is not None:  # e.g. join a p2p group or start sends the reply announced
+                self.after_reply()
         except Exception as exc:  # every failure becomes an error reply; the loop keeps serving
             if not isinstance(exc, ValueError | wire.WireError | TypeError | KeyError):
                 logger.exception("%s failed", op)

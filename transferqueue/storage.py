@@ -158,8 +158,14 @@ class StorageUnit(RouterServer):
     """Serves ``alloc``, ``put``, ``get``, ``clear``, ``stats`` and ``ping``; everything else is rejected."""
 
     def __init__(self, address: str, capacity_bytes: int, curve: CurveKeys | None = None,
-                 lease_s: float = 60.0):
+                 lease_s: float = 60.0, p2p: dict | None = None):
         super().__init__(address, curve)
+        self.p2p = None
+        if p2p:
+            from transferqueue.p2p import UnitP2P
+
+            host = address.split("//")[-1].rsplit(":", 1)[0] if address.startswith("tcp://") else "127.0.0.1"
+            self.p2p = UnitP2P(p2p["backend"], p2p.get("device", "cpu"), host, lease_s)
         self.capacity_bytes = capacity_bytes
         self.lease_s = lease_s
         self.tables: dict[str, FieldTable] = {}
@@ -167,6 +173,7 @@ class StorageUnit(RouterServer):
         self.free: dict[int, list[ShmBlock]] = {}
         self.pending: dict[str, tuple[ShmBlock, float]] = {}
         self.stored_bytes = 0
+        self._received = False  # a p2p put's bytes were taken off the link (no drain on failure)
 
     # ----------------------------------------------------------------------------------- capacity
     def _reserve(self, nbytes: int) -> None:
@@ -193,6 +200,8 @@ class StorageUnit(RouterServer):
             holder.frames.clear()
 
     def tick(self) -> None:
+        if self.p2p is not None:
+            self.p2p.poll()
         now = time.monotonic()
         for name in [n for n, (_, deadline) in self.pending.items() if deadline < now]:
             block, _ = self.pending.pop(name)
@@ -215,6 +224,13 @@ class StorageUnit(RouterServer):
                     "chunks": sum(len(t.chunks) for t in self.tables.values()), "requests": self.requests}, []
         if op == "ping":
             return {}, []
+        if op == "p2p_connect":
+            if self.p2p is None:
+                raise ValueError("this storage unit has no p2p device path (transferqueue.p2p_backend)")
+            from transferqueue.server import node_id
+
+            reply, self.after_reply = self.p2p.connect(header, node_id())
+            return reply, []
         raise wire.WireError(f"unknown op {op!r} for a storage unit")
 
     def _alloc(self, header: dict) -> Reply:
@@ -243,19 +259,28 @@ class StorageUnit(RouterServer):
             raise wire.WireError("put: duplicate column names")
         if len(set(ids.tolist())) != len(ids):
             raise wire.WireError("put: duplicate ids")
-        for c in cols:
-            table = self.tables.get(c["name"])
-            if table is not None and table.locate(ids)[2].any():
-                raise ValueError(f"put: field {c['name']!r} already stored for some of these ids")
-        shm = header.get("shm")
-        if shm is None:
-            wire.validate_frames(cols, frames)
-            holder = self._frames_holder(cols, frames)
-            placed = self._place_frames(cols, frames)
-        else:
-            if frames:
-                raise wire.WireError("put: a shared-memory put carries no data frames")
-            holder, placed = self._shm_placement(cols, shm)
+        link = header.get("p2p")
+        self._received = False
+        try:
+            for c in cols:
+                table = self.tables.get(c["name"])
+                if table is not None and table.locate(ids)[2].any():
+                    raise ValueError(f"put: field {c['name']!r} already stored for some of these ids")
+            shm = header.get("shm")
+            if link is not None:
+                holder, placed = self._p2p_placement(cols, link, frames)
+            elif shm is None:
+                wire.validate_frames(cols, frames)
+                holder = self._frames_holder(cols, frames)
+                placed = self._place_frames(cols, frames)
+            else:
+                if frames:
+                    raise wire.WireError("put: a shared-memory put carries no data frames")
+                holder, placed = self._shm_placement(cols, shm)
+        except Exception:
+            if link is not None and self.p2p is not None and not self._received:
+                self.p2p.drain(link, [c["nbytes"] for c in cols])  # the client is sending: consume it
+            raise
         for c, (bufs, buf_of_row, off) in zip(cols, placed, strict=True):
             nb = np.asarray(wire.row_nbytes(c), dtype=np.int64)
             shapes = c["shapes"] if "shapes" in c else [c["shape"]] * len(ids)
@@ -291,6 +316,26 @@ class StorageUnit(RouterServer):
                 pos += 1
         return placed
 
+    def _p2p_placement(self, cols: list[dict], link, frames: list) -> tuple[Holder, list]:
+        if self.p2p is None:
+            raise ValueError("this storage unit has no p2p device path")
+        if frames or any(c["dtype"] == wire.OBJECT_DTYPE or c["split"] for c in cols):
+            raise wire.WireError("put: a p2p put carries packed tensor columns only, no frames")
+        nbytes = sum(c["nbytes"] for c in cols)
+        self._reserve(nbytes)
+        self._received = True  # from here on, a failure must not drain again
+        try:
+            bufs = self.p2p.receive(link, [c["nbytes"] for c in cols])
+        except BaseException:
+            self.used_bytes -= nbytes
+            raise
+        self.stored_bytes += nbytes
+        placed = []
+        for c, buf in zip(cols, bufs, strict=True):
+            nb = np.asarray(wire.row_nbytes(c), dtype=np.int64)
+            placed.append(([buf], None, np.concatenate([[0], np.cumsum(nb)[:-1]]) if len(nb) else nb))
+        return Holder(nbytes, frames=bufs), placed
+
     def _shm_placement(self, cols: list[dict], shm) -> tuple[Holder, list]:
         if not isinstance(shm, dict) or shm.get("block") not in self.pending:
             raise wire.WireError("put: shm.block must name a block allocated to this client and not yet used")
@@ -319,7 +364,10 @@ class StorageUnit(RouterServer):
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise wire.WireError("get: fields must be a non-empty list of names")
         use_shm = bool(header.get("shm"))
-        out_cols, frames = [], []
+        link = header.get("p2p")
+        if link is not None and self.p2p is None:
+            raise ValueError("get: this storage unit has no p2p device path")
+        out_cols, frames, sends = [], [], ([] if link is not None else None)
         for name in names:
             table = self.tables.get(name)
             if table is None:
@@ -327,10 +375,28 @@ class StorageUnit(RouterServer):
             cidx, rows, found = table.locate(ids)
             if not found.all():
                 raise ValueError(f"get: field {name!r} missing for ids {ids[~found][:8].tolist()}")
-            out_cols.append(self._column_runs(name, table, ids, cidx, rows, use_shm, frames))
+            out_cols.append(self._column_runs(name, table, ids, cidx, rows, use_shm, frames, sends))
+        if sends:
+            self.after_reply = self.p2p.send_later(link, sends)
         return {"columns": out_cols}, frames
 
-    def _column_runs(self, name, table, ids, cidx, rows, use_shm, frames) -> dict:
+    @staticmethod
+    def _emit(buf, off: int, nbytes: int, use_shm: bool, frames: list, sends: list | None, obj: bool) -> list:
+        """One run of a get reply: p2p (bytes follow on the side group), shm (block name) or a frame."""
+        if sends is not None and not obj:
+            sends.append(buf.view[off:off + nbytes] if isinstance(buf, ShmBlock) else buf[off:off + nbytes])
+            return ["p2p", 0, nbytes]
+        if use_shm and isinstance(buf, ShmBlock):
+            return [buf.name, off, nbytes]
+        if isinstance(buf, ShmBlock):
+            frames.append(buf.view[off:off + nbytes])
+        elif hasattr(buf, "numpy"):  # a tensor received over p2p
+            frames.append(buf[off:off + nbytes].cpu().numpy())
+        else:
+            frames.append(buf[off:off + nbytes])
+        return [None, 0, nbytes]
+
+    def _column_runs(self, name, table, ids, cidx, rows, use_shm, frames, sends) -> dict:
         n = len(ids)
         brk = np.flatnonzero((np.diff(cidx) != 0) | (np.diff(rows) != 1)) + 1 if n else np.zeros(0, np.int64)
         runs, shapes, dtypes = [], [], set()
@@ -345,13 +411,8 @@ class StorageUnit(RouterServer):
                 pieces = [(ch.bufs[0], int(ch.off[r0]), int(ch.off[r1 - 1] + ch.nb[r1 - 1] - ch.off[r0]))]
             else:
                 pieces = [(ch.bufs[int(ch.buf_of_row[r])], int(ch.off[r]), int(ch.nb[r])) for r in range(r0, r1)]
-            for buf, off, nbytes in pieces:
-                if use_shm and isinstance(buf, ShmBlock):
-                    runs.append([buf.name, off, nbytes])
-                else:
-                    view = buf.view if isinstance(buf, ShmBlock) else buf
-                    frames.append(view[off:off + nbytes])
-                    runs.append([None, 0, nbytes])
+            obj = ch.dtype == wire.OBJECT_DTYPE
+            runs.extend(self._emit(buf, off, nbytes, use_shm, frames, sends, obj) for buf, off, nbytes in pieces)
         if len(dtypes) > 1:
             raise ValueError(f"get: field {name!r} has mixed dtypes {sorted(dtypes)} across puts")
         dtype = dtypes.pop() if dtypes else "uint8"
@@ -391,4 +452,6 @@ class StorageUnit(RouterServer):
         self.pending.clear()
         for b in [*blocks, *live.values()]:
             b.destroy()
+        if self.p2p is not None:
+            self.p2p.close()
         super().close()

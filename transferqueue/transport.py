@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ class Call:
     header: dict
     frames: list = field(default_factory=list)
     tolerate: bool = False  # an error reply is returned as the exception object instead of raised
+    after_send: Callable[[], None] | None = None  # e.g. p2p sends the server waits for before replying
 
 
 @dataclass
@@ -152,6 +153,9 @@ class SyncDriver:
             rid, msg = _stamp(call)
             chan.sock(call.target).send_multipart(msg, copy=False)
             rids.append(rid)
+        for call in calls:
+            if call.after_send is not None:
+                call.after_send()
         replies = []
         for call, rid in zip(calls, rids, strict=True):
             sock = chan.sock(call.target)
@@ -220,6 +224,9 @@ class AsyncDriver:
             rid, msg = _stamp(call)
             await chan.sock(call.target).send_multipart(msg, copy=False)
             rids.append(rid)
+        for call in calls:
+            if call.after_send is not None:
+                call.after_send()  # blocking: p2p transfers are not awaitable
         replies = []
         for call, rid in zip(calls, rids, strict=True):
             sock = chan.sock(call.target)

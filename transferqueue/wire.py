@@ -194,7 +194,11 @@ def decode_column(desc: dict, out: np.ndarray) -> Any:
             res.append(msgpack.unpackb(raw[pos:pos + n], raw=False, strict_map_key=False))
             pos += n
         return res
-    flat = torch.from_numpy(out).view(DTYPES[desc["dtype"]]) if out.size else torch.empty(0, dtype=DTYPES[desc["dtype"]])
+    dtype = DTYPES[desc["dtype"]]
+    if isinstance(out, torch.Tensor):  # p2p: already on the client's device
+        flat = out.view(dtype) if out.numel() else torch.empty(0, dtype=dtype, device=out.device)
+    else:
+        flat = torch.from_numpy(out).view(dtype) if out.size else torch.empty(0, dtype=dtype)
     if "shape" in desc:
         return flat.view(desc["count"], *desc["shape"])
     res, pos, item = [], 0, ITEMSIZE[desc["dtype"]]
