@@ -23,11 +23,10 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import zmq
 
 from checkpointengine import broadcast as bc
 from checkpointengine.bucket import (
@@ -40,23 +39,16 @@ from checkpointengine.bucket import (
     write_rows,
 )
 from checkpointengine.config import CheckpointEngineConfig
+from checkpointengine.control import ControlServer, Round
 from checkpointengine.naming import WeightNameMapper, engine_dtype_of, to_engine_dtype
 from checkpointengine.protocol import (
     Abort,
-    Ack,
     Begin,
     BucketReady,
-    Consumed,
     End,
-    Fail,
     GroupInit,
-    ProtocolError,
-    Want,
     WeightSyncError,
     WeightSyncHandle,
-    WeightSyncTimeout,
-    decode,
-    encode,
 )
 from checkpointengine.storage import DiskVersions, ShmSlots
 
@@ -73,18 +65,6 @@ class SyncReport:
     duration_s: float
     num_bytes: int
     num_buckets: int
-
-
-@dataclass
-class _Round:
-    """State of the update in flight."""
-
-    version: int
-    targets: list[str]
-    active: set[str]
-    consumed: dict[str, int] = field(default_factory=dict)
-    results: dict[str, str | None] = field(default_factory=dict)  # roller -> None (ack) | error
-    started: bool = False  # every target's Want arrived; earlier Consumed/Ack/Fail are stale
 
 
 def _resolve_group_backend(name: str) -> str:
@@ -108,16 +88,12 @@ class WeightSender:
         self.mapper = mapper or WeightNameMapper()
         self.engine_dtype = getattr(torch, cfg.dtype)
         self.rollers: list[str] = list(dict.fromkeys(rollers))
-        self.roller_versions: dict[str, int] = {}
-        self.version = -1
-        self._wants: dict[str, int] = {}
-        self._round: _Round | None = None
+        self._control: ControlServer | None = None
         self._slots: ShmSlots | None = None
         self._buffers: list[torch.Tensor] = []
         self._disk: DiskVersions | None = None
         self._group: bc.WeightUpdateGroup | None = None
         self._group_members: list[str] = []
-        self._sock = None
         self._stats = {"num_syncs": 0, "num_failed_syncs": 0, "num_roller_failures": 0, "last_sync_s": 0.0,
                        "total_sync_s": 0.0, "last_bytes": 0, "total_bytes": 0, "last_error": ""}
         if rank != 0:
@@ -127,11 +103,7 @@ class WeightSender:
             if handle.backend == "shm":
                 self._slots = ShmSlots.attach(handle.shm_paths, handle.bucket_bytes)
             return
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self._control = ControlServer(host, cfg)
         shm_paths, disk_dir = [], ""
         if cfg.backend == "shm":
             self._slots = ShmSlots.create(cfg.num_slots, cfg.bucket_bytes)
@@ -141,10 +113,20 @@ class WeightSender:
         elif cfg.backend == "disk":
             disk_dir = cfg.disk_dir or tempfile.mkdtemp(prefix="hflow-ce-disk-")
             self._disk = DiskVersions(disk_dir)
-        self.handle = WeightSyncHandle(cfg.backend, f"tcp://{host}:{port}", cfg.bucket_bytes, cfg.dtype,
+        self.handle = WeightSyncHandle(cfg.backend, self._control.address, cfg.bucket_bytes, cfg.dtype,
                                        cfg.timeout_s, shm_paths, disk_dir, _resolve_group_backend(cfg.group_backend))
 
     # ------------------------------------------------------------------------------------ membership
+
+    @property
+    def version(self) -> int:
+        """The last ``weight_version`` this leader completed (-1 before the first; -1 on other ranks)."""
+        return self._control.version if self._control is not None else -1
+
+    @property
+    def roller_versions(self) -> dict[str, int]:
+        """Each roller's committed version as it last reported or acked (leader only)."""
+        return self._control.roller_versions if self._control is not None else {}
 
     @property
     def is_leader(self) -> bool:
@@ -206,38 +188,35 @@ class WeightSender:
         stream = self.mapper.route((s.name, s) for s in rows)
         body = self._packed_body(stream, write_rows, lambda s: (s.tensor.dtype, s.full_shape), agree)
         if not self.is_leader:
-            self._round = _Round(version, [], set())
-            body(self._round)
+            body(Round(version, [], set()))
             return None
         return self._run(version, targets, body)
 
-    def _run(self, version: int, targets: Iterable[str] | None, body: Callable[[_Round], tuple[int, int]]
+    def _run(self, version: int, targets: Iterable[str] | None, body: Callable[[Round], tuple[int, int]]
              ) -> SyncReport:
         targets = list(dict.fromkeys(targets if targets is not None else self.rollers))
         self._check_version(version, targets)
         start = time.perf_counter()
-        rnd = self._round = _Round(version, targets, set(targets))
+        rnd = Round(version, targets, set(targets))
         try:
-            self._await_wants(rnd)
+            self._control.await_wants(rnd)
             if self.handle.backend == "broadcast":
                 self._ensure_group(rnd)
-            self._broadcast_msg(rnd, Begin(version))
+            self._control.broadcast(rnd, Begin(version))
             num_buckets, num_bytes = body(rnd)
-            self._broadcast_msg(rnd, End(version, num_buckets, num_bytes))
-            self._await(rnd, lambda: [r for r in rnd.active if r not in rnd.results], "ack")
+            self._control.broadcast(rnd, End(version, num_buckets, num_bytes))
+            self._control.await_results(rnd)
         except BaseException as exc:
-            self._broadcast_msg(rnd, Abort(version, f"{type(exc).__name__}: {exc}"), quiet=True)
+            self._control.broadcast(rnd, Abort(version, f"{type(exc).__name__}: {exc}"), quiet=True)
             self._stats["num_failed_syncs"] += 1
             self._stats["last_error"] = f"{type(exc).__name__}: {exc}"
             raise
-        finally:
-            self._round = None
         duration = time.perf_counter() - start
         failures = {r: e for r, e in rnd.results.items() if e is not None}
         acked = [r for r in targets if r in rnd.results and rnd.results[r] is None]
         for r in acked:
             self.roller_versions[r] = version
-        self.version = max(self.version, version)
+        self._control.version = max(self._control.version, version)
         self._stats.update(num_syncs=self._stats["num_syncs"] + 1, last_sync_s=duration, last_bytes=num_bytes,
                            total_sync_s=self._stats["total_sync_s"] + duration,
                            total_bytes=self._stats["total_bytes"] + num_bytes)
@@ -269,7 +248,7 @@ class WeightSender:
         def buffer(slot: int) -> torch.Tensor:
             return self._slots.buffer(slot) if self._slots is not None else self._buffers[slot]
 
-        def run(rnd: _Round) -> tuple[int, int]:
+        def run(rnd: Round) -> tuple[int, int]:
             state = {"bucket": -1, "error": None}
 
             def sync(point: str) -> None:
@@ -285,7 +264,7 @@ class WeightSender:
                     if index >= num_slots:
                         try:
                             if self.is_leader:
-                                self._await_consumed(rnd, index - num_slots)
+                                self._control.await_consumed(rnd, index - num_slots)
                         except Exception as exc:  # reported to every rank at the barrier below
                             state["error"] = exc
                         sync(f"reusing slot for bucket {index}")
@@ -320,13 +299,13 @@ class WeightSender:
         return run
 
     def _broadcast_body(self, stream):
-        def run(rnd: _Round) -> tuple[int, int]:
+        def run(rnd: Round) -> tuple[int, int]:
             pending: list = []
             index = total = 0
             for bucket in self._whole_buckets(stream):
                 entries = [TensorEntry(n, dtype_name(t.dtype), tuple(t.shape), 0, t.nbytes, (0, t.nbytes))
                            for n, t in bucket]
-                self._broadcast_msg(rnd, BucketReady(rnd.version, index, entries, sum(e.nbytes for e in entries)))
+                self._control.broadcast(rnd, BucketReady(rnd.version, index, entries, sum(e.nbytes for e in entries)))
                 works = bc.broadcast_tensors(self._group, [t for _, t in bucket])
                 for work in pending:  # the previous bucket finishes while this one was cast
                     work.wait()
@@ -340,14 +319,14 @@ class WeightSender:
         return run
 
     def _disk_body(self, stream):
-        def run(rnd: _Round) -> tuple[int, int]:
+        def run(rnd: Round) -> tuple[int, int]:
             self._disk.begin(rnd.version)
             index = total = 0
             for bucket in self._whole_buckets(stream):
                 path = self._disk.write_bucket(rnd.version, index, bucket)
                 entries = [TensorEntry(n, dtype_name(t.dtype), tuple(t.shape), 0, t.nbytes, (0, t.nbytes))
                            for n, t in bucket]
-                self._broadcast_msg(rnd, BucketReady(rnd.version, index, entries, sum(e.nbytes for e in entries),
+                self._control.broadcast(rnd, BucketReady(rnd.version, index, entries, sum(e.nbytes for e in entries),
                                                      path=path))
                 index += 1
                 total += sum(e.nbytes for e in entries)
@@ -374,44 +353,15 @@ class WeightSender:
 
     # ------------------------------------------------------------------------------ control plane
 
-    def _publish(self, rnd: _Round, bucket: Bucket, slot: int, buffer: torch.Tensor) -> None:
+    def _publish(self, rnd: Round, bucket: Bucket, slot: int, buffer: torch.Tensor) -> None:
         msg = BucketReady(rnd.version, bucket.index, bucket.entries, bucket.used_bytes, slot=slot)
         if self.handle.backend == "zmq":
             frame = memoryview(buffer[: bucket.used_bytes].numpy())
-            self._broadcast_msg(rnd, msg, frames=[frame])
+            self._control.broadcast(rnd, msg, frames=[frame])
         else:
-            self._broadcast_msg(rnd, msg)
+            self._control.broadcast(rnd, msg)
 
-    def _broadcast_msg(self, rnd: _Round, msg, frames=(), quiet: bool = False) -> None:
-        header = encode(msg)
-        for roller in sorted(rnd.active - set(rnd.results)):
-            try:
-                self._sock.send_multipart([roller.encode(), header, *frames], copy=False)
-            except zmq.ZMQError as exc:
-                if not quiet:
-                    rnd.results[roller] = f"unreachable: {exc}"
-                    rnd.active.discard(roller)
-
-    def _await_wants(self, rnd: _Round) -> None:
-        def pending() -> list[str]:
-            for roller in list(rnd.active):
-                want = self._wants.get(roller)
-                if want is not None and want > rnd.version:
-                    rnd.results[roller] = (f"wants weight_version {want} but the sender is sending "
-                                           f"{rnd.version}")
-                    rnd.active.discard(roller)
-            return [r for r in rnd.active if self._wants.get(r) != rnd.version]
-
-        self._await(rnd, pending, "want")
-        for roller in rnd.active:
-            self._wants.pop(roller, None)
-        rnd.started = True
-
-    def _await_consumed(self, rnd: _Round, index: int) -> None:
-        self._await(rnd, lambda: [r for r in rnd.active if rnd.consumed.get(r, -1) < index and r not in rnd.results],
-                    f"consume bucket {index}")
-
-    def _ensure_group(self, rnd: _Round) -> None:
+    def _ensure_group(self, rnd: Round) -> None:
         members = sorted(rnd.active)
         if self._group is not None and members == self._group_members:
             return
@@ -421,50 +371,10 @@ class WeightSender:
         name = f"hflow-weights-{uuid.uuid4().hex[:12]}"
         for i, roller in enumerate(members):
             msg = GroupInit(LOOPBACK, store.port, i + 1, len(members) + 1, name, self.handle.broadcast_backend)
-            self._sock.send_multipart([roller.encode(), encode(msg)])
+            self._control.send_to(roller, msg)
         self._group = bc.create_sender_group(store, len(members) + 1, name, self.handle.broadcast_backend,
                                              self.cfg.timeout_s)
         self._group_members = members
-
-    def _await(self, rnd: _Round, pending: Callable[[], list[str]], what: str) -> None:
-        """Handle incoming messages until ``pending()`` (rollers still owing ``what``) is empty."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while missing := sorted(pending()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WeightSyncTimeout(f"weight_version {rnd.version}: rollers {missing} did not {what} within "
-                                        f"{self.cfg.timeout_s:.1f} s")
-            if self._sock.poll(min(left, 1.0) * 1000):
-                self._handle_incoming(rnd)
-
-    def _handle_incoming(self, rnd: _Round | None) -> None:
-        frames = self._sock.recv_multipart()
-        roller = frames[0].decode(errors="replace")
-        try:
-            if len(frames) != 2:
-                raise ProtocolError(f"expected one header frame, got {len(frames) - 1}")
-            msg = decode(frames[1])
-        except ProtocolError as exc:
-            logger.warning("weight sender: bad message from %s: %s", roller, exc)
-            return
-        if isinstance(msg, Want):
-            self.roller_versions[roller] = msg.have
-            if msg.version < self.version or msg.version <= msg.have:
-                reason = f"the sender is at weight_version {self.version}; roller has {msg.have}"
-                self._sock.send_multipart([frames[0], encode(Abort(msg.version, reason))])
-            else:
-                self._wants[roller] = msg.version
-        elif isinstance(msg, Consumed | Ack | Fail):
-            if rnd is None or not rnd.started or msg.version != rnd.version or roller not in rnd.active:
-                return  # late message of an earlier update (a roller sends it before its next Want)
-            if isinstance(msg, Consumed):
-                rnd.consumed[roller] = max(rnd.consumed.get(roller, -1), msg.index)
-            elif isinstance(msg, Ack):
-                rnd.results[roller] = None
-            else:
-                rnd.results[roller] = msg.error
-        else:
-            logger.warning("weight sender: unexpected %s from %s", type(msg).__name__, roller)
 
     # --------------------------------------------------------------------------------------- misc
 
@@ -479,10 +389,9 @@ class WeightSender:
         if self._slots is not None:
             self._slots.close()
             self._slots = None
-        if self._sock is not None:
-            self._sock.close(0)
-            self._ctx.term()
-            self._sock = None
+        if self._control is not None:
+            self._control.close()
+            self._control = None
 
 
 def _make_agree(group: dist.ProcessGroup | None) -> Callable[[bool], bool] | None:

@@ -1,0 +1,141 @@
+"""The leader's control plane: a ZMQ ROUTER that every roller's DEALER (identity = roller name) talks
+to, the per-update round state, and the bounded waits of ``protocol``'s message flow."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from checkpointengine.config import CheckpointEngineConfig
+from checkpointengine.protocol import (
+    Abort,
+    Ack,
+    Consumed,
+    Fail,
+    ProtocolError,
+    Want,
+    WeightSyncTimeout,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    """State of the update in flight: ``active`` targets still in it, the last bucket each consumed,
+    and each one's outcome (None = acked, else its error)."""
+
+    version: int
+    targets: list[str]
+    active: set[str]
+    consumed: dict[str, int] = field(default_factory=dict)
+    results: dict[str, str | None] = field(default_factory=dict)
+    started: bool = False  # every target's Want arrived; Consumed/Ack/Fail before that are stale
+
+
+class ControlServer:
+    """Bound to ``tcp://host:<random port>`` (``address``). ``version``: the last version the leader
+    completed; ``roller_versions``: each roller's committed version as it last reported or acked.
+    Every wait ends after ``cfg.timeout_s`` (read at each wait) with WeightSyncTimeout naming the
+    rollers and the version."""
+
+    def __init__(self, host: str, cfg: CheckpointEngineConfig):
+        self.cfg = cfg
+        self.version = -1
+        self.roller_versions: dict[str, int] = {}
+        self._wants: dict[str, int] = {}
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown roller raises, not drops
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
+
+    def send_to(self, roller: str, msg, frames=()) -> None:
+        self._sock.send_multipart([roller.encode(), encode(msg), *frames], copy=False)
+
+    def broadcast(self, rnd: Round, msg, frames=(), quiet: bool = False) -> None:
+        """Send ``msg`` (+ raw ``frames``, zero-copy) to every target still in the round; an unreachable
+        one leaves the round with that error (unless ``quiet``, used for aborts)."""
+        header = encode(msg)
+        for roller in sorted(rnd.active - set(rnd.results)):
+            try:
+                self._sock.send_multipart([roller.encode(), header, *frames], copy=False)
+            except zmq.ZMQError as exc:
+                if not quiet:
+                    rnd.results[roller] = f"unreachable: {exc}"
+                    rnd.active.discard(roller)
+
+    def await_wants(self, rnd: Round) -> None:
+        """Until every target wants ``rnd.version``; one wanting a later version leaves the round at once."""
+        def pending() -> list[str]:
+            for roller in list(rnd.active):
+                want = self._wants.get(roller)
+                if want is not None and want > rnd.version:
+                    rnd.results[roller] = f"wants weight_version {want} but the sender is sending {rnd.version}"
+                    rnd.active.discard(roller)
+            return [r for r in rnd.active if self._wants.get(r) != rnd.version]
+
+        self._await(rnd, pending, "want")
+        for roller in rnd.active:
+            self._wants.pop(roller, None)
+        rnd.started = True
+
+    def await_consumed(self, rnd: Round, index: int) -> None:
+        self._await(rnd, lambda: [r for r in rnd.active if rnd.consumed.get(r, -1) < index and r not in rnd.results],
+                    f"consume bucket {index}")
+
+    def await_results(self, rnd: Round) -> None:
+        self._await(rnd, lambda: [r for r in rnd.active if r not in rnd.results], "ack")
+
+    def _await(self, rnd: Round, pending: Callable[[], list[str]], what: str) -> None:
+        """Handle incoming messages until ``pending()`` (rollers still owing ``what``) is empty."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while missing := sorted(pending()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightSyncTimeout(f"weight_version {rnd.version}: rollers {missing} did not {what} within "
+                                        f"{self.cfg.timeout_s:.1f} s")
+            if self._sock.poll(min(left, 1.0) * 1000):
+                self._handle_incoming(rnd)
+
+    def _handle_incoming(self, rnd: Round) -> None:
+        frames = self._sock.recv_multipart()
+        roller = frames[0].decode(errors="replace")
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"expected one header frame, got {len(frames) - 1}")
+            msg = decode(frames[1])
+        except ProtocolError as exc:
+            logger.warning("weight sender: bad message from %s: %s", roller, exc)
+            return
+        if isinstance(msg, Want):
+            self.roller_versions[roller] = msg.have
+            if msg.version < self.version or msg.version <= msg.have:
+                reason = f"the sender is at weight_version {self.version}; roller has {msg.have}"
+                self._sock.send_multipart([frames[0], encode(Abort(msg.version, reason))])
+            else:
+                self._wants[roller] = msg.version
+        elif isinstance(msg, Consumed | Ack | Fail):
+            if not rnd.started or msg.version != rnd.version or roller not in rnd.active:
+                return  # late message of an earlier update (a roller sends it before its next Want)
+            if isinstance(msg, Consumed):
+                rnd.consumed[roller] = max(rnd.consumed.get(roller, -1), msg.index)
+            elif isinstance(msg, Ack):
+                rnd.results[roller] = None
+            else:
+                rnd.results[roller] = msg.error
+        else:
+            logger.warning("weight sender: unexpected %s from %s", type(msg).__name__, roller)
+
+    def close(self) -> None:
+        """Close the socket and its context. Idempotent."""
+        if self._sock is not None:
+            self._sock.close(0)
+            self._ctx.term()
+            self._sock = None
