@@ -99,7 +99,7 @@ class TQClient:
             columns = yield from self._store(data, names, ids, timeout_s, stored)
             yield [Call(INDEX, {"op": "notify", "partition": partition, "ids": ids, "columns": columns,
                                 "tags": None if tags is None else [dict(t) for t in tags]})]
-        except BaseException:
+        except Exception:
             yield from self._undo(partition, ids, names, stored, new=sample_ids is None)
             raise
         return BatchMeta(partition, ids, names, [dict(t) for t in tags] if tags is not None else [{}] * count)

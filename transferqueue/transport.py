@@ -1,7 +1,8 @@
 """Client-side transport: persistent DEALER sockets, request ids, and the sync/async drivers of a *flow*.
 
 A flow is a generator holding the logic of one client operation, free of I/O. It yields either a list
-of ``Call(target, header, frames)`` (sent together, replies returned in the same order) or a ``Sleep``;
+of ``Call(target, header, frames)`` (sent together, replies returned in the same order; a failure is
+thrown into the flow at that ``yield`` so it can undo what it did) or a ``Sleep``;
 the sync driver runs it on blocking sockets (so it works inside a running event loop too), the async
 driver on ``zmq.asyncio`` sockets of the current loop. One code path for both APIs.
 
@@ -28,6 +29,7 @@ from transferqueue import wire
 from transferqueue.records import Closed, Full, RemoteError, Timeout, TQError, TQHandle
 
 INDEX = -1
+CLEANUP_GRACE_S = 5.0  # extra time a failed flow gets for its clean-up requests
 _rids = itertools.count(1)
 
 
@@ -137,11 +139,17 @@ class SyncDriver:
         try:
             step = next(flow)
             while True:
-                if isinstance(step, Sleep):
-                    time.sleep(step.seconds)
-                    step = flow.send(None)
-                else:
-                    step = flow.send(self._call_all(chan, step, deadline))
+                try:
+                    if isinstance(step, Sleep):
+                        time.sleep(step.seconds)
+                        result = None
+                    else:
+                        result = self._call_all(chan, step, deadline)
+                except Exception as exc:  # the flow sees the error at its yield and may clean up
+                    deadline = max(deadline, time.monotonic() + CLEANUP_GRACE_S)
+                    step = flow.throw(exc)
+                    continue
+                step = flow.send(result)
         except StopIteration as stop:
             return stop.value
         finally:
@@ -207,11 +215,17 @@ class AsyncDriver:
         try:
             step = next(flow)
             while True:
-                if isinstance(step, Sleep):
-                    await asyncio.sleep(step.seconds)
-                    step = flow.send(None)
-                else:
-                    step = flow.send(await self._call_all(chan, step, deadline))
+                try:
+                    if isinstance(step, Sleep):
+                        await asyncio.sleep(step.seconds)
+                        result = None
+                    else:
+                        result = await self._call_all(chan, step, deadline)
+                except Exception as exc:  # the flow sees the error at its yield and may clean up
+                    deadline = max(deadline, time.monotonic() + CLEANUP_GRACE_S)
+                    step = flow.throw(exc)
+                    continue
+                step = flow.send(result)
         except StopIteration as stop:
             return stop.value
         finally:

@@ -1,0 +1,42 @@
+"""Failure clean-up and shutdown: a rejected put leaves nothing behind; servers exit and free memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+
+import pytest
+import torch
+
+from transferqueue import Closed, RemoteError, TQClient
+from transferqueue.config import TransferQueueConfig
+from transferqueue.launch import start_transferqueue
+
+
+@pytest.mark.parametrize("path", ["shm", "zmq"])
+def test_put_rejected_by_the_index_is_undone_on_the_units(tq_servers, path):
+    handle = dataclasses.replace(tq_servers.handle, shm_min_bytes=0, shared_memory=path == "shm")
+    with TQClient(handle) as client:
+        p = f"undo-{path}"
+        client.put({"x": torch.zeros(8, 4, dtype=torch.int64)}, partition=p)
+        before = [client.unit_stats(u)["stored_bytes"] for u in range(2)]
+        with pytest.raises(RemoteError, match="dtype"):  # detected by the index after the units stored it
+            client.put({"x": torch.zeros(8, 4, dtype=torch.float32)}, partition=p)
+        assert [client.unit_stats(u)["stored_bytes"] for u in range(2)] == before
+        assert client.status().partitions[p] == 8
+        client.clear(p)
+
+
+def test_shutdown_stops_servers_and_unlinks_shared_memory():
+    servers = start_transferqueue(TransferQueueConfig(num_storage_units=2, request_timeout_s=10))
+    client = TQClient(dataclasses.replace(servers.handle, shm_min_bytes=0))
+    client.put({"x": torch.ones(256, 1024)}, partition="p")
+    pids = [p.pid for p in servers.procs]
+    assert any(glob.glob(f"/dev/shm/hflow-tq-{pid}-*") for pid in pids)
+    client.close()
+    with pytest.raises(Closed):
+        client.status()
+    servers.shutdown()
+    servers.shutdown()  # idempotent
+    assert [p.returncode for p in servers.procs] == [0, 0, 0]
+    assert not any(glob.glob(f"/dev/shm/hflow-tq-{pid}-*") for pid in pids)
