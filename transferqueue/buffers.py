@@ -25,8 +25,13 @@ class ShmCache:
     def __init__(self, max_open: int = 256):
         self.maps: OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
         self.max_open = max_open
+        self.lock = threading.Lock()
 
     def view(self, name: str) -> np.ndarray:
+        with self.lock:
+            return self._view(name)
+
+    def _view(self, name: str) -> np.ndarray:
         hit = self.maps.get(name)
         if hit is not None:
             self.maps.move_to_end(name)

@@ -116,7 +116,8 @@ class _Partition:
         self.subs: dict[tuple[int, int], Subscription] = {}
 
     def group_count(self, key: Hashable) -> int:
-        return self.uid_counts.get(key, 1) if not (isinstance(key, tuple) and key[:1] == ("sample",)) else 1
+        """Samples put with this uid (uids are str/int; a tuple key is a sample without uid: a group of 1)."""
+        return 1 if isinstance(key, tuple) else self.uid_counts.get(key, 1)
 
     def field_mask(self, names: list[str], create: bool) -> int | None:
         mask = 0

@@ -55,9 +55,9 @@ class SequentialSampler:
 class GroupCompleteSampler:
     """Whole ``uid`` groups only, in the order groups became complete; ids inside a group in put order.
 
-    ``options["group_size"]`` (optional, e.g. ``rollout.n``): every group handed out must have exactly
-    this many samples and ``batch_size`` must be a multiple of it (ValueError otherwise). Without it a
-    group is complete when every sample put with its uid is ready.
+    A group is complete when every sample put with its uid is ready and unconsumed. ``options["group_size"]``
+    (optional, e.g. ``rollout.n``): only groups of exactly this many samples are handed out, and
+    ``batch_size`` must be a multiple of it (ValueError otherwise).
     """
 
     def select(self, view: ReadyView, batch_size: int, options: dict) -> list[int] | str:
@@ -69,9 +69,9 @@ class GroupCompleteSampler:
             return (f"insufficient complete groups: {view.num_complete_samples()} samples in complete groups, "
                     f"{batch_size} requested")
         chosen: list[int] = []
-        for uid, ids in view.complete_groups():
+        for _uid, ids in view.complete_groups():
             if group_size is not None and len(ids) != group_size:
-                raise ValueError(f"group {uid!r} has {len(ids)} samples, group_size={group_size}")
+                continue  # e.g. a group partly cleared: never handed out as a "whole" group
             if len(chosen) + len(ids) > batch_size:
                 continue
             chosen.extend(ids)

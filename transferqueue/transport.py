@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,7 +194,7 @@ class AsyncDriver:
     def __init__(self, handle: TQHandle, max_channels: int = 16):
         self.handle = handle
         self.ctx = zmq.asyncio.Context()
-        self.pools: dict[int, tuple[list[Channel], asyncio.Semaphore]] = {}
+        self.pools: dict[int, tuple[weakref.ref, list[Channel], asyncio.Semaphore]] = {}
         self.max_channels = max_channels
         self.closed = False
         self.all: list[Channel] = []
@@ -203,7 +204,10 @@ class AsyncDriver:
             raise Closed("client is closed")
         deadline = time.monotonic() + timeout_s
         loop = asyncio.get_running_loop()
-        pool, sem = self.pools.setdefault(id(loop), ([], asyncio.Semaphore(self.max_channels)))
+        self._prune()
+        if id(loop) not in self.pools:
+            self.pools[id(loop)] = (weakref.ref(loop), [], asyncio.Semaphore(self.max_channels))
+        _, pool, sem = self.pools[id(loop)]
         try:
             await asyncio.wait_for(sem.acquire(), timeout=max(deadline - time.monotonic(), 0))
         except TimeoutError:
@@ -231,6 +235,16 @@ class AsyncDriver:
         finally:
             pool.append(chan)
             sem.release()
+
+    def _prune(self) -> None:
+        """Close the channels of event loops that are gone (e.g. after each ``asyncio.run``)."""
+        for key, (ref, pool, _) in list(self.pools.items()):
+            loop = ref()
+            if loop is None or loop.is_closed():
+                for chan in pool:
+                    chan.close()
+                    self.all.remove(chan)
+                del self.pools[key]
 
     async def _call_all(self, chan: Channel, calls: list[Call], deadline: float) -> list:
         rids = []

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 import uuid
+import warnings
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ def sample_tensor(dtype: torch.dtype, shape) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.rand(shape) > 0.5
     if dtype.is_complex:
-        return torch.view_as_complex(torch.randn(*shape, 2)).to(dtype)  # complex32 warns: experimental in torch
+        with warnings.catch_warnings():  # torch warns that complex32 is experimental
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.view_as_complex(torch.randn(*shape, 2)).to(dtype)
     if dtype.is_floating_point:
         return torch.randn(shape).to(dtype)
     info = torch.iinfo(dtype)
