@@ -87,7 +87,8 @@ async def _roller_loop(name: str, conn) -> None:
     while True:
         cmd, *args = await loop.run_in_executor(None, conn.recv)
         if cmd == "attach":
-            receiver = WeightReceiver(WeightSyncHandle.from_dict(args[0]), name, initial_version=engine.weight_version)
+            handle = WeightSyncHandle.from_dict(args[0])
+            receiver = WeightReceiver(handle, name, initial_version=engine.weight_version)
             conn.send(None)
         elif cmd == "update":
             result = await apply_update(engine, receiver, args[0], "retract")
@@ -192,7 +193,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 timed reps, busy case for shm only")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--busy-all", action="store_true", help="busy rollers for every backend, not only shm")
+    parser.add_argument("--busy-all", action="store_true",
+                        help="busy rollers for every backend, not only shm")
     parser.add_argument("--backends", default="shm,zmq,broadcast,disk")
     args = parser.parse_args()
     reps = 2 if args.quick else args.reps
@@ -215,7 +217,8 @@ def main() -> None:
                     times.append(t)
                 key = f"sync_s_{backend}" + ("" if num_rollers == 1 else "_2r")
                 results[key] = statistics.median(times)
-                print(f"{backend:9s} rollers={num_rollers} idle: " + " ".join(f"{t:.3f}" for t in times), flush=True)
+                shown = " ".join(f"{t:.3f}" for t in times)
+                print(f"{backend:9s} rollers={num_rollers} idle: {shown}", flush=True)
             if backend == "shm" or args.busy_all:
                 cluster._all(cluster.rollers, ("busy",))
                 times = [cluster.sync(1)[0] for _ in range(reps)]

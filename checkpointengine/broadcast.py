@@ -41,7 +41,9 @@ class WeightUpdateGroup:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 def _rendezvous(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
@@ -63,8 +65,8 @@ def _new_group(store: dist.Store, rank: int, world_size: int, group_name: str, b
     if backend not in GROUP_BACKENDS:
         raise ValueError(f"broadcast backend {backend!r} is not one of {list(GROUP_BACKENDS)}")
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store), group_name=group_name,
-        backend_options=None, timeout=datetime.timedelta(seconds=timeout_s),
+        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
+        group_name=group_name, backend_options=None, timeout=datetime.timedelta(seconds=timeout_s),
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

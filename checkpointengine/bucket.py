@@ -109,8 +109,8 @@ class BucketPlanner:
 
     ``place(name, dtype, shape, write)`` creates the tensor's entries (several for a tensor larger than a
     bucket), calling ``write(bucket_index, entry)`` for each before its bucket can close, and
-    ``on_close(bucket)`` for each bucket that fills up; ``finish()`` closes the last partial bucket. Raises ValueError for a bucket_bytes below
-    ``ALIGN_BYTES`` or a repeated name.
+    ``on_close(bucket)`` for each bucket that fills up; ``finish()`` closes the last partial bucket.
+    Raises ValueError for a bucket_bytes below ``ALIGN_BYTES`` or a repeated name.
     """
 
     def __init__(self, bucket_bytes: int, on_close: Callable[[Bucket], None]):

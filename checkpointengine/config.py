@@ -41,7 +41,9 @@ class CheckpointEngineConfig:
         if self.bucket_bytes < 1024:
             raise ValueError(f"checkpointengine.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
         if self.num_slots < 2:
-            raise ValueError(f"checkpointengine.num_slots must be >= 2 (double buffering), got {self.num_slots}")
+            raise ValueError(
+                f"checkpointengine.num_slots must be >= 2 (double buffering), got {self.num_slots}"
+            )
         if self.group_backend not in GROUP_BACKENDS:
             raise ValueError(
                 f"checkpointengine.group_backend={self.group_backend!r} is not one of {list(GROUP_BACKENDS)}"

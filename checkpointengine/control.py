@@ -77,7 +77,8 @@ class ControlServer:
             for roller in list(rnd.active):
                 want = self._wants.get(roller)
                 if want is not None and want > rnd.version:
-                    rnd.results[roller] = f"wants weight_version {want} but the sender is sending {rnd.version}"
+                    rnd.results[roller] = (f"wants weight_version {want} but the sender is sending "
+                                           f"{rnd.version}")
                     rnd.active.discard(roller)
             return [r for r in rnd.active if self._wants.get(r) != rnd.version]
 
@@ -87,8 +88,10 @@ class ControlServer:
         rnd.started = True
 
     def await_consumed(self, rnd: Round, index: int) -> None:
-        self._await(rnd, lambda: [r for r in rnd.active if rnd.consumed.get(r, -1) < index and r not in rnd.results],
-                    f"consume bucket {index}")
+        def pending() -> list[str]:
+            return [r for r in rnd.active if rnd.consumed.get(r, -1) < index and r not in rnd.results]
+
+        self._await(rnd, pending, f"consume bucket {index}")
 
     def await_results(self, rnd: Round) -> None:
         self._await(rnd, lambda: [r for r in rnd.active if r not in rnd.results], "ack")
@@ -99,8 +102,8 @@ class ControlServer:
         while missing := sorted(pending()):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WeightSyncTimeout(f"weight_version {rnd.version}: rollers {missing} did not {what} within "
-                                        f"{self.cfg.timeout_s:.1f} s")
+                raise WeightSyncTimeout(f"weight_version {rnd.version}: rollers {missing} did not {what} "
+                                        f"within {self.cfg.timeout_s:.1f} s")
             if self._sock.poll(min(left, 1.0) * 1000):
                 self._handle_incoming(rnd)
 

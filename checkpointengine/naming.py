@@ -112,4 +112,5 @@ class WeightNameMapper:
             hint = ""
             if LM_HEAD_NAME in missing and not self.tie_word_embeddings:
                 hint = " (the engine's lm_head is untied: send lm_head.weight too)"
-            raise MissingWeightsError(f"update leaves {len(missing)} engine tensors unset: {missing[:8]}{hint}")
+            raise MissingWeightsError(
+                f"update leaves {len(missing)} engine tensors unset: {missing[:8]}{hint}")

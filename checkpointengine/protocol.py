@@ -112,7 +112,8 @@ class GroupInit:
     backend: str
 
 
-MESSAGES = {cls.__name__: cls for cls in (Want, Begin, BucketReady, End, Abort, Consumed, Ack, Fail, GroupInit)}
+MESSAGES = {cls.__name__: cls
+            for cls in (Want, Begin, BucketReady, End, Abort, Consumed, Ack, Fail, GroupInit)}
 
 
 def encode(msg) -> bytes:

@@ -62,7 +62,9 @@ class WeightReceiver:
         self._sock.setsockopt(zmq.IDENTITY, roller.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(handle.control_address)
-        self._slots = ShmSlots.attach(handle.shm_paths, handle.bucket_bytes) if handle.backend == "shm" else None
+        self._slots = None
+        if handle.backend == "shm":
+            self._slots = ShmSlots.attach(handle.shm_paths, handle.bucket_bytes)
         self._group: bc.WeightUpdateGroup | None = None
         self._stats = {"num_updates": 0, "num_failures": 0, "last_update_s": 0.0, "last_bytes": 0,
                        "total_bytes": 0, "last_error": ""}
@@ -104,8 +106,9 @@ class WeightReceiver:
                         ) -> Iterator[tuple[str, torch.Tensor]]:
         backend = self.handle.backend
         if backend == "broadcast":
-            out = bc.receive_tensors(self._group, [e.name for e in msg.entries], [e.dtype for e in msg.entries],
-                                     [e.shape for e in msg.entries])
+            entries = msg.entries
+            out = bc.receive_tensors(self._group, [e.name for e in entries], [e.dtype for e in entries],
+                                     [e.shape for e in entries])
         elif backend == "disk":
             out = list(read_bucket_file(msg.path, msg.entries, self.device))
         else:
@@ -132,9 +135,9 @@ class WeightReceiver:
             msg, _ = self._recv(version, "begin")
             if isinstance(msg, GroupInit):
                 bc.destroy_group(self._group)
-                self._group = bc.init_weights_update_group(msg.master_address, msg.master_port, msg.rank_offset,
-                                                           msg.world_size, msg.group_name, msg.backend,
-                                                           self.handle.timeout_s)
+                self._group = bc.init_weights_update_group(
+                    msg.master_address, msg.master_port, msg.rank_offset, msg.world_size, msg.group_name,
+                    msg.backend, self.handle.timeout_s)
             elif isinstance(msg, Begin) and msg.version == version:
                 return
             else:
@@ -152,8 +155,8 @@ class WeightReceiver:
             msg = decode(header.bytes)
             if isinstance(msg, Abort):
                 if msg.version == version:
-                    raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {version} aborted "
-                                            f"by the sender: {msg.reason}")
+                    raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {version} "
+                                            f"aborted by the sender: {msg.reason}")
                 continue  # abort of an update this roller no longer waits for
             if getattr(msg, "version", version) != version:
                 logger.warning("roller %s: dropping %s of weight_version %s while waiting for %s",
@@ -235,14 +238,17 @@ async def apply_update(engine, receiver: WeightReceiver, version: int, pause_mod
     is resumed, the error is reported to the sender, and WeightUpdateError is raised.
     """
     start = time.perf_counter()
-    await engine.pause(pause_mode)
     try:
+        await engine.pause(pause_mode)
         tensors = await asyncio.to_thread(lambda: list(receiver.receive(version)))
         await engine.load_weights(tensors, version)
         await _flush(engine, pause_mode)
     except BaseException as exc:
         receiver.fail(version, f"{type(exc).__name__}: {exc}")
-        await engine.resume()
+        try:
+            await engine.resume()
+        except Exception as resume_exc:  # the engine itself is broken; the update error is the news
+            logger.error("roller %s: resume after a failed update failed: %s", receiver.roller, resume_exc)
         raise WeightUpdateError(receiver.roller, version, receiver.version, exc) from exc
     await engine.resume()
     duration = time.perf_counter() - start

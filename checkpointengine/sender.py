@@ -114,7 +114,8 @@ class WeightSender:
             disk_dir = cfg.disk_dir or tempfile.mkdtemp(prefix="hflow-ce-disk-")
             self._disk = DiskVersions(disk_dir)
         self.handle = WeightSyncHandle(cfg.backend, self._control.address, cfg.bucket_bytes, cfg.dtype,
-                                       cfg.timeout_s, shm_paths, disk_dir, _resolve_group_backend(cfg.group_backend))
+                                       cfg.timeout_s, shm_paths, disk_dir,
+                                       _resolve_group_backend(cfg.group_backend))
 
     # ------------------------------------------------------------------------------------ membership
 
@@ -162,7 +163,7 @@ class WeightSender:
         stream = self.mapper.route(named_tensors)
         backend = self.handle.backend
         if backend in ("shm", "zmq"):
-            body = self._packed_body(stream, lambda buf, e, t: write_full(buf, e, t), lambda t: (t.dtype, t.shape))
+            body = self._packed_body(stream, write_full, lambda t: (t.dtype, t.shape))
         elif backend == "broadcast":
             body = self._broadcast_body(stream)
         else:
@@ -180,11 +181,11 @@ class WeightSender:
         report on the leader, None elsewhere; raises as ``send``, on every rank, when any rank fails.
         """
         if self.handle.backend != "shm":
-            raise ValueError(f"send_shards needs checkpointengine.backend='shm', not {self.handle.backend!r}; "
-                             "use send(named_full_tensors()) across nodes")
+            raise ValueError(f"send_shards needs checkpointengine.backend='shm', not "
+                             f"{self.handle.backend!r}; use send(named_full_tensors()) across nodes")
         agree = _make_agree(group)
-        rows = (s if isinstance(s, RowShard) else RowShard(s.name, s.tensor, s.row_offset, tuple(s.full_shape))
-                for s in shards)
+        rows = (s if isinstance(s, RowShard) else
+                RowShard(s.name, s.tensor, s.row_offset, tuple(s.full_shape)) for s in shards)
         stream = self.mapper.route((s.name, s) for s in rows)
         body = self._packed_body(stream, write_rows, lambda s: (s.tensor.dtype, s.full_shape), agree)
         if not self.is_leader:
@@ -237,11 +238,13 @@ class WeightSender:
             if r not in self.rollers:
                 raise ValueError(f"roller {r!r} is not served by this sender (rollers: {self.rollers})")
             if self.roller_versions.get(r, -1) >= version:
-                raise ValueError(f"roller {r!r} already has weight_version {self.roller_versions[r]} >= {version}")
+                raise ValueError(f"roller {r!r} already has weight_version {self.roller_versions[r]} "
+                                 f">= {version}")
 
     # ------------------------------------------------------------------------------- update bodies
 
-    def _packed_body(self, stream, write: Callable, spec: Callable, agree: Callable[[bool], bool] | None = None):
+    def _packed_body(self, stream, write: Callable, spec: Callable,
+                     agree: Callable[[bool], bool] | None = None):
         """Body of an shm/zmq update: pack ``stream`` into the slots, publishing each closed bucket."""
         num_slots = len(self.handle.shm_paths) if self._slots is not None else len(self._buffers)
 
@@ -305,7 +308,8 @@ class WeightSender:
             for bucket in self._whole_buckets(stream):
                 entries = [TensorEntry(n, dtype_name(t.dtype), tuple(t.shape), 0, t.nbytes, (0, t.nbytes))
                            for n, t in bucket]
-                self._control.broadcast(rnd, BucketReady(rnd.version, index, entries, sum(e.nbytes for e in entries)))
+                used = sum(e.nbytes for e in entries)
+                self._control.broadcast(rnd, BucketReady(rnd.version, index, entries, used))
                 works = bc.broadcast_tensors(self._group, [t for _, t in bucket])
                 for work in pending:  # the previous bucket finishes while this one was cast
                     work.wait()
@@ -326,8 +330,8 @@ class WeightSender:
                 path = self._disk.write_bucket(rnd.version, index, bucket)
                 entries = [TensorEntry(n, dtype_name(t.dtype), tuple(t.shape), 0, t.nbytes, (0, t.nbytes))
                            for n, t in bucket]
-                self._control.broadcast(rnd, BucketReady(rnd.version, index, entries, sum(e.nbytes for e in entries),
-                                                     path=path))
+                used = sum(e.nbytes for e in entries)
+                self._control.broadcast(rnd, BucketReady(rnd.version, index, entries, used, path=path))
                 index += 1
                 total += sum(e.nbytes for e in entries)
             self._disk.finish(rnd.version, total)
@@ -370,7 +374,8 @@ class WeightSender:
         store = bc.create_sender_store(LOOPBACK, 0, len(members) + 1, self.cfg.timeout_s)
         name = f"hflow-weights-{uuid.uuid4().hex[:12]}"
         for i, roller in enumerate(members):
-            msg = GroupInit(LOOPBACK, store.port, i + 1, len(members) + 1, name, self.handle.broadcast_backend)
+            msg = GroupInit(LOOPBACK, store.port, i + 1, len(members) + 1, name,
+                            self.handle.broadcast_backend)
             self._control.send_to(roller, msg)
         self._group = bc.create_sender_group(store, len(members) + 1, name, self.handle.broadcast_backend,
                                              self.cfg.timeout_s)

@@ -40,8 +40,8 @@ class SGLangWeightPusher:
     ``WeightSender``. Use as an async context manager or call ``close()``.
     """
 
-    def __init__(self, cfg: CheckpointEngineConfig, urls: Iterable[str], mapper: WeightNameMapper | None = None,
-                 host: str = LOOPBACK):
+    def __init__(self, cfg: CheckpointEngineConfig, urls: Iterable[str],
+                 mapper: WeightNameMapper | None = None, host: str = LOOPBACK):
         self.cfg = cfg
         self.urls = [u.rstrip("/") for u in urls]
         if not self.urls:
@@ -55,7 +55,8 @@ class SGLangWeightPusher:
         self.version = -1
         self._group: bc.WeightUpdateGroup | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._stats = {"num_syncs": 0, "num_failed_syncs": 0, "last_sync_s": 0.0, "last_bytes": 0, "total_bytes": 0}
+        self._stats = {"num_syncs": 0, "num_failed_syncs": 0, "last_sync_s": 0.0, "last_bytes": 0,
+                       "total_bytes": 0}
 
     async def __aenter__(self) -> SGLangWeightPusher:
         return self
@@ -87,10 +88,11 @@ class SGLangWeightPusher:
         world = len(self.urls) + 1
         name = f"hflow-sglang-{uuid.uuid4().hex[:12]}"
         store = bc.create_sender_store(self.host, 0, world, self.cfg.timeout_s)
-        join = asyncio.ensure_future(asyncio.to_thread(bc.create_sender_group, store, world, name, self.backend,
-                                                       self.cfg.timeout_s))
+        join = asyncio.ensure_future(asyncio.to_thread(
+            bc.create_sender_group, store, world, name, self.backend, self.cfg.timeout_s))
         bodies = [{"master_address": self.host, "master_port": store.port, "rank_offset": i + 1,
-                   "world_size": world, "group_name": name, "backend": self.backend} for i in range(len(self.urls))]
+                   "world_size": world, "group_name": name, "backend": self.backend}
+                  for i in range(len(self.urls))]
         errors = await asyncio.gather(*(self._post(u, "/init_weights_update_group", b)
                                         for u, b in zip(self.urls, bodies, strict=True)))
         failures = {u: e for u, e in zip(self.urls, errors, strict=True) if e is not None}
@@ -107,8 +109,10 @@ class SGLangWeightPusher:
         is re-formed on the next push)."""
         if version < self.version:
             raise ValueError(f"weight_version {version} is below the last one sent ({self.version})")
-        tensors = [(n, to_engine_dtype(t.detach(), self.engine_dtype).cpu() if self.backend == "gloo" else
-                    to_engine_dtype(t.detach(), self.engine_dtype)) for n, t in self.mapper.route(named_tensors)]
+        tensors = []
+        for name, tensor in self.mapper.route(named_tensors):
+            tensor = to_engine_dtype(tensor.detach(), self.engine_dtype)
+            tensors.append((name, tensor.cpu() if self.backend == "gloo" else tensor))
         self.mapper.check_coverage([n for n, _ in tensors])
         if not tensors:
             raise ValueError("push: no tensors")

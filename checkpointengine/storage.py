@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,14 @@ from safetensors.torch import load_file, save_file
 from checkpointengine.bucket import TensorEntry
 
 SHM_ROOT = Path("/dev/shm")
+
+
+def _unlink(paths: list[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 class ShmSlots:
@@ -32,6 +41,8 @@ class ShmSlots:
         self.bucket_bytes = bucket_bytes
         self.owner = owner
         self._buffers = [torch.from_file(p, shared=True, size=bucket_bytes, dtype=torch.uint8) for p in paths]
+        # The owner unlinks its files even if close() is never called (an exception, interpreter exit).
+        self._finalizer = weakref.finalize(self, _unlink, list(paths)) if owner else None
 
     @classmethod
     def create(cls, num_slots: int, bucket_bytes: int) -> ShmSlots:
@@ -57,13 +68,9 @@ class ShmSlots:
 
     def close(self) -> None:
         self._buffers = []
-        if self.owner:
-            for p in self.paths:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-            self.owner = False
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
 
 
 class DiskVersions:
@@ -96,7 +103,8 @@ class DiskVersions:
         return str(path)
 
     def finish(self, version: int, total_bytes: int) -> None:
-        index = {"metadata": {"total_size": total_bytes, "weight_version": version}, "weight_map": self._weight_map}
+        index = {"metadata": {"total_size": total_bytes, "weight_version": version},
+                 "weight_map": self._weight_map}
         (self.version_dir(version) / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         versions = sorted(p for p in self.root.glob("v*") if p.is_dir())
         for old in versions[: max(0, len(versions) - self.keep)]:

@@ -107,7 +107,7 @@ def test_backend_update_sequence(backend, tmp_path):
             sender.send(named, 4)
         assert time.monotonic() - start < 10
         stats = sender.stats()
-        assert stats["num_syncs"] == 2 and stats["num_failed_syncs"] == 3 and stats["num_roller_failures"] == 1
+        assert (stats["num_syncs"], stats["num_failed_syncs"], stats["num_roller_failures"]) == (2, 3, 1)
         assert stats["total_bytes"] == 2 * report.num_bytes and stats["last_sync_s"] > 0
     finally:
         for p in procs:
@@ -130,8 +130,8 @@ def test_shm_shards_from_two_ranks_arrive_whole():
     out = CTX.Queue()
     cfg_kwargs = {"backend": "shm", "bucket_bytes": 1024, "dtype": "float32", "timeout_s": 30.0}
     port = _free_port()
-    ranks = [CTX.Process(target=ce_procs.shard_rank_main, args=(r, 2, port, None, cfg_kwargs, out), daemon=True)
-             for r in range(2)]
+    ranks = [CTX.Process(target=ce_procs.shard_rank_main, args=(r, 2, port, None, cfg_kwargs, out),
+                         daemon=True) for r in range(2)]
     for p in ranks:
         p.start()
     roller = None

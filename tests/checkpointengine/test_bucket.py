@@ -93,7 +93,8 @@ def test_engine_dtype_cast_on_pack():
     buckets, _ = _pack(named, 256, engine_dtype=torch.bfloat16)
     for entries, buf in buckets:
         for e in entries:
-            assert buf[e.offset: e.offset + e.nbytes].view(e.torch_dtype).numel() * e.torch_dtype.itemsize == e.nbytes
+            view = buf[e.offset: e.offset + e.nbytes].view(e.torch_dtype)
+            assert view.numel() * e.torch_dtype.itemsize == e.nbytes
     got = _unpack(buckets)
     for name, tensor in named:
         if tensor.is_floating_point():

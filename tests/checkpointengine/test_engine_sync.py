@@ -159,7 +159,8 @@ def test_update_with_8_long_requests_in_flight():
         try:
             _perturb(rig.trainer, seed=3)
             prompts = [(1, 3 + i, 9, 2 + 2 * i) for i in range(8)]
-            tasks = [asyncio.create_task(rig.engine.generate(_request(i, p, n=40))) for i, p in enumerate(prompts)]
+            tasks = [asyncio.create_task(rig.engine.generate(_request(i, p, n=40)))
+                     for i, p in enumerate(prompts)]
             for _ in range(400):
                 await asyncio.sleep(0.01)
                 if rig.engine.stats()["num_tokens_generated"] >= 24:

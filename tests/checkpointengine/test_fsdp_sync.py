@@ -37,8 +37,8 @@ def _greedy(model, prompt, n):
 
 @pytest.mark.slow
 def test_fsdp2_two_ranks_to_torch_engine(ray_cluster, tiny_model_config):
-    group = TrainerGroup(TrainerConfig(num_ranks=2, num_cpus_per_rank=0.25, timeout_s=90.0), AlgorithmConfig(),
-                         tiny_model_config)
+    trainer_cfg = TrainerConfig(num_ranks=2, num_cpus_per_rank=0.25, timeout_s=90.0)
+    group = TrainerGroup(trainer_cfg, AlgorithmConfig(), tiny_model_config)
     receiver = engine = None
     try:
         group.execute(_perturb_shards, 7)
@@ -49,7 +49,8 @@ def test_fsdp2_two_ranks_to_torch_engine(ray_cluster, tiny_model_config):
         engine = TorchEngine(load_model(tiny_model_config), 2)
 
         async def sync():
-            send = asyncio.get_running_loop().run_in_executor(None, group.execute, trainer_hooks.send_weights, 1)
+            loop = asyncio.get_running_loop()
+            send = loop.run_in_executor(None, group.execute, trainer_hooks.send_weights, 1)
             update = await apply_update(engine, receiver, 1)
             return update, await send
 
@@ -61,8 +62,8 @@ def test_fsdp2_two_ranks_to_torch_engine(ray_cluster, tiny_model_config):
         prompts = [(1, 16, 20, 30), (1, 12, 40, 41, 42)]
 
         async def decode():
-            reqs = [GenerationRequest(f"q{i}", p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
-                    for i, p in enumerate(prompts)]
+            sampling = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+            reqs = [GenerationRequest(f"q{i}", p, sampling) for i, p in enumerate(prompts)]
             outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
             await engine.shutdown()
             return outs

@@ -42,7 +42,8 @@ def test_untied_keeps_both_and_rejects_collisions():
 
 
 def test_coverage_from_a_model():
-    untied = load_model(ModelConfig(path="tiny", tiny=TinyModelConfig(vocab_size=32, tie_word_embeddings=False)))
+    tiny = TinyModelConfig(vocab_size=32, tie_word_embeddings=False)
+    untied = load_model(ModelConfig(path="tiny", tiny=tiny))
     mapper = WeightNameMapper.for_model(untied)
     names = list(untied.state_dict())
     mapper.check_coverage(names)
