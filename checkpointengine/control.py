@@ -53,6 +53,7 @@ class ControlServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown roller raises, not drops
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted roller (same name) takes over
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
 

@@ -244,62 +244,9 @@ class WeightSender:
     # ------------------------------------------------------------------------------- update bodies
 
     def _packed_body(self, stream, write: Callable, spec: Callable,
-                     agree: Callable[[bool], bool] | None = None):
+                     agree: Callable[[bool], bool] | None = None) -> Callable[[Round], tuple[int, int]]:
         """Body of an shm/zmq update: pack ``stream`` into the slots, publishing each closed bucket."""
-        num_slots = len(self.handle.shm_paths) if self._slots is not None else len(self._buffers)
-
-        def buffer(slot: int) -> torch.Tensor:
-            return self._slots.buffer(slot) if self._slots is not None else self._buffers[slot]
-
-        def run(rnd: Round) -> tuple[int, int]:
-            state = {"bucket": -1, "error": None}
-
-            def sync(point: str) -> None:
-                ok = state["error"] is None
-                if agree is not None and not agree(ok):
-                    raise state["error"] or RuntimeError(f"another trainer rank failed ({point})")
-                if not ok:
-                    raise state["error"]
-
-            def on_write(index: int, entry: TensorEntry) -> None:
-                if index != state["bucket"]:
-                    state["bucket"] = index
-                    if index >= num_slots:
-                        try:
-                            if self.is_leader:
-                                self._control.await_consumed(rnd, index - num_slots)
-                        except Exception as exc:  # reported to every rank at the barrier below
-                            state["error"] = exc
-                        sync(f"reusing slot for bucket {index}")
-                if state["error"] is None:
-                    try:
-                        write(buffer(index % num_slots), entry, current["item"])
-                    except Exception as exc:
-                        state["error"] = exc
-
-            def on_close(bucket: Bucket) -> None:
-                sync(f"closing bucket {bucket.index}")
-                if self.is_leader:
-                    self._publish(rnd, bucket, bucket.index % num_slots, buffer(bucket.index % num_slots))
-
-            current = {"item": None}
-            planner = BucketPlanner(self.handle.bucket_bytes, on_close)
-            sent = []
-            for name, item in stream:
-                dtype, shape = spec(item)
-                current["item"] = item
-                planner.place(name, engine_dtype_of(torch.empty(0, dtype=dtype), self.engine_dtype),
-                              tuple(shape), on_write)
-                sent.append(name)
-            try:
-                self.mapper.check_coverage(sent)
-            except Exception as exc:
-                state["error"] = state["error"] or exc
-            planner.finish()
-            sync("end of update")
-            return planner.num_buckets, planner.total_bytes
-
-        return run
+        return lambda rnd: _SlotPacker(self, rnd, write, spec, agree).run(stream)
 
     def _broadcast_body(self, stream):
         def run(rnd: Round) -> tuple[int, int]:
@@ -397,6 +344,72 @@ class WeightSender:
         if self._control is not None:
             self._control.close()
             self._control = None
+
+
+class _SlotPacker:
+    """One shm/zmq update on one rank: places ``(engine_name, item)`` pairs with ``BucketPlanner`` and
+    writes each entry into slot ``bucket % num_slots`` (``write(buffer, entry, item)``; ``spec(item)``
+    gives the item's dtype and full shape). Before reusing a slot the leader waits until every roller
+    consumed its previous bucket; with several ranks, all agree at every slot reuse and bucket close, so
+    an error on any rank (kept until the next agreement) raises on all of them at the same point."""
+
+    def __init__(self, sender: WeightSender, rnd: Round, write: Callable, spec: Callable,
+                 agree: Callable[[bool], bool] | None):
+        self.sender, self.rnd, self.write, self.spec, self.agree = sender, rnd, write, spec, agree
+        self.num_slots = len(sender.handle.shm_paths) if sender._slots is not None else len(sender._buffers)
+        self.bucket = -1
+        self.item = None
+        self.error: BaseException | None = None
+
+    def buffer(self, index: int) -> torch.Tensor:
+        slots, slot = self.sender._slots, index % self.num_slots
+        return slots.buffer(slot) if slots is not None else self.sender._buffers[slot]
+
+    def sync(self, point: str) -> None:
+        ok = self.error is None
+        if self.agree is not None and not self.agree(ok):
+            raise self.error or RuntimeError(f"another trainer rank failed ({point})")
+        if not ok:
+            raise self.error
+
+    def on_write(self, index: int, entry: TensorEntry) -> None:
+        if index != self.bucket:
+            self.bucket = index
+            if index >= self.num_slots:
+                try:
+                    if self.sender.is_leader:
+                        self.sender._control.await_consumed(self.rnd, index - self.num_slots)
+                except Exception as exc:  # reported to every rank at the agreement below
+                    self.error = exc
+                self.sync(f"reusing the slot of bucket {index - self.num_slots}")
+        if self.error is None:
+            try:
+                self.write(self.buffer(index), entry, self.item)
+            except Exception as exc:
+                self.error = exc
+
+    def on_close(self, bucket: Bucket) -> None:
+        self.sync(f"closing bucket {bucket.index}")
+        if self.sender.is_leader:
+            self.sender._publish(self.rnd, bucket, bucket.index % self.num_slots, self.buffer(bucket.index))
+
+    def run(self, stream) -> tuple[int, int]:
+        """Pack everything; returns (buckets, payload bytes)."""
+        planner = BucketPlanner(self.sender.handle.bucket_bytes, self.on_close)
+        sent = []
+        for name, item in stream:
+            dtype, shape = self.spec(item)
+            self.item = item
+            wire_dtype = engine_dtype_of(torch.empty(0, dtype=dtype), self.sender.engine_dtype)
+            planner.place(name, wire_dtype, tuple(shape), self.on_write)
+            sent.append(name)
+        try:
+            self.sender.mapper.check_coverage(sent)
+        except Exception as exc:
+            self.error = self.error or exc
+        planner.finish()
+        self.sync("end of update")
+        return planner.num_buckets, planner.total_bytes
 
 
 def _make_agree(group: dist.ProcessGroup | None) -> Callable[[bool], bool] | None:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from checkpointengine import (
     WeightReceiver,
@@ -83,6 +84,27 @@ def test_roller_that_never_answers_fails_the_trainer_within_the_timeout():
         r0.join(timeout=10)
         assert isinstance(r0.error, WeightSyncAborted), r0.error  # r0 was told, not left waiting
     finally:
+        sender.close()
+
+
+def test_malformed_control_messages_are_dropped_and_the_update_goes_on(caplog):
+    sender = WeightSender(_cfg(), ["r0"])
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.IDENTITY, b"r0-rogue")
+    rogue.connect(sender.handle.control_address)
+    r0 = RollerThread(sender.handle, "r0", [1])
+    try:
+        for junk in ([b"\xc1"], [b"\x81\xa4type\xa3Zap"], [b"x", b"y"]):
+            rogue.send_multipart(junk)
+        r0.start()
+        assert sender.send(NAMED, 1).acked == ["r0"]
+        r0.join(timeout=10)
+        assert r0.error is None and r0.done == [1]
+        assert sum("bad message from r0-rogue" in r.getMessage() for r in caplog.records) == 3
+    finally:
+        rogue.close(0)
+        ctx.term()
         sender.close()
 
 
