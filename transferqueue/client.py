@@ -13,6 +13,7 @@ Samples live on unit ``(id // route_block) % num_units``. Same-node units get da
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from transferqueue.storage import ALIGN
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
 
 FULL_RETRY_S = 0.01
+RESERVE_IDS = 4096  # sample ids a client reserves from the index at a time
 
 
 def _batch_size(data: Mapping[str, Any]) -> int:
@@ -66,6 +68,8 @@ class TQClient:
         if self.device is not None and handle.p2p_backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"p2p_backend nccl needs a CUDA client device, got {self.device}")
         self.links: dict = {}
+        self._ids_lock = threading.Lock()
+        self._id_next = self._id_end = 0
         self.num_units = len(handle.unit_addresses)
         here = node_id()
         self.local = [handle.shared_memory and n == here for n in handle.unit_nodes]
@@ -90,19 +94,36 @@ class TQClient:
         if sample_ids is not None and len(sample_ids) != count:
             raise ValueError(f"{len(sample_ids)} sample_ids for {count} samples")
         names = list(data)
-        ids_given = None if sample_ids is None else [int(i) for i in sample_ids]
-        [(head, _)] = yield [Call(INDEX, {"op": "prepare_put", "partition": partition, "ids": ids_given,
-                                          "count": count, "fields": names})]
-        ids = head["ids"]
+        if sample_ids is None:
+            ids = yield from self._new_ids(count)
+        else:
+            ids = [int(i) for i in sample_ids]
+            yield [Call(INDEX, {"op": "prepare_put", "partition": partition, "ids": ids, "count": count,
+                                "fields": names})]
         stored: list[int] = []
         try:
             columns = yield from self._store(data, names, ids, timeout_s, stored)
             yield [Call(INDEX, {"op": "notify", "partition": partition, "ids": ids, "columns": columns,
-                                "tags": None if tags is None else [dict(t) for t in tags]})]
+                                "tags": None if tags is None else [dict(t) for t in tags],
+                                "new": sample_ids is None})]
         except Exception:
             yield from self._undo(partition, ids, names, stored, new=sample_ids is None)
             raise
         return BatchMeta(partition, ids, names, [dict(t) for t in tags] if tags is not None else [{}] * count)
+
+    def _new_ids(self, count: int) -> Flow:
+        """Fresh sample ids from this client's reserved range, reserving ``max(count, RESERVE_IDS)`` more
+        from the index when it runs out (one round trip per many puts)."""
+        with self._ids_lock:
+            if self._id_end - self._id_next >= count:
+                self._id_next += count
+                return list(range(self._id_next - count, self._id_next))
+        n = max(count, RESERVE_IDS)
+        [(head, _)] = yield [Call(INDEX, {"op": "reserve", "count": n})]
+        start = head["start"]
+        with self._ids_lock:
+            self._id_next, self._id_end = start + count, start + n
+        return list(range(start, start + count))
 
     def _store(self, data, names, ids, timeout_s, stored: list[int]) -> Flow:
         """Send each unit its rows; retry units that answer ``full`` until the deadline. Returns the
@@ -233,7 +254,7 @@ class TQClient:
     def _undo(self, partition, ids, names, stored, new: bool) -> Flow:
         calls = [Call(u, {"op": "clear", "ids": [ids[i] for i in pos.tolist()], "fields": names})
                  for u, pos in self.units_of(ids) if u in stored]
-        if new:
+        if new:  # usually a no-op (notify failed before creating them); ids are never reused either way
             calls.append(Call(INDEX, {"op": "clear", "partition": partition, "ids": ids}))
         try:
             if calls:

@@ -16,6 +16,7 @@ O(samples indexed). Only ids, names, schemas, tags, byte counts and shapes ever 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Hashable, Iterator
 
@@ -101,8 +102,7 @@ class Subscription:
             if per_sample is not None:
                 total += per_sample
             else:
-                shape = self.part.schemas[name].shape
-                total += shape[0] if shape else 1
+                total += self.part.fixed_len.get(name, 1)
         return total
 
 
@@ -111,6 +111,7 @@ class _Partition:
         self.name = name
         self.bits: dict[str, int] = {}
         self.schemas: dict[str, FieldSchema] = {}
+        self.fixed_len: dict[str, int] = {}  # first dim of a field's samples put while it was fixed-shape
         self.samples: dict[int, _Sample] = {}
         self.uid_counts: dict[Hashable, int] = {}
         self.subs: dict[tuple[int, int], Subscription] = {}
@@ -137,6 +138,9 @@ class MetadataIndex:
     def __init__(self):
         self.partitions: dict[str, _Partition] = {}
         self.next_id = 0
+        self.produced = 0
+        self.reserved: dict[int, bytearray] = {}  # start -> one byte per id: 0 free, 1 used
+        self.reserved_starts: list[int] = []
         self.task_bits: dict[str, int] = {}
         self.consumed: dict[str, int] = {}
         self.cleared = 0
@@ -168,6 +172,7 @@ class MetadataIndex:
                 raise ValueError(f"count must be a non-negative int, got {count!r}")
             ids = list(range(self.next_id, self.next_id + count))
             self.next_id += count
+            self.produced += count
             for sid in ids:
                 part.samples[sid] = _Sample(sid)
             return ids
@@ -184,11 +189,49 @@ class MetadataIndex:
             raise ValueError("sample_ids contain duplicates")
         return list(sample_ids)
 
-    def notify(self, partition: str, sample_ids: list[int], columns: list[dict], tags: list[dict] | None) -> None:
-        """Mark ``columns`` (validated wire descriptors) ready for ``sample_ids`` and merge ``tags``."""
-        part = self._partition(partition)
+    def reserve(self, count: int) -> int:
+        """Reserve ``count`` fresh ids for one client, which creates samples with them at ``notify(new=True)``
+        without a round trip per put; returns the first id. Raises ValueError for ``count < 1``."""
+        if not isinstance(count, int) or not 1 <= count <= 1 << 24:
+            raise ValueError(f"reserve count must be an int in [1, 2**24], got {count!r}")
+        start = self.next_id
+        self.next_id += count
+        self.reserved[start] = bytearray(count)
+        self.reserved_starts.append(start)
+        return start
+
+    def _claim(self, sample_ids: list[int]) -> None:
+        """Mark reserved ids used; ValueError (nothing marked) if one was not reserved or is used/cleared."""
+        slots = []
+        for sid in sample_ids:
+            i = bisect.bisect_right(self.reserved_starts, sid) - 1 if isinstance(sid, int) else -1
+            start = self.reserved_starts[i] if i >= 0 else None
+            used = self.reserved.get(start) if start is not None else None
+            if used is None or sid - start >= len(used) or used[sid - start]:
+                raise ValueError(f"sample id {sid!r} was not reserved, or was already used or cleared")
+            slots.append((start, sid - start))
+        if len(set(slots)) != len(slots):
+            raise ValueError("sample_ids contain duplicates")
+        for start, off in slots:
+            self.reserved[start][off] = 1
+        for start in {start for start, _ in slots}:
+            if all(self.reserved[start]):
+                del self.reserved[start]
+                self.reserved_starts.remove(start)
+
+    def notify(self, partition: str, sample_ids: list[int], columns: list[dict], tags: list[dict] | None,
+               new: bool = False) -> None:
+        """Mark ``columns`` (validated wire descriptors) ready for ``sample_ids`` and merge ``tags``.
+        ``new``: the ids come from ``reserve`` and the samples are created in ``partition`` now."""
+        part = self._partition(partition, create=new)
         if tags is not None and len(tags) != len(sample_ids):
             raise ValueError(f"{len(tags)} tag dicts for {len(sample_ids)} samples")
+        if new:
+            self._check_new(part, sample_ids, columns, tags)
+            self._claim(sample_ids)
+            for sid in sample_ids:
+                part.samples[sid] = _Sample(sid)
+            self.produced += len(sample_ids)
         samples = []
         for sid in sample_ids:
             s = part.samples.get(sid)
@@ -201,9 +244,14 @@ class MetadataIndex:
             uid = tags[i].get("uid") if tags is not None else None
             if uid is not None and not isinstance(uid, str | int):
                 raise ValueError(f"sample {s.sid}: uid must be a str or int, got {type(uid).__name__}")
+        for col in columns:
+            known = part.schemas.get(col["name"])
+            if known is not None and known.dtype != col["dtype"]:
+                raise ValueError(f"field {col['name']!r}: dtype {col['dtype']} differs from earlier puts ({known.dtype})")
         mask = part.field_mask([c["name"] for c in columns], create=True)
         for col in columns:
             self._merge_schema(part, col, samples)
+        self._add_bytes(columns, samples)
         touched_groups: set = set()
         for i, s in enumerate(samples):
             if tags is not None and tags[i]:
@@ -219,6 +267,16 @@ class MetadataIndex:
             for key in touched_groups:
                 sub._recheck(key)
 
+    def _check_new(self, part: _Partition, sample_ids: list[int], columns: list[dict], tags) -> None:
+        """The checks ``notify`` makes before changing anything, run before new samples are created."""
+        for col in columns:
+            known = part.schemas.get(col["name"])
+            if known is not None and known.dtype != col["dtype"]:
+                raise ValueError(f"field {col['name']!r}: dtype {col['dtype']} differs from earlier puts ({known.dtype})")
+        for t in tags or []:
+            if not isinstance(t, dict) or not isinstance(t.get("uid", ""), str | int):
+                raise ValueError(f"tags must be maps whose uid is a str or int, got {t!r:.100}")
+
     def _move_group(self, part: _Partition, s: _Sample, uid: Hashable, touched: set) -> None:
         old = s.group_key()
         for sub in part.subs.values():
@@ -230,23 +288,38 @@ class MetadataIndex:
         touched.update((old, uid))
 
     def _merge_schema(self, part: _Partition, col: dict, samples: list[_Sample]) -> None:
-        name, dtype = col["name"], col["dtype"]
-        shapes = col.get("shapes") or [col["shape"]] * len(samples)
+        """Fold one column into the field schema. Per-sample lengths (for ``seqlen_balanced``) are kept
+        only while a field is variable-length; samples put while it was fixed use ``part.fixed_len``."""
+        name, dtype, shapes = col["name"], col["dtype"], col.get("shapes")
+        fixed = col.get("shape")
+        if fixed is None and shapes and dtype != OBJECT_DTYPE and all(sh == shapes[0] for sh in shapes):
+            fixed = shapes[0]
         sch = part.schemas.get(name)
-        first = shapes[0] if shapes else None
-        uniform = first is not None and all(sh == first for sh in shapes)
         if sch is None:
-            part.schemas[name] = sch = FieldSchema(dtype, list(first) if uniform and dtype != OBJECT_DTYPE else None)
-        elif sch.dtype != dtype:
-            raise ValueError(f"field {name!r}: dtype {dtype} differs from earlier puts ({sch.dtype})")
-        elif sch.shape is not None and not (uniform and list(first) == sch.shape):
+            sch = part.schemas[name] = FieldSchema(dtype, None if fixed is None else list(fixed))
+            if fixed is not None:
+                part.fixed_len[name] = fixed[0] if fixed else 1
+        elif sch.shape is not None and (fixed is None or list(fixed) != sch.shape):
             sch.shape = None  # the field turns variable-length
-        for s, sh, nbytes in zip(samples, shapes, row_nbytes(col), strict=True):
-            if s.lengths is None:
-                s.lengths = {}
-            s.lengths[name] = sh[0] if sh else 1
-            s.nbytes += nbytes
-        self.bytes_stored += col["nbytes"]
+        if sch.shape is None:
+            lengths = [sh[0] if sh else 1 for sh in shapes] if shapes is not None else \
+                [fixed[0] if fixed else 1] * len(samples)
+            for smp, length in zip(samples, lengths, strict=True):
+                if smp.lengths is None:
+                    smp.lengths = {}
+                smp.lengths[name] = length
+
+    def _add_bytes(self, columns: list[dict], samples: list[_Sample]) -> None:
+        const, var = 0, None
+        for col in columns:
+            if "shape" in col:
+                const += col["nbytes"] // max(len(samples), 1)
+            else:
+                rows = row_nbytes(col)
+                var = rows if var is None else [x + y for x, y in zip(var, rows, strict=True)]
+        for i, smp in enumerate(samples):
+            smp.nbytes += const + (var[i] if var is not None else 0)
+        self.bytes_stored += sum(c["nbytes"] for c in columns)
 
     # ------------------------------------------------------------------------------------- get_meta
     def subscription(self, part: _Partition, task: str, fields: list[str]) -> Subscription | None:

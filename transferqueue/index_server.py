@@ -29,7 +29,7 @@ def _ids_or_none(value, what: str) -> list[int] | None:
 
 
 class IndexServer(RouterServer):
-    """Ops: ``prepare_put``, ``notify``, ``get_meta``, ``clear``, ``reset_consumption``, ``stats``,
+    """Ops: ``reserve``, ``prepare_put``, ``notify``, ``get_meta``, ``clear``, ``reset_consumption``, ``stats``,
     ``sample_info``, ``ping``. ``sampler_modules``: modules imported at start (they call
     ``samplers.register_sampler``)."""
 
@@ -57,9 +57,11 @@ class IndexServer(RouterServer):
             if not isinstance(cols, list):
                 raise wire.WireError("notify: columns must be a list")
             ix.notify(header.get("partition"), ids, [wire.validate_column(c, len(ids)) for c in cols],
-                      header.get("tags"))
+                      header.get("tags"), new=bool(header.get("new")))
             self._retry(header.get("partition"))
             return {}, []
+        if op == "reserve":
+            return {"start": ix.reserve(header.get("count"))}, []
         if op == "clear":
             removed = ix.clear(header.get("partition"), _ids_or_none(header.get("ids"), "ids"))
             return {"ids": removed}, []
@@ -136,6 +138,6 @@ class IndexServer(RouterServer):
         ix = self.index
         return IndexStats(
             num_samples=sum(len(p.samples) for p in ix.partitions.values()),
-            produced=ix.next_id, consumed=dict(ix.consumed), cleared=ix.cleared, bytes_stored=ix.bytes_stored,
+            produced=ix.produced, consumed=dict(ix.consumed), cleared=ix.cleared, bytes_stored=ix.bytes_stored,
             ready=ix.ready_counts(), partitions={n: len(p.samples) for n, p in ix.partitions.items()},
             requests={k: list(v) for k, v in self.requests.items()}, waiting=len(self.parked))

@@ -148,10 +148,27 @@ def contiguous_runs(ids: np.ndarray) -> list[tuple[int, int]]:
     return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
 
 
+def _row_nbytes(col: dict) -> np.ndarray:
+    if "shape" in col:
+        return np.full(col["count"], col["nbytes"] // max(col["count"], 1), dtype=np.int64)
+    return np.asarray(wire.row_nbytes(col), dtype=np.int64)
+
+
+def _row_offsets(col: dict) -> np.ndarray:
+    """Byte offset of each sample inside a packed column."""
+    if "shape" in col:
+        return np.arange(col["count"], dtype=np.int64) * (col["nbytes"] // max(col["count"], 1))
+    nb = _row_nbytes(col)
+    return np.concatenate([[0], np.cumsum(nb)[:-1]]).astype(np.int64) if len(nb) else nb
+
+
 def _as_ids(value, what: str = "ids") -> np.ndarray:
-    if not isinstance(value, list) or not all(isinstance(i, int) and i >= 0 for i in value):
+    if not isinstance(value, list):
         raise wire.WireError(f"{what} must be a list of non-negative ints")
-    return np.asarray(value, dtype=np.int64)
+    arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or (len(arr) and arr.min() < 0):
+        raise wire.WireError(f"{what} must be a list of non-negative ints")
+    return arr.astype(np.int64, copy=False)
 
 
 class StorageUnit(RouterServer):
@@ -281,11 +298,12 @@ class StorageUnit(RouterServer):
             if link is not None and self.p2p is not None and not self._received:
                 self.p2p.drain(link, [c["nbytes"] for c in cols])  # the client is sending: consume it
             raise
+        runs = contiguous_runs(ids)
         for c, (bufs, buf_of_row, off) in zip(cols, placed, strict=True):
-            nb = np.asarray(wire.row_nbytes(c), dtype=np.int64)
+            nb = _row_nbytes(c)
             shapes = c["shapes"] if "shapes" in c else [c["shape"]] * len(ids)
             table = self.tables.setdefault(c["name"], FieldTable())
-            for pos, length in contiguous_runs(ids):
+            for pos, length in runs:
                 sl = slice(pos, pos + length)
                 table.insert(Chunk(int(ids[pos]), length, c["dtype"], shapes[sl], holder, bufs,
                                    None if buf_of_row is None else buf_of_row[sl], off[sl], nb[sl],
@@ -305,14 +323,12 @@ class StorageUnit(RouterServer):
     def _place_frames(self, cols: list[dict], frames: list) -> list:
         placed, pos = [], 0
         for c in cols:
-            nb = np.asarray(wire.row_nbytes(c), dtype=np.int64)
             if c["split"]:
                 bufs = [np.frombuffer(f.buffer, dtype=np.uint8) for f in frames[pos:pos + c["count"]]]
                 placed.append((bufs, np.arange(c["count"]), np.zeros(c["count"], dtype=np.int64)))
                 pos += c["count"]
             else:
-                off = np.concatenate([[0], np.cumsum(nb)[:-1]]) if len(nb) else nb
-                placed.append(([np.frombuffer(frames[pos].buffer, dtype=np.uint8)], None, off))
+                placed.append(([np.frombuffer(frames[pos].buffer, dtype=np.uint8)], None, _row_offsets(c)))
                 pos += 1
         return placed
 
@@ -332,8 +348,7 @@ class StorageUnit(RouterServer):
         self.stored_bytes += nbytes
         placed = []
         for c, buf in zip(cols, bufs, strict=True):
-            nb = np.asarray(wire.row_nbytes(c), dtype=np.int64)
-            placed.append(([buf], None, np.concatenate([[0], np.cumsum(nb)[:-1]]) if len(nb) else nb))
+            placed.append(([buf], None, _row_offsets(c)))
         return Holder(nbytes, frames=bufs), placed
 
     def _shm_placement(self, cols: list[dict], shm) -> tuple[Holder, list]:
@@ -353,9 +368,7 @@ class StorageUnit(RouterServer):
         self.stored_bytes += block.size
         placed = []
         for c, o in zip(cols, offsets, strict=True):
-            nb = np.asarray(wire.row_nbytes(c), dtype=np.int64)
-            off = o + (np.concatenate([[0], np.cumsum(nb)[:-1]]) if len(nb) else nb)
-            placed.append(([block], None, off))
+            placed.append(([block], None, o + _row_offsets(c)))
         return holder, placed
 
     def _get(self, header: dict) -> Reply:
@@ -424,7 +437,7 @@ class StorageUnit(RouterServer):
         return col
 
     def _clear(self, header: dict) -> Reply:
-        ids = _as_ids(header.get("ids"))
+        ids = np.unique(_as_ids(header.get("ids")))
         only = header.get("fields")
         if only is not None and (not isinstance(only, list) or not all(isinstance(n, str) for n in only)):
             raise wire.WireError("clear: fields must be a list of names or null")
@@ -433,12 +446,14 @@ class StorageUnit(RouterServer):
             if only is not None and name not in only:
                 continue
             cidx, rows, found = table.locate(ids)
-            for c, r in zip(cidx[found].tolist(), rows[found].tolist(), strict=True):
+            cidx, rows = cidx[found], rows[found]
+            for c in np.unique(cidx).tolist():
                 ch = table.chunks[c]
-                if ch.alive[r]:
-                    ch.alive[r] = False
-                    ch.nalive -= 1
-                    removed += 1
+                mine = rows[cidx == c]  # ids are unique, so rows are too
+                killed = int(ch.alive[mine].sum())
+                ch.alive[mine] = False
+                ch.nalive -= killed
+                removed += killed
             for ch in table.drop_dead():
                 self._release(ch.holder)
         return {"removed": removed}, []

@@ -107,6 +107,25 @@ def test_fixed_shape_field_becomes_variable():
     more = ix.prepare_put("p", None, 2, ["x"])
     ix.notify("p", more, [{"name": "x", "dtype": "int64", "shapes": [[3], [1]], "nbytes": 32, "count": 2}], None)
     assert ix.partitions["p"].schemas["x"].variable
+    sub = ix.subscription(ix.partitions["p"], "t", ["x"])
+    assert [sub.length(i) for i in ids + more] == [2, 2, 3, 1]  # token counts for seqlen balancing
+
+
+def test_reserved_ids_are_created_once_at_notify():
+    ix = MetadataIndex()
+    start = ix.reserve(4)
+    ids = [start, start + 1]
+    ix.notify("p", ids, [col("x", 2)], [{"uid": "a"}, {"uid": "a"}], new=True)
+    assert ix.partitions["p"].schemas["x"].shape == [2] and ix.produced == 2
+    with pytest.raises(ValueError, match="already used"):
+        ix.notify("p", ids, [col("y", 2)], None, new=True)
+    with pytest.raises(ValueError, match="not reserved"):
+        ix.notify("p", [start + 10], [col("x", 1)], None, new=True)
+    ix.clear("p", ids)
+    with pytest.raises(ValueError, match="already used or cleared"):
+        ix.notify("q", ids[:1], [col("x", 1)], None, new=True)
+    ix.notify("q", [start + 2, start + 3], [col("x", 2)], None, new=True)  # the rest of the range
+    assert ix.reserved == {}
 
 
 def test_seqlen_balanced_partitions_equal_counts_and_near_equal_tokens():
