@@ -574,12 +574,15 @@ class RollerActor:
     Builds the model (``common.models``), tokenizer, ``TorchEngine`` (``rollers.max_batch_slots`` slots),
     the reward function (``rollout.reward`` for ``task``) and the channel (``channel_factory()``, called
     inside the actor; it must be serialisable by Ray). ``admission``: ``permits`` (the controller calls
-    ``grant``) or ``open``. Use ``remote_roller(num_cpus)`` to get the Ray class.
+    ``grant``) or ``open``; ``remax_baseline``/``pad_to_max_length`` as in ``Roller``. Groups in flight:
+    ``rollers.max_batch_slots // rollout.n`` (at least 1). Use ``remote_roller(num_cpus)`` to get the Ray
+    class.
     Raises NotImplementedError for ``rollers.engine=sglang`` (the SGLang client is wired elsewhere).
     """
 
     def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, task: str, channel_factory,
-                 *, admission: str = "permits", remax_baseline: bool = False, roller_id: str = "roller0"):
+                 *, admission: str = "permits", remax_baseline: bool = False, pad_to_max_length: bool = False,
+                 roller_id: str = "roller0"):
         from common.env import set_torch_threads
         from common.models import load_model, load_tokenizer
         from rollers.rewards import build_reward_fn
@@ -597,7 +600,7 @@ class RollerActor:
             self.engine, tokenizer, build_reward_fn(rollout_cfg.reward, task), rollout_cfg, channel_factory(),
             admission=PermitAdmission() if admission == "permits" else OpenAdmission(),
             max_groups_in_flight=max(1, rollers_cfg.max_batch_slots // rollout_cfg.n),
-            remax_baseline=remax_baseline, roller_id=roller_id,
+            remax_baseline=remax_baseline, pad_to_max_length=pad_to_max_length, roller_id=roller_id,
         )
         self._run_task: asyncio.Task | None = None
 
