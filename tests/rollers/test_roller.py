@@ -343,6 +343,15 @@ def test_aborted_sample_is_resubmitted_with_its_prefix(tok):
     assert roller.stats()["num_resubmits"] == 1
 
 
+def test_pad_to_max_length(tok):
+    engine, channel, roller = _scripted_roller(tok, [([5, 6], [0, 0], "stop")])
+    roller.pad_to_max_length = True
+    result = run(roller.process_group(make_group(tok, 0, n=1)))
+    roller.close()
+    assert result.fields[schema.RESPONSES].shape == (1, 8)  # rollout.max_response_length
+    assert result.fields[schema.RESPONSE_MASK].tolist() == [[1, 1, 0, 0, 0, 0, 0, 0]]
+
+
 def test_too_many_aborts_fail_the_group(tok):
     engine, channel, roller = _scripted_roller(tok, [([10], [0], "abort")] * 3, max_resubmits=2)
     failure = run(roller.process_group(make_group(tok, 0, n=1)))
