@@ -13,6 +13,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from transferqueue import wire
 from transferqueue.records import RemoteError
 from transferqueue.storage import SHM_DIR, size_class
 
@@ -126,3 +127,62 @@ def host_tensor(arr: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(arr) if arr.size else torch.empty(0, dtype=torch.uint8)
+
+
+def assemble_field(j: int, name: str, count: int, routes, replies, received, alloc, shm: ShmCache):
+    """Build field ``name`` (column ``j`` of every unit's reply) in meta order: one fresh buffer from
+    ``alloc(nbytes, dtype)``, one copy. ``routes``: ``(unit, positions)``; ``received``: p2p tensors per
+    reply. Returns what ``Batch`` holds for the field; raises RemoteError for inconsistent replies."""
+    row_nb = np.zeros(count, dtype=np.int64)
+    shapes: list = [None] * count
+    dtypes = set()
+    for (_, pos), (head, _) in zip(routes, replies, strict=True):
+        col = head["columns"][j]
+        dtypes.add(col["dtype"])
+        col_shapes = col["shapes"] if "shapes" in col else [col["shape"]] * col["count"]
+        if len(col_shapes) != len(pos):
+            raise RemoteError(f"unit returned {len(col_shapes)} rows of {name!r}, expected {len(pos)}")
+        desc = {"dtype": col["dtype"], "count": len(pos), "shapes": col_shapes}
+        row_nb[pos] = wire.row_nbytes(desc)
+        for p, sh in zip(pos.tolist(), col_shapes, strict=True):
+            shapes[p] = sh
+    if len(dtypes) != 1:
+        raise RemoteError(f"field {name!r} has mixed dtypes across units: {sorted(dtypes)}")
+    dst_off = np.concatenate([[0], np.cumsum(row_nb)]).astype(np.int64)
+    dtype = dtypes.pop()
+    out = alloc(int(dst_off[-1]), dtype)
+    for (_, pos), (head, frames), got in zip(routes, replies, received, strict=True):
+        src = run_sources(head, frames, got, j, shm)
+        brk = np.flatnonzero(np.diff(pos) != 1) + 1
+        segs = [(int(dst_off[pos[s]]), int(dst_off[pos[e - 1] + 1] - dst_off[pos[s]]))
+                for s, e in zip([0, *brk.tolist()], [*brk.tolist(), len(pos)], strict=True)]
+        merge_copy(out, src, segs)
+    desc = {"name": name, "dtype": dtype, "count": count}
+    if dtype != wire.OBJECT_DTYPE and all(sh == shapes[0] for sh in shapes):
+        desc["shape"] = shapes[0]
+    else:
+        desc["shapes"] = shapes
+    return wire.decode_column(desc, out)
+
+def run_sources(head: dict, frames: list, received: list, j: int, shm: ShmCache) -> list:
+    """Source buffers of column ``j`` of one reply, in row order (shm views, frames or p2p tensors)."""
+    fi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] is None)
+    pi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] == "p2p")
+    src = []
+    for seg, off, nbytes in head["columns"][j]["runs"]:
+        if seg is None:
+            if fi >= len(frames):
+                raise RemoteError("reply announces more frames than it carries")
+            buf = np.frombuffer(frames[fi].buffer, dtype=np.uint8)
+            fi += 1
+        elif seg == "p2p":
+            if pi >= len(received):
+                raise RemoteError("reply announces more p2p runs than were received")
+            buf = received[pi]
+            pi += 1
+        else:
+            buf = shm.view(seg)[off:off + nbytes]
+        if len(buf) != nbytes:
+            raise RemoteError(f"run of {len(buf)} bytes where {nbytes} were announced")
+        src.append(buf)
+    return src

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from transferqueue import wire
-from transferqueue.buffers import BufferPool, ShmCache, merge_copy
+from transferqueue.buffers import BufferPool, ShmCache, assemble_field
 from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQError, TQHandle
 from transferqueue.server import node_id
 from transferqueue.storage import ALIGN
@@ -314,61 +314,12 @@ class TQClient:
                 link.lock.release()
 
     def _assemble(self, j: int, name: str, count: int, routes, replies, received) -> Any:
-        """Build field ``name`` (column ``j`` of every unit's reply) in meta order: one fresh buffer, one copy."""
-        row_nb = np.zeros(count, dtype=np.int64)
-        shapes: list = [None] * count
-        dtypes = set()
-        for (_, pos), (head, _) in zip(routes, replies, strict=True):
-            col = head["columns"][j]
-            dtypes.add(col["dtype"])
-            col_shapes = col["shapes"] if "shapes" in col else [col["shape"]] * col["count"]
-            if len(col_shapes) != len(pos):
-                raise RemoteError(f"unit returned {len(col_shapes)} rows of {name!r}, expected {len(pos)}")
-            desc = {"dtype": col["dtype"], "count": len(pos), "shapes": col_shapes}
-            row_nb[pos] = wire.row_nbytes(desc)
-            for p, sh in zip(pos.tolist(), col_shapes, strict=True):
-                shapes[p] = sh
-        if len(dtypes) != 1:
-            raise RemoteError(f"field {name!r} has mixed dtypes across units: {sorted(dtypes)}")
-        dst_off = np.concatenate([[0], np.cumsum(row_nb)]).astype(np.int64)
-        dtype = dtypes.pop()
-        if self.device is not None and dtype != wire.OBJECT_DTYPE:
-            out = torch.empty(int(dst_off[-1]), dtype=torch.uint8, device=self.device)
-        else:
-            out = self.buffers.take(int(dst_off[-1]))
-        for (_, pos), (head, frames), got in zip(routes, replies, received, strict=True):
-            src = self._sources(head, frames, got, j)
-            brk = np.flatnonzero(np.diff(pos) != 1) + 1
-            segs = [(int(dst_off[pos[s]]), int(dst_off[pos[e - 1] + 1] - dst_off[pos[s]]))
-                    for s, e in zip([0, *brk.tolist()], [*brk.tolist(), len(pos)], strict=True)]
-            merge_copy(out, src, segs)
-        desc = {"name": name, "dtype": dtype, "count": count}
-        if dtype != wire.OBJECT_DTYPE and all(sh == shapes[0] for sh in shapes):
-            desc["shape"] = shapes[0]
-        else:
-            desc["shapes"] = shapes
-        return wire.decode_column(desc, out)
+        def alloc(nbytes: int, dtype: str):
+            if self.device is not None and dtype != wire.OBJECT_DTYPE:
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            return self.buffers.take(nbytes)
 
-    def _sources(self, head: dict, frames: list, received: list, j: int) -> list:
-        """Source buffers of column ``j`` of one reply, in row order (shm views, frames or p2p tensors)."""
-        fi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] is None)
-        pi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] == "p2p")
-        src = []
-        for seg, off, nbytes in head["columns"][j]["runs"]:
-            if seg is None:
-                buf = np.frombuffer(frames[fi].buffer, dtype=np.uint8)
-                fi += 1
-            elif seg == "p2p":
-                if pi >= len(received):
-                    raise RemoteError("reply announces more p2p runs than were received")
-                buf = received[pi]
-                pi += 1
-            else:
-                buf = self.shm.view(seg)[off:off + nbytes]
-            if len(buf) != nbytes:
-                raise RemoteError(f"run of {len(buf)} bytes where {nbytes} were announced")
-            src.append(buf)
-        return src
+        return assemble_field(j, name, count, routes, replies, received, alloc, self.shm)
 
     # ----------------------------------------------------------------------------- maintenance
     def _clear_flow(self, partition: str, sample_ids: Sequence[int] | None) -> Flow:
