@@ -40,3 +40,13 @@ def test_shutdown_stops_servers_and_unlinks_shared_memory():
     servers.shutdown()  # idempotent
     assert [p.returncode for p in servers.procs] == [0, 0, 0]
     assert not any(glob.glob(f"/dev/shm/hflow-tq-{pid}-*") for pid in pids)
+
+
+def test_custom_sampler_module_is_loaded_by_the_index_process():
+    cfg = TransferQueueConfig(num_storage_units=1, sampler_modules=["tests.transferqueue.sampler_plugin"])
+    with start_transferqueue(cfg) as servers, TQClient(servers.handle) as client:
+        meta = client.put({"x": torch.arange(5).view(5, 1)}, partition="p")
+        got = client.get_meta(["x"], 2, "t", "p", sampler="newest_first")
+        assert got.sample_ids == meta.sample_ids[::-1][:2]
+        with pytest.raises(RemoteError, match="unknown sampler"):
+            client.get_meta(["x"], 2, "t", "p", sampler="not-registered")

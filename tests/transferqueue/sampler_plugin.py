@@ -1,0 +1,18 @@
+"""A custom sampler the index process imports through ``transferqueue.sampler_modules`` (test helper)."""
+
+from __future__ import annotations
+
+from transferqueue.samplers import register_sampler
+
+
+class NewestFirst:
+    """The most recently readied samples first."""
+
+    def select(self, view, batch_size: int, options: dict) -> list[int] | str:
+        ids = list(view.ready_ids())
+        if len(ids) < batch_size:
+            return f"insufficient ready samples: {len(ids)} ready, {batch_size} requested"
+        return ids[::-1][:batch_size]
+
+
+register_sampler("newest_first", NewestFirst())
