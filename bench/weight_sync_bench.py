@@ -135,6 +135,7 @@ class Cluster:
         for c in self.trainers + self.rollers:
             c.recv()
         self.version = 0
+        self.verbose = False
 
     @staticmethod
     def _all(conns, msg, timeout_s: float = 600.0):
@@ -161,6 +162,9 @@ class Cluster:
             c.send(("update", self.version))
         reports = self._all(self.trainers, ("send", self.version, targets))
         roller_s = [c.recv() for c in rollers]
+        if self.verbose:
+            print(f"  v{self.version}: leader {reports[0]['duration_s']:.3f} s, rollers "
+                  + " ".join(f"{t:.3f}" for t in roller_s), flush=True)
         return max([reports[0]["duration_s"], *roller_s]), reports[0]["num_bytes"]
 
     def detach(self) -> None:
@@ -196,6 +200,7 @@ def main() -> None:
     parser.add_argument("--busy-all", action="store_true",
                         help="busy rollers for every backend, not only shm")
     parser.add_argument("--backends", default="shm,zmq,broadcast,disk")
+    parser.add_argument("--verbose", action="store_true", help="per-update leader and roller times")
     args = parser.parse_args()
     reps = 2 if args.quick else args.reps
     from common.env import setup_process_env
@@ -203,6 +208,7 @@ def main() -> None:
     setup_process_env(num_threads=1)
     started = time.perf_counter()
     cluster = Cluster(num_rollers=2)
+    cluster.verbose = args.verbose
     print(f"cluster up in {time.perf_counter() - started:.1f} s", flush=True)
     results: dict[str, float] = {}
     num_bytes = 0
