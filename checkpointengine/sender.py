@@ -257,7 +257,7 @@ class WeightSender:
                            for n, t in bucket]
                 used = sum(e.nbytes for e in entries)
                 self._control.broadcast(rnd, BucketReady(rnd.version, index, entries, used))
-                works = bc.broadcast_tensors(self._group, [t for _, t in bucket])
+                works = bc.broadcast_tensors(self._group, [t.to(self._group.device) for _, t in bucket])
                 for work in pending:  # the previous bucket finishes while this one was cast
                     work.wait()
                 pending = works

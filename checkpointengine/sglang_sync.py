@@ -10,6 +10,7 @@ weight-update API: the ``broadcast`` backend's path for rollers that are HTTP se
                   broadcast each tensor, in order, meanwhile ─────────────> receives, loads, commits v
                   <── 200 {"success": true} = the server's ack, else its message = the failure
 
+``push_via_disk`` is the ``disk`` path: safetensors files + ``/update_weights_from_disk``.
 One HTTP call carries a whole update, so each server commits ``v`` atomically (SGLang and our server
 commit the call's ``weight_version`` per call). Pausing in-flight requests is the server's part: it
 holds new requests back and waits for running ones (SGLang's writer lock) unless paused before.
@@ -31,6 +32,7 @@ from checkpointengine.config import CheckpointEngineConfig
 from checkpointengine.naming import WeightNameMapper, to_engine_dtype
 from checkpointengine.protocol import WeightSyncError
 from checkpointengine.sender import LOOPBACK, SyncReport
+from checkpointengine.storage import DiskVersions
 
 
 class SGLangWeightPusher:
@@ -131,18 +133,55 @@ class SGLangWeightPusher:
         except (TimeoutError, RuntimeError) as exc:
             send.add_done_callback(lambda f: f.exception())
             failures.setdefault("broadcast", f"{type(exc).__name__}: {exc}")
-        duration = time.perf_counter() - start
+        if failures:
+            self._group = None  # out of step: re-form on the next push
+        return self._conclude(version, failures, time.perf_counter() - start,
+                              sum(t.nbytes for _, t in tensors), 1)
+
+    async def push_via_disk(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                            flush_cache: bool = True) -> SyncReport:
+        """The ``disk`` path: write ``version`` as safetensors files (``DiskVersions`` under
+        ``cfg.disk_dir``, a Hugging Face index beside them) and POST ``/update_weights_from_disk`` to every
+        server. The directory holds weights only: a real SGLang server also wants the model's
+        ``config.json`` there (copy it in). Raises as ``push``."""
+        if version < self.version:
+            raise ValueError(f"weight_version {version} is below the last one sent ({self.version})")
+        if not self.cfg.disk_dir:
+            raise ValueError("checkpointengine.disk_dir must name a directory the servers can read")
+        tensors = [(n, to_engine_dtype(t.detach(), self.engine_dtype).cpu())
+                   for n, t in self.mapper.route(named_tensors)]
+        self.mapper.check_coverage([n for n, _ in tensors])
+        start = time.perf_counter()
+        disk = DiskVersions(self.cfg.disk_dir)
+        disk.begin(version)
+        bucket, used, index = [], 0, 0
+        for name, tensor in tensors:
+            if bucket and used + tensor.nbytes > self.cfg.bucket_bytes:
+                disk.write_bucket(version, index, bucket)
+                bucket, used, index = [], 0, index + 1
+            bucket.append((name, tensor))
+            used += tensor.nbytes
+        if bucket:
+            disk.write_bucket(version, index, bucket)
         num_bytes = sum(t.nbytes for _, t in tensors)
+        disk.finish(version, num_bytes)
+        body = {"model_path": str(disk.version_dir(version)), "weight_version": str(version),
+                "flush_cache": flush_cache}
+        errors = await asyncio.gather(*(self._post(u, "/update_weights_from_disk", body) for u in self.urls))
+        failures = {u: e for u, e in zip(self.urls, errors, strict=True) if e is not None}
+        return self._conclude(version, failures, time.perf_counter() - start, num_bytes, index + 1)
+
+    def _conclude(self, version: int, failures: dict[str, str], duration: float, num_bytes: int,
+                  num_buckets: int) -> SyncReport:
         if failures:
             self._stats["num_failed_syncs"] += 1
-            self._group = None  # out of step: re-form on the next push
             raise WeightSyncError(version, failures)
         for u in self.urls:
             self.server_versions[u] = version
         self.version = version
         self._stats.update(num_syncs=self._stats["num_syncs"] + 1, last_sync_s=duration, last_bytes=num_bytes,
                            total_bytes=self._stats["total_bytes"] + num_bytes)
-        return SyncReport(version, list(self.urls), duration, num_bytes, 1)
+        return SyncReport(version, list(self.urls), duration, num_bytes, num_buckets)
 
     def _broadcast_all(self, tensors: list[torch.Tensor]) -> None:
         for work in bc.broadcast_tensors(self._group, tensors):

@@ -1,6 +1,7 @@
 """Broadcast (gloo) to our SGLang-API server in its own process, through SGLang's own HTTP protocol:
 ``/init_weights_update_group`` + ``/update_weights_from_distributed``; then the server's greedy decode
-equals the trainer's, and a refused update names the server and keeps its version."""
+equals the trainer's, and a refused update names the server and keeps its version. Then the disk path
+(safetensors files + ``/update_weights_from_disk``)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _greedy(model, prompt, n):
 
 
 @pytest.mark.slow
-def test_broadcast_to_sglang_api_server():
+def test_broadcast_and_disk_to_sglang_api_server(tmp_path):
     proc, url = _start_server()
     try:
         trainer = load_model(ModelConfig(path="tiny"))
@@ -55,7 +56,8 @@ def test_broadcast_to_sglang_api_server():
         with torch.no_grad():
             for p in trainer.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
-        cfg = CheckpointEngineConfig(backend="broadcast", timeout_s=30.0, group_backend="gloo")
+        cfg = CheckpointEngineConfig(backend="broadcast", timeout_s=30.0, group_backend="gloo",
+                                     disk_dir=str(tmp_path), bucket_bytes=64 * 1024)
 
         async def main():
             client = SGLangEngine(url)
@@ -75,6 +77,14 @@ def test_broadcast_to_sglang_api_server():
                 assert await client.get_weight_version() == 1
                 report = await pusher.push(trainer.named_parameters(), 2)  # the group is re-formed
                 assert report.acked == [url] and await client.get_weight_version() == 2
+                # The disk path: safetensors files + /update_weights_from_disk.
+                with torch.no_grad():
+                    trainer.model.norm.weight.mul_(-1.0)
+                report = await pusher.push_via_disk(trainer.named_parameters(), 3)
+                assert report.acked == [url] and await client.get_weight_version() == 3
+                out = await client.generate(req)
+                assert out.output_ids == _greedy(trainer, prompt, 10) and set(out.weight_versions) == {3}
+                assert (tmp_path / "v00000003" / "model.safetensors.index.json").is_file()
             await client.shutdown()
 
         asyncio.run(main())
