@@ -4,6 +4,12 @@ Send side (trainer ranks): ``WeightSender`` (``send`` full tensors, ``send_shard
 rows on one node). Receive side (rollers): ``WeightReceiver`` and the ``apply_update`` driver. The
 ``WeightSyncHandle`` made by the leader tells every side where to meet. See ``protocol`` for the
 message flow and ``bucket`` for the bucket format.
+
+Modules: ``bucket`` (layout, packing, unpacking), ``naming`` (names, tied embeddings, dtype cast),
+``protocol`` (messages, handle, errors), ``control`` (the leader's ZMQ control plane), ``storage`` (shm
+slots, safetensors version dirs), ``broadcast`` (SGLang-compatible torch.distributed groups),
+``sender``/``receiver``, ``trainer_hooks`` (for ``TrainerGroup.execute``), ``sglang_sync`` (pushing
+to SGLang HTTP servers by broadcast or disk).
 """
 
 from checkpointengine import trainer_hooks
