@@ -1,19 +1,128 @@
-"""The main job: set up the environment, start the pools, run the chosen schedule."""
+"""The main job: environment, Ray, pools, the chosen schedule, and what the run leaves behind.
+
+Exit codes: 0 after exactly ``trainer.total_steps`` steps; 1 when a pool fails (the original error is
+printed); 2 for a config or data error found at start (nothing was trained).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import sys
+import time
+from pathlib import Path
 
-from controller.config import HFlowConfig
+from controller.config import HFlowConfig, to_dict, to_yaml
 
-EXIT_NOT_BUILT = 3
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+GAUGE_PERIOD_S = 2.0
+
+
+class StartError(ValueError):
+    """The run cannot start (bad data for the config); nothing was trained."""
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """The user's own exception inside Ray's wrappers."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+async def _gauges(stages) -> None:
+    while True:
+        await asyncio.sleep(GAUGE_PERIOD_S)
+        try:
+            await stages.refresh_gauges()
+        except Exception as exc:  # a gauge refresh must never take the run down
+            logger.debug("gauge refresh failed: %s", exc)
+
+
+async def _run_schedule(cfg: HFlowConfig, rt, metrics, report) -> dict:
+    from controller.schedules import SCHEDULES, Stages
+
+    stages = Stages(cfg, rt, metrics, report)
+    gauges = asyncio.ensure_future(_gauges(stages))
+    try:
+        await SCHEDULES[cfg.mode](stages)
+        await stages.refresh_gauges()
+    finally:
+        gauges.cancel()
+        await asyncio.gather(gauges, return_exceptions=True)
+    return {
+        "num_syncs": stages.num_syncs,
+        "num_failed_groups": stages.num_failed_groups,
+        "num_dropped_groups": stages.num_dropped_groups,
+        "weight_version": stages.version,
+        **_frac(stages.rewards_by_uid),
+    }
+
+
+def _frac(rewards_by_uid: dict) -> dict:
+    from controller.report import group_reward_stats
+
+    return group_reward_stats(rewards_by_uid)
+
+
+def num_batches(cfg: HFlowConfig) -> int:
+    """Prompt batches (of ``data.train_batch_size``) the run consumes."""
+    return cfg.trainer.total_steps * (cfg.algorithm.require_batches if cfg.mode == "fully-async" else 1)
 
 
 def run_job(cfg: HFlowConfig) -> int:
-    """Run ``cfg`` to completion; returns the process exit code."""
-    print(
-        f"hflow-async: mode {cfg.mode!r} resolved, but the schedules are not built yet "
-        "(controller issue); nothing was trained.",
-        file=sys.stderr,
-    )
-    return EXIT_NOT_BUILT
+    """Run ``cfg`` to completion; returns the process exit code (see the module docstring)."""
+    import ray
+
+    from common.env import init_ray, setup_process_env
+    from controller.metrics import JobMetrics
+    from controller.report import RunReport
+    from controller.runtime import Runtime
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_process_env(num_threads=1)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    metrics = JobMetrics()
+    rt = None
+    owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
+    try:
+        if cfg.metrics.enabled:
+            port = metrics.serve(cfg.metrics.host, cfg.metrics.port)
+            (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
+            print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
+        init_ray(cfg.ray.address or None, cfg.ray.num_cpus or None, cfg.ray.object_store_bytes)
+        t0 = time.monotonic()
+        try:
+            rt = Runtime(cfg, num_batches(cfg))
+        except ray.exceptions.RayTaskError as err:
+            cause = _unwrap(err)
+            if isinstance(cause, ValueError):
+                raise StartError(str(cause)) from cause
+            raise cause from None
+        print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s; mode {cfg.mode}, "
+              f"{cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
+        report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
+        try:
+            extra = asyncio.run(_run_schedule(cfg, rt, metrics, report))
+            report.finish({"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task, **extra,
+                           "config": to_dict(cfg)})
+        finally:
+            report.close()
+        return EXIT_OK
+    except StartError as exc:
+        print(f"hflow-async: cannot start: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except BaseException as exc:  # noqa: BLE001 - report the original error, exit non-zero
+        cause = _unwrap(exc)
+        print(f"hflow-async: run failed: {type(cause).__name__}: {cause}", file=sys.stderr)
+        logger.debug("failure", exc_info=True)
+        return EXIT_FAILED
+    finally:
+        if rt is not None:
+            rt.close()
+        metrics.close()
+        if owns_ray and ray.is_initialized():
+            ray.shutdown()

@@ -72,7 +72,8 @@ class RunReport:
         if self.steps:
             self._plot()
         if self._console is not None:
-            self._console.print("summary: " + json.dumps(summary, default=float))
+            brief = {k: v for k, v in summary.items() if not isinstance(v, dict | list)}
+            self._console.print("summary: " + json.dumps(brief, default=float))
         return summary
 
     def _plot(self) -> None:

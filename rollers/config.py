@@ -62,6 +62,8 @@ class RollersConfig:
     ``--enable-memory-saver``); ``sglang_startup_timeout_s``: wait for ``/health``;
     ``sglang_request_timeout_s``: limit of one ``/generate``; ``sglang_max_retries``: ``/flush_cache``
     retries (exponential backoff) while requests drain during a weight update.
+    ``on_failed_group``: what the controller does with a group whose reward or generation failed —
+    ``fail`` (stop the run with that error) | ``skip`` (count it, train the step on the other groups).
     """
 
     num_replicas: int = 1
@@ -75,8 +77,11 @@ class RollersConfig:
     sglang_startup_timeout_s: float = 600.0
     sglang_request_timeout_s: float = 600.0
     sglang_max_retries: int = 8
+    on_failed_group: str = "fail"
 
     def __post_init__(self):
+        if self.on_failed_group not in ("fail", "skip"):
+            raise ValueError(f"rollers.on_failed_group={self.on_failed_group!r} is not one of ['fail', 'skip']")
         if self.num_replicas < 1:
             raise ValueError(f"rollers.num_replicas must be >= 1, got {self.num_replicas}")
         if self.engine not in ENGINES:

@@ -52,7 +52,7 @@ from rollers.rewards import RewardFn, RewardResult, score_responses
 
 logger = logging.getLogger(__name__)
 
-REWARD_BASELINES = "reward_baselines"  # (batch,) fp32: reward of the prompt's greedy response (ReMax)
+REWARD_BASELINES = schema.REMAX_BASELINE  # (batch,) fp32: reward of the prompt's greedy response (ReMax)
 _MAX_FAILURES_KEPT = 1024
 
 
@@ -126,7 +126,8 @@ class TQGroupChannel:
     ``task`` (default ``rollout``) has not consumed, then ``aget_data``; the prompt is row 0's
     ``input_ids`` where ``attention_mask`` is 1 (the feeder puts them with ``controller.data.prompt_fields``).
     ``put_group``: ``aput`` of the response fields into the same sample ids, with tags
-    ``min_weight_version``, ``max_weight_version``, ``finish_reason``, ``response_length`` per sample.
+    ``min_weight_version``, ``max_weight_version``, ``finish_reason``, ``response_length`` and ``reward``
+    (the sequence reward) per sample.
     """
 
     PROMPT_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.GROUND_TRUTH)
@@ -158,7 +159,7 @@ class TQGroupChannel:
         fields = result.fields
         tags = [
             {name: (fields[name][i] if name == schema.FINISH_REASON else int(fields[name][i]))
-             for name in self.TAG_FIELDS}
+             for name in self.TAG_FIELDS} | {schema.REWARD: float(result.rewards[i])}
             for i in range(len(result.sample_ids))
         ]
         data = {k: v for k, v in fields.items() if k != schema.FINISH_REASON}
@@ -563,92 +564,3 @@ __all__ = [
     "REWARD_BASELINES", "EngineError", "FailedGroup", "GroupChannel", "GroupResult", "LocalGroupChannel",
     "OpenAdmission", "PermitAdmission", "PromptGroup", "Roller", "build_response_fields", "sample_seed",
 ]
-
-
-# ------------------------------------------------------------------------------------------ Ray actor
-
-
-class RollerActor:
-    """The roller as a Ray actor (async: one event loop runs the engine, the roller loop and the calls).
-
-    Builds the model (``common.models``), tokenizer, ``TorchEngine`` (``rollers.max_batch_slots`` slots),
-    the reward function (``rollout.reward`` for ``task``) and the channel (``channel_factory()``, called
-    inside the actor; it must be serialisable by Ray). ``admission``: ``permits`` (the controller calls
-    ``grant``) or ``open``; ``remax_baseline``/``pad_to_max_length`` as in ``Roller``. Groups in flight:
-    ``rollers.max_batch_slots // rollout.n`` (at least 1). Use ``remote_roller(num_cpus)`` to get the Ray
-    class.
-    Raises NotImplementedError for ``rollers.engine=sglang`` (the SGLang client is wired elsewhere).
-    """
-
-    def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, task: str, channel_factory,
-                 *, admission: str = "permits", remax_baseline: bool = False, pad_to_max_length: bool = False,
-                 roller_id: str = "roller0"):
-        from common.env import set_torch_threads
-        from common.models import load_model, load_tokenizer
-        from rollers.rewards import build_reward_fn
-        from rollers.torch_engine import TorchEngine
-
-        set_torch_threads(rollers_cfg.num_threads)
-        if rollers_cfg.engine != "torch":
-            raise NotImplementedError(f"rollers.engine={rollers_cfg.engine!r}: RollerActor builds the torch engine only")
-        if admission not in ("permits", "open"):
-            raise ValueError(f"admission={admission!r} is not one of ['permits', 'open']")
-        tokenizer = load_tokenizer(model_cfg)
-        self.engine = TorchEngine(load_model(model_cfg), tokenizer, max_batch_slots=rollers_cfg.max_batch_slots,
-                                  seed=rollout_cfg.seed)
-        self.roller = Roller(
-            self.engine, tokenizer, build_reward_fn(rollout_cfg.reward, task), rollout_cfg, channel_factory(),
-            admission=PermitAdmission() if admission == "permits" else OpenAdmission(),
-            max_groups_in_flight=max(1, rollers_cfg.max_batch_slots // rollout_cfg.n),
-            remax_baseline=remax_baseline, pad_to_max_length=pad_to_max_length, roller_id=roller_id,
-        )
-        self._run_task: asyncio.Task | None = None
-
-    async def start(self, max_groups: int | None = None) -> None:
-        """Start the loop in the background (idempotent while it runs)."""
-        if self._run_task is None or self._run_task.done():
-            self._run_task = asyncio.create_task(self.roller.run(max_groups), name="roller-run")
-
-    async def wait(self, timeout_s: float) -> int | None:
-        """The loop's result (groups started) once it ended, None if still running after ``timeout_s``;
-        re-raises the loop's error (e.g. ``EngineError``)."""
-        if self._run_task is None:
-            raise RuntimeError("the roller was never started")
-        done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
-        return self._run_task.result() if done else None
-
-    async def grant(self, num_groups: int) -> None:
-        self.roller.grant(num_groups)
-
-    async def stats(self) -> dict[str, float]:
-        return self.roller.stats()
-
-    async def drain_failures(self) -> list[FailedGroup]:
-        return self.roller.drain_failures()
-
-    async def pause(self, mode: str = "abort") -> None:
-        await self.engine.pause(mode)
-
-    async def resume(self) -> None:
-        await self.engine.resume()
-
-    async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: int) -> None:
-        await self.engine.load_weights(named_tensors, weight_version)
-
-    async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the loop (running groups finish, bounded by ``timeout_s``), then the engine. Idempotent."""
-        self.roller.stop()
-        if self._run_task is not None and not self._run_task.done():
-            done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
-            if not done:
-                self._run_task.cancel()
-                await asyncio.gather(self._run_task, return_exceptions=True)
-        await self.engine.shutdown()
-        self.roller.close()
-
-
-def remote_roller(num_cpus: float = 0.5):
-    """``RollerActor`` as a Ray actor class with ``num_cpus`` logical CPUs (imports Ray lazily)."""
-    import ray
-
-    return ray.remote(num_cpus=num_cpus)(RollerActor)

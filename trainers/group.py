@@ -41,7 +41,7 @@ class TrainerGroup:
     """
 
     def __init__(self, trainer: TrainerConfig, algorithm: AlgorithmConfig, model: ModelConfig, *,
-                 temperature: float = 1.0, max_response_length: int | None = None):
+                 temperature: float = 1.0, max_response_length: int | None = None, tq_handle: dict | None = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -66,7 +66,7 @@ class TrainerGroup:
                 ).remote(trainer.num_threads))
             port = self._wait([self._actors[0].free_port.remote()], "free_port")[0]
             kwargs = {"trainer": trainer, "algorithm": algorithm, "model": model, "temperature": temperature,
-                      "max_response_length": max_response_length}
+                      "max_response_length": max_response_length, "tq_handle": tq_handle}
             backend = "nccl" if device == "cuda" else "gloo"
             self._wait([actor.setup.remote(
                 rank, self.num_ranks, LOOPBACK, port, backend, trainer.timeout_s, kwargs)
@@ -155,6 +155,19 @@ class TrainerGroup:
         """One critic update (GAE only); metrics."""
         parts, _ = self._scatter("update_critic", batch, with_sizes=True)
         return parts[0]
+
+    def train_step(self, meta) -> dict[str, float]:
+        """One trainer step on the samples of ``meta`` (a ``transferqueue.records.BatchMeta``): every rank
+        fetches its own whole ``uid`` groups from the TransferQueue — no tensor passes through the caller —
+        and runs ``TrainerWorker.train_step``. Returns the step's metrics. Needs ``tq_handle``."""
+        uid = [tag.get(schema.UID) for tag in meta.tags]
+        shards = shard_for_ranks(uid, self.num_ranks, self.trainer.ppo_mini_batch_size)
+        refs = []
+        for actor, shard in zip(self._actors, shards, strict=True):
+            part = type(meta)(meta.partition, [meta.sample_ids[i] for i in shard.indices], list(meta.fields),
+                              [meta.tags[i] for i in shard.indices], dict(meta.schemas), meta.task)
+            refs.append(actor.call.remote("train_step", part.to_wire(), shard.mini_batch_sizes))
+        return self._wait(refs, "train_step")[0]
 
     def get_weight_version(self) -> int:
         """The trainer's ``weight_version`` (completed actor updates; the same on every rank)."""

@@ -85,7 +85,7 @@ class TrainerWorker:
     """
 
     def __init__(self, trainer: TrainerConfig, algorithm: AlgorithmConfig, model: ModelConfig, *,
-                 temperature: float = 1.0, max_response_length: int | None = None):
+                 temperature: float = 1.0, max_response_length: int | None = None, tq_handle: dict | None = None):
         if not dist.is_initialized():
             raise RuntimeError("TrainerWorker needs torch.distributed initialised (trainers.fsdp.init_distributed)")
         if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) and not trainer.use_reference:
@@ -107,6 +107,8 @@ class TrainerWorker:
             self.critic_optimizer, self.critic_scheduler = _make_optimizer(self.critic, trainer, trainer.critic_lr)
         self.kl_controller = make_kl_controller(algorithm)
         self.weight_version = 0
+        self.tq_handle = tq_handle
+        self._tq_client = None
 
     # ------------------------------------------------------------------------------------------ helpers
 
@@ -181,7 +183,7 @@ class TrainerWorker:
         algo = self.algorithm
         needed = ADVANTAGE_FIELDS + ((schema.VALUES,) if algo.adv_estimator == "gae" else ()) \
             + ((schema.OLD_LOG_PROBS, schema.REF_LOG_PROB) if algo.use_kl_in_reward else ()) \
-            + (("remax_baseline",) if algo.adv_estimator == "remax" else ())
+            + ((schema.REMAX_BASELINE,) if algo.adv_estimator == "remax" else ())
         require_fields(b, needed, "compute_advantages")
         n_local = batch_size(b)
         every = {k: collectives.all_gather_rows(b[k].cpu()) for k in needed if k != schema.UID}
@@ -199,7 +201,7 @@ class TrainerWorker:
         advantages, returns = _estimate_advantages(
             algo.adv_estimator, token_level_rewards=rewards, response_mask=mask, uid=uid,
             values=every.get(schema.VALUES), gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std,
-            remax_baseline=every.get("remax_baseline"))
+            remax_baseline=every.get(schema.REMAX_BASELINE))
         rows = slice(offset, offset + n_local)
         metrics.update(masked_stats(advantages, mask, "advantages"))
         metrics.update(masked_stats(returns, mask, "returns"))
@@ -265,6 +267,35 @@ class TrainerWorker:
         metrics = sums.finish("critic")
         metrics["critic/lr"] = lr
         metrics.update(collectives.global_masked_stats(b[schema.RETURNS], b[schema.RESPONSE_MASK], "critic/returns"))
+        return metrics
+
+    def train_step(self, meta: dict, mini_batch_sizes: list[int]) -> dict[str, float]:
+        """One trainer step on this rank's slice of a batch, read from the TransferQueue.
+
+        ``meta``: a ``BatchMeta`` in wire form (``to_wire``) naming this rank's samples, whole ``uid``
+        groups, in global mini-batch order; ``mini_batch_sizes`` as for ``update_actor``. Runs the stages
+        ``compute_log_prob`` → (``compute_values``) → ``compute_advantages`` → (``update_critic``) →
+        ``update_actor``; returns their metrics merged. Raises RuntimeError without a TransferQueue handle.
+        Collective.
+        """
+        from trainers.tq_batch import REMAX_BASELINE, fetch_batch
+        from transferqueue.client import TQClient
+        from transferqueue.records import BatchMeta, TQHandle
+
+        if self.tq_handle is None:
+            raise RuntimeError("train_step needs the trainer built with a TransferQueue handle (tq_handle)")
+        if self._tq_client is None:
+            self._tq_client = TQClient(TQHandle.from_dict(self.tq_handle))
+        extra = (REMAX_BASELINE,) if self.algorithm.adv_estimator == "remax" else ()
+        batch = fetch_batch(self._tq_client, BatchMeta.from_wire(meta), extra)
+        batch.update(self.compute_log_prob(batch))
+        if self.critic is not None:
+            batch.update(self.compute_values(batch))
+        fields, metrics = self.compute_advantages(batch)
+        batch.update(fields)
+        if self.critic is not None:
+            metrics.update(self.update_critic(batch, mini_batch_sizes))
+        metrics.update(self.update_actor(batch, mini_batch_sizes))
         return metrics
 
     # ------------------------------------------------------------------------------- weights, checkpoint

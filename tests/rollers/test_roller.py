@@ -435,7 +435,7 @@ class RayQueueChannel:
 def test_ray_actor_rolls_groups_and_reports(ray_cluster, tok):
     from ray.util.queue import Queue
 
-    from rollers.roller import remote_roller
+    from rollers.actor import remote_roller
 
     ray = ray_cluster
     groups_q, results_q = Queue(maxsize=16), Queue(maxsize=16)

@@ -1,0 +1,98 @@
+"""The prompt feeder: reads the dataset, templates and tokenizes prompts, and puts admitted prompt groups
+into the TransferQueue. It runs as a Ray actor so that the controller never holds a tensor: the controller
+says *how many* groups to start; the feeder answers with their ``uid``s.
+
+Each group is ``rollout.n`` rows of the same prompt under one ``uid``
+(``controller.data.prompt_fields``). ``uid`` = ``s<global_step>.p<position>`` — deterministic, so the
+per-sample seeds (``rollers.roller.sample_seed``) and hence the responses do not depend on the schedule.
+A re-issued prompt (``stale_policy=drop``) gets ``uid`` + ``.r<k>``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from controller.config import HFlowConfig
+from controller.data import Prompt, PromptDataset, prompt_fields
+
+
+@dataclass(frozen=True)
+class FedGroup:
+    """What the controller learns about a started group: its ``uid`` and ``global_step`` of origin."""
+
+    uid: str
+    global_step: int
+
+
+class PromptFeeder:
+    """Puts prompt groups into partition ``partition`` of the TransferQueue on request.
+
+    ``num_batches``: prompt batches (of ``data.train_batch_size``) the run consumes; the feeder never
+    produces beyond them. Raises ValueError (from ``PromptDataset``) when the data cannot provide them,
+    naming the dataset size, ``data.train_batch_size``, ``data.epochs`` and the steps asked for.
+    """
+
+    def __init__(self, cfg: HFlowConfig, tq_handle: dict, partition: str, num_batches: int):
+        from common.env import set_torch_threads
+        from common.models import load_tokenizer
+        from transferqueue.client import TQClient
+        from transferqueue.records import TQHandle
+
+        set_torch_threads(1)
+        tokenizer = load_tokenizer(cfg.model)
+        self.pad_token_id = tokenizer.pad_token_id
+        self.n = cfg.rollout.n
+        self.partition = partition
+        self.dataset = PromptDataset.from_config(cfg.data, tokenizer)
+        self.dataset.check_total_steps(num_batches)
+        self._pending: deque[tuple[str, int, Prompt]] = deque()
+        self._batches = self.dataset.batches(num_batches)
+        self._by_uid: dict[str, tuple[int, Prompt]] = {}
+        self._reissues: dict[str, int] = {}
+        self.client = TQClient(TQHandle.from_dict(tq_handle))
+
+    def dataset_size(self) -> int:
+        return len(self.dataset)
+
+    def _next(self) -> tuple[str, int, Prompt] | None:
+        if not self._pending:
+            batch = next(self._batches, None)
+            if batch is None:
+                return None
+            for pos, prompt in enumerate(batch.prompts):
+                self._pending.append((f"s{batch.global_step}.p{pos}", batch.global_step, prompt))
+        return self._pending.popleft()
+
+    def feed(self, num_groups: int) -> list[dict]:
+        """Put up to ``num_groups`` new prompt groups; returns ``[{"uid", "global_step"}]`` of those put
+        (fewer when the data is exhausted)."""
+        picked = []
+        while len(picked) < num_groups:
+            item = self._next()
+            if item is None:
+                break
+            picked.append(item)
+        return self._put(picked)
+
+    def reissue(self, uids: list[str]) -> list[dict]:
+        """Put the prompts of ``uids`` again under fresh uids (dropped as too stale); returns them."""
+        picked = []
+        for uid in uids:
+            base = uid.split(".r")[0]
+            step, prompt = self._by_uid[base]
+            self._reissues[base] = self._reissues.get(base, 0) + 1
+            picked.append((f"{base}.r{self._reissues[base]}", step, prompt))
+        return self._put(picked)
+
+    def _put(self, picked: list[tuple[str, int, Prompt]]) -> list[dict]:
+        if not picked:
+            return []
+        for uid, step, prompt in picked:
+            self._by_uid.setdefault(uid, (step, prompt))
+        data, tags = prompt_fields([p for _, _, p in picked], self.n, self.pad_token_id, [u for u, _, _ in picked])
+        self.client.put(data, self.partition, tags=tags)
+        return [{"uid": uid, "global_step": step} for uid, step, _ in picked]
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,107 @@
+"""The pools of a job, started and stopped as one: the TransferQueue servers, the prompt feeder, the
+roller pool, the trainer group, and the weight-sync wiring between trainers and rollers.
+
+::
+
+    controller ── TQClient (metadata only: get_meta / status / clear) ──┐
+        │                                                              │
+        ├── PromptFeeder (Ray actor) ──put prompt groups──> TransferQueue servers (index + storage units)
+        ├── RollerPool: N RollerActors (placement group) ──take group / put responses──┘   ▲
+        ├── TrainerGroup: M FSDP2 ranks (placement group) ──get_data(meta slice)──────────┘
+        └── weight sync: trainer rank(s) ──checkpoint engine (versioned buckets)──> every roller
+
+Every handle that crosses a process boundary is a small dict (addresses, keys); no tensor passes
+through the controller.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from controller.config import HFlowConfig
+
+logger = logging.getLogger(__name__)
+
+PARTITION = "train"
+
+
+def _tq_channel(handle: dict, partition: str, n: int):
+    """Built inside each roller process: its view of the TransferQueue (Ray ships this by reference)."""
+    from rollers.roller import TQGroupChannel
+    from transferqueue.client import TQClient
+    from transferqueue.records import TQHandle
+
+    return TQGroupChannel(TQClient(TQHandle.from_dict(handle)), partition, n)
+
+
+class Runtime:
+    """Starts every pool of ``cfg`` (Ray must be initialised); ``close()`` stops them all, idempotently.
+
+    ``num_batches``: prompt batches the run will consume (the feeder never produces beyond them).
+    """
+
+    def __init__(self, cfg: HFlowConfig, num_batches: int):
+        import ray
+
+        from checkpointengine import trainer_hooks
+        from controller.feeder import PromptFeeder
+        from rollers.actor import remote_roller
+        from trainers.group import TrainerGroup
+        from transferqueue.client import TQClient
+        from transferqueue.launch import start_transferqueue
+
+        self.cfg = cfg
+        self.tq_servers = None
+        self.feeder = None
+        self.rollers: list = []
+        self.roller_names: list[str] = []
+        self.trainer = None
+        self.tq = None
+        try:
+            self.tq_servers = start_transferqueue(cfg.transferqueue)
+            handle = self.tq_servers.handle.to_dict()
+            self.tq = TQClient(self.tq_servers.handle)
+            self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches)
+            ray.get(self.feeder.dataset_size.remote())  # surfaces data errors (too few steps, long prompts)
+            self.trainer = TrainerGroup(cfg.trainer, cfg.algorithm, cfg.model, temperature=cfg.rollout.temperature,
+                                        max_response_length=cfg.rollout.max_response_length, tq_handle=handle)
+            roller_cls = remote_roller(num_cpus=0.5)
+            channel = functools.partial(_tq_channel, handle, PARTITION, cfg.rollout.n)
+            self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
+            self.rollers = [
+                roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, cfg.data.task, channel, admission="open",
+                                  remax_baseline=cfg.algorithm.adv_estimator == "remax", roller_id=name)
+                for name in self.roller_names
+            ]
+            sync_handle = self.trainer.execute(trainer_hooks.attach_sender, cfg.checkpointengine,
+                                               self.roller_names)[0]
+            ray.get([r.attach_receiver.remote(sync_handle, name)
+                     for r, name in zip(self.rollers, self.roller_names, strict=True)])
+            ray.get([r.start.remote() for r in self.rollers])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop rollers, trainers, feeder and the TransferQueue servers (each at most once)."""
+        import ray
+
+        rollers, self.rollers = self.rollers, []
+        if rollers:
+            refs = [r.shutdown.remote(timeout_s=5.0) for r in rollers]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+            for r in rollers:
+                ray.kill(r, no_restart=True)
+        if self.trainer is not None:
+            self.trainer.shutdown()
+            self.trainer = None
+        if self.feeder is not None:
+            ray.kill(self.feeder, no_restart=True)
+            self.feeder = None
+        if self.tq is not None:
+            self.tq.close()
+            self.tq = None
+        if self.tq_servers is not None:
+            self.tq_servers.shutdown()
+            self.tq_servers = None

@@ -1,0 +1,324 @@
+"""The three schedules, each a short loop of named stages over the pools of ``controller.runtime``.
+
+::
+
+    sync          admit(B) → generate(B) → update → sync_weights                       (staleness 0)
+
+    one-step-off  admit(B₀) → generate(B₀)
+                  loop k:  admit(B_{k+1}) ┐ rollers generate B_{k+1} with v_k
+                           update(B_k)    ┘ meanwhile the trainer trains on B_k
+                           sync_weights (v_{k+1}) once both are done               (staleness exactly 1)
+
+    fully-async   admitter task: admit while started − dropped ≤ (max_staleness + v + 1)·B − 1
+                  loop:    generate(B · require_batches) as soon as complete groups are ready
+                           (stale_policy on groups staler than max_staleness) → update
+                           → sync_weights every trigger_sync_steps, in-flight requests paused and
+                             resumed (partial rollout)                                (≤ max_staleness)
+
+Rollers run their own loop (take a prompt group from the TransferQueue, generate ``rollout.n`` samples,
+score, put back); a schedule only decides when prompt groups are admitted, when the trainer takes a batch,
+and when weights move. ``v`` in the admission rule is the version the rollers hold.
+The controller handles metadata only: uids, sample ids, tags (weight versions, lengths, rewards),
+counts and timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from common import schema
+from controller.admission import Admission, staleness
+from controller.config import HFlowConfig
+from controller.metrics import JobMetrics
+from controller.report import RunReport, group_reward_stats
+from controller.runtime import PARTITION, Runtime
+
+logger = logging.getLogger(__name__)
+
+TRAIN_FIELDS = [schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES, schema.RESPONSE_MASK,
+                schema.ROLLOUT_LOG_PROBS, schema.TOKEN_LEVEL_SCORES]
+REWARD_TAG = "reward"
+POLL_S = 0.5
+CORRECT = 0.999  # a sample counts as correct when its reward reaches this (rewards are in [0, 1])
+
+
+class RolloutFailure(RuntimeError):
+    """A roller failed (its loop died, or a group failed with ``rollers.on_failed_group=fail``)."""
+
+
+class Stages:
+    """The named stages every schedule is written in, and the run's bookkeeping (metadata only)."""
+
+    def __init__(self, cfg: HFlowConfig, rt: Runtime, metrics: JobMetrics, report: RunReport):
+        from transferqueue.records import BatchMeta
+
+        self._BatchMeta = BatchMeta
+        self.cfg, self.rt, self.metrics, self.report = cfg, rt, metrics, report
+        self.n = cfg.rollout.n
+        self.groups_per_step = cfg.data.train_batch_size * (
+            cfg.algorithm.require_batches if cfg.mode == "fully-async" else 1)
+        self.total_groups = cfg.trainer.total_steps * self.groups_per_step
+        self.admission = Admission(cfg.data.train_batch_size, cfg.algorithm.max_staleness)
+        self.version = 0          # trainer weight_version (completed updates)
+        self.synced_version = 0   # the version every roller holds
+        self.step = 0
+        self.num_syncs = 0
+        self.num_failed_groups = 0
+        self.num_dropped_groups = 0
+        self.exhausted = False    # the feeder has no more prompts
+        self.outstanding = 0      # groups admitted and not yet trained, dropped or failed
+        self.admitted_at: dict[str, float] = {}
+        self.rewards_by_uid: dict[str, list[float]] = {}
+        self.changed = asyncio.Event()  # version synced or groups dropped: admission may allow more
+        self._last_step_end = time.monotonic()
+        self._produced_seen = 0.0
+
+    # ------------------------------------------------------------------------------------------ stages
+
+    async def admit(self, max_groups: int, bounded: bool = True) -> int:
+        """Start up to ``max_groups`` prompt groups (fewer at the end of the data); returns how many.
+
+        ``bounded``: also stay within the staleness admission bound (fully-async); the sync and
+        one-step-off loops bound staleness by their structure instead.
+        """
+        k = min(max_groups, self.total_groups - (self.admission.started - self.admission.dropped))
+        if bounded:
+            k = min(k, self.admission.num_admissible(self.synced_version))
+        if k <= 0 or self.exhausted:
+            return 0
+        fed = await self.rt.feeder.feed.remote(k)
+        if len(fed) < k:
+            self.exhausted = True
+        self._started(fed, bounded)
+        return len(fed)
+
+    async def generate(self, num_groups: int, train_version: int, enforce_staleness: bool = False):
+        """Wait until ``num_groups`` whole prompt groups are generated and scored; their BatchMeta.
+
+        Groups that failed (``rollers.on_failed_group=skip``) count toward ``num_groups`` and are not
+        returned. With ``enforce_staleness``, a group whose staleness at ``train_version`` exceeds
+        ``algorithm.max_staleness`` follows ``algorithm.stale_policy``. Raises RolloutFailure.
+        """
+        metas, skipped = [], 0
+        while len(metas) + skipped < num_groups:
+            meta = await self.rt.tq.aget_meta(TRAIN_FIELDS, self.n, "train", PARTITION, sampler="group_complete",
+                                              options={"group_size": self.n}, timeout_s=POLL_S)
+            if len(meta) == 0:
+                skipped += await self.check_rollers()
+                continue
+            lag = max(staleness(train_version, t[schema.MIN_WEIGHT_VERSION]) for t in meta.tags)
+            if enforce_staleness and lag > self.cfg.algorithm.max_staleness:
+                if self.cfg.algorithm.stale_policy == "drop":
+                    await self._drop(meta, lag)
+                    continue
+                logger.warning("training group %s at staleness %d > max_staleness (stale_policy=keep)",
+                               meta.tags[0][schema.UID], lag)
+            metas.append(meta)
+        if not metas:
+            raise RolloutFailure(f"all {num_groups} groups of step {self.step + 1} failed")
+        return self._BatchMeta.concat(metas)
+
+    async def update(self, meta) -> dict:
+        """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update."""
+        start = time.monotonic()
+        self.metrics.trainer_wait.inc(max(0.0, start - self._last_step_end))
+        train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
+        self.version += 1
+        self.step += 1
+        self.outstanding -= len(set(t[schema.UID] for t in meta.tags))
+        await self.rt.tq.aclear(PARTITION, meta.sample_ids)
+        self._record(meta, train_metrics, time.monotonic() - start)
+        return train_metrics
+
+    async def sync_weights(self, pause_mode: str | None = None) -> None:
+        """Push the trainer's weights (``weight_version``) to every roller and wait for every ack."""
+        from checkpointengine import trainer_hooks
+
+        start = time.monotonic()
+        mode = pause_mode or self.cfg.checkpointengine.pause_mode
+        send = asyncio.to_thread(self.rt.trainer.execute, trainer_hooks.send_weights, self.version)
+        receives = [r.update_weights.remote(self.version, mode) for r in self.rt.rollers]
+        reports = await asyncio.gather(send, *receives)
+        sent = reports[0][0] or {}
+        self.synced_version = self.version
+        self.num_syncs += 1
+        self.metrics.sync_seconds.observe(time.monotonic() - start)
+        self.metrics.sync_bytes.inc(float(sent.get("num_bytes", 0)) * len(self.rt.rollers))
+        self._last_step_end = time.monotonic()
+        self.changed.set()
+
+    async def check_rollers(self) -> int:
+        """Raise the error of a roller whose loop died; handle failed groups per
+        ``rollers.on_failed_group`` (``fail``: raise; ``skip``: count, clear, return how many)."""
+        import ray
+
+        refs = [r.wait.remote(0.0) for r in self.rt.rollers]
+        try:
+            done = await asyncio.gather(*refs)
+        except ray.exceptions.RayError as err:
+            cause = getattr(err, "cause", None) or err
+            raise RolloutFailure(f"a roller failed: {type(cause).__name__}: {cause}") from cause
+        if any(d is not None for d in done):
+            raise RolloutFailure("a roller loop ended while the run still needs samples")
+        failures = [f for r in self.rt.rollers for f in await r.drain_failures.remote()]
+        if not failures:
+            return 0
+        first = failures[0]
+        if self.cfg.rollers.on_failed_group == "fail":
+            raise RolloutFailure(f"group {first.uid} failed in {first.stage}: {'; '.join(first.errors)}")
+        for f in failures:
+            logger.warning("group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
+            await self.rt.tq.aclear(PARTITION, list(f.sample_ids))
+        self.num_failed_groups += len(failures)
+        self.outstanding -= len(failures)
+        return len(failures)
+
+    # -------------------------------------------------------------------------------------- bookkeeping
+
+    def _started(self, fed: list[dict], bounded: bool = True) -> None:
+        now = time.monotonic()
+        for g in fed:
+            self.admitted_at[g["uid"]] = now
+        if bounded:
+            self.admission.start(len(fed), self.synced_version)
+        else:
+            self.admission.started += len(fed)
+        self.outstanding += len(fed)
+
+    async def _drop(self, meta, lag: int) -> None:
+        uid = meta.tags[0][schema.UID]
+        logger.info("dropping group %s (staleness %d > %d); re-issuing its prompt", uid, lag,
+                    self.cfg.algorithm.max_staleness)
+        await self.rt.tq.aclear(PARTITION, meta.sample_ids)
+        self.admission.drop(1)
+        self.num_dropped_groups += 1
+        self.metrics.dropped.inc(len(meta))
+        self.admitted_at.pop(uid, None)
+        self.outstanding -= 1
+        fed = await self.rt.feeder.reissue.remote([uid])
+        self._started(fed)  # the re-issue replaces the dropped group within the bound
+        self.changed.set()
+
+    def _record(self, meta, train_metrics: dict, step_s: float) -> None:
+        now = time.monotonic()
+        tags = meta.tags
+        trained_at = self.version - 1
+        lags = [staleness(trained_at, t[schema.MIN_WEIGHT_VERSION]) for t in tags]
+        rewards = [float(t[REWARD_TAG]) for t in tags]
+        lengths = [int(t[schema.RESPONSE_LENGTH]) for t in tags]
+        by_uid: dict[str, list[float]] = {}
+        for t, r in zip(tags, rewards, strict=True):
+            by_uid.setdefault(t[schema.UID], []).append(r)
+        self.rewards_by_uid.update(by_uid)
+        wall = max(now - self._last_step_end, 1e-9)
+        for uid in by_uid:
+            self.metrics.sample_age.observe(now - self.admitted_at.pop(uid, now))
+        for lag in lags:
+            self.metrics.queue_lag.observe(lag)
+        for length in lengths:
+            self.metrics.response_length.observe(length)
+        record = {
+            "step": self.step,
+            "weight_version": self.version,
+            "reward_mean": sum(rewards) / len(rewards),
+            "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards),
+            "staleness_mean": sum(lags) / len(lags),
+            "staleness_max": max(lags),
+            "samples_per_s": len(tags) / wall,
+            "step_s": step_s,
+            "num_samples": len(tags),
+            "num_groups": len(by_uid),
+            "multi_version_samples": sum(t[schema.MIN_WEIGHT_VERSION] != t[schema.MAX_WEIGHT_VERSION] for t in tags),
+            "response_length_mean": sum(lengths) / len(lengths),
+            "uids": sorted(by_uid),
+            **group_reward_stats(by_uid),
+            **{k: v for k, v in train_metrics.items() if isinstance(v, int | float)},
+        }
+        self.metrics.consumed.inc(len(tags))
+        self.metrics.reward_mean.set(record["reward_mean"])
+        self.metrics.step_seconds.observe(step_s)
+        self.metrics.weight_version.set(self.version)
+        self.report.log_step(record)
+        self._last_step_end = now
+
+    async def refresh_gauges(self) -> None:
+        """Queue depth per task from the index, and roller throughput/busy ratio (metadata only)."""
+        status = await self.rt.tq.astatus()
+        depth: dict[str, int] = {}
+        for counts in status.ready.values():
+            for key, value in counts.items():
+                task = key.split("|", 1)[0]
+                depth[task] = depth.get(task, 0) + value
+        for task, value in depth.items():
+            self.metrics.queue_depth.labels(task=task).set(value)
+        stats = [await r.stats.remote() for r in self.rt.rollers]
+        produced = sum(s["num_samples"] for s in stats)
+        self.metrics.produced.inc(max(0.0, produced - self._produced_seen))
+        self._produced_seen = max(produced, self._produced_seen)
+        self.metrics.tokens_per_s.set(sum(s["tokens_per_s"] for s in stats))
+        for name, s in zip(self.rt.roller_names, stats, strict=True):
+            self.metrics.roller_busy.labels(roller=name).set(s["busy_ratio"])
+
+
+# -------------------------------------------------------------------------------------------- schedules
+
+
+async def run_sync(st: Stages) -> None:
+    B = st.cfg.data.train_batch_size
+    for _ in range(st.cfg.trainer.total_steps):
+        fed = await st.admit(B, bounded=False)
+        meta = await st.generate(fed, train_version=st.version)
+        await st.update(meta)
+        await st.sync_weights()
+
+
+async def run_one_step_off(st: Stages) -> None:
+    B, total = st.cfg.data.train_batch_size, st.cfg.trainer.total_steps
+    fed = await st.admit(B, bounded=False)
+    meta = await st.generate(fed, train_version=st.version)
+    for step in range(total):
+        pending = None
+        if step < total - 1:  # batch k+1: generated with v_k while the trainer trains on batch k
+            fed = await st.admit(B, bounded=False)
+            pending = asyncio.ensure_future(st.generate(fed, train_version=st.version + 1))
+        try:
+            await st.update(meta)
+            meta = await pending if pending is not None else None
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+        await st.sync_weights()
+
+
+async def run_fully_async(st: Stages) -> None:
+    per_step = st.groups_per_step
+    admitter = asyncio.ensure_future(_keep_admitting(st))
+    try:
+        for step in range(st.cfg.trainer.total_steps):
+            need = per_step if not st.exhausted else min(per_step, st.outstanding)
+            meta = await st.generate(need, train_version=st.version, enforce_staleness=True)
+            await st.update(meta)
+            last = step == st.cfg.trainer.total_steps - 1
+            if st.version % st.cfg.algorithm.trigger_sync_steps == 0 or last:
+                await st.sync_weights()
+            if admitter.done():
+                admitter.result()  # re-raise an admission error
+    finally:
+        admitter.cancel()
+        await asyncio.gather(admitter, return_exceptions=True)
+
+
+async def _keep_admitting(st: Stages) -> None:
+    """Admit prompt groups whenever the staleness bound allows (woken by syncs and drops)."""
+    while not st.exhausted:
+        st.changed.clear()
+        await st.admit(st.total_groups)
+        try:
+            await asyncio.wait_for(st.changed.wait(), timeout=POLL_S)
+        except TimeoutError:
+            pass
+
+
+SCHEDULES = {"sync": run_sync, "one-step-off": run_one_step_off, "fully-async": run_fully_async}

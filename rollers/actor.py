@@ -1,0 +1,145 @@
+"""The roller as a Ray actor: one asyncio event loop runs the engine, the roller loop, weight updates and
+the controller's calls.
+
+Engines: ``rollers.engine=torch`` builds the in-process ``TorchEngine``; ``sglang`` launches (or connects to,
+``rollers.sglang_url``) an SGLang server and uses ``SGLangEngine``. Weight updates arrive through the
+checkpoint engine: ``attach_receiver(handle, name)`` once, then ``update_weights(version, pause_mode)``
+per sync (pause → receive every bucket → load → commit → flush → resume, ``checkpointengine.apply_update``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from rollers.config import RolloutConfig
+from rollers.roller import FailedGroup, OpenAdmission, PermitAdmission, Roller
+
+
+class RollerActor:
+    """One roller (see the module docstring). ``channel_factory()`` is called inside the actor and must be
+    serialisable by Ray; ``admission``: ``permits`` (the controller calls ``grant``) or ``open`` (the
+    feeder puts only admitted groups). Use ``remote_roller(num_cpus)`` to get the Ray class.
+    Raises ValueError for an unknown admission mode."""
+
+    def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, task: str, channel_factory,
+                 *, admission: str = "permits", remax_baseline: bool = False, roller_id: str = "roller0"):
+        from common.env import set_torch_threads
+        from common.models import load_tokenizer
+        from rollers.rewards import build_reward_fn
+
+        set_torch_threads(rollers_cfg.num_threads)
+        if admission not in ("permits", "open"):
+            raise ValueError(f"admission={admission!r} is not one of ['permits', 'open']")
+        self.model_cfg, self.rollout_cfg, self.rollers_cfg = model_cfg, rollout_cfg, rollers_cfg
+        self.roller_id = roller_id
+        self.tokenizer = load_tokenizer(model_cfg)
+        self.reward_fn = build_reward_fn(rollout_cfg.reward, task)
+        self.channel_factory = channel_factory
+        self.admission = PermitAdmission() if admission == "permits" else OpenAdmission()
+        self.remax_baseline = remax_baseline
+        self.engine = None
+        self.roller: Roller | None = None
+        self.receiver = None
+        self._run_task: asyncio.Task | None = None
+        if rollers_cfg.engine == "torch":  # build now: a bad model fails the actor's construction
+            self._set_engine(self._torch_engine())
+
+    def _torch_engine(self):
+        from common.models import load_model
+        from rollers.torch_engine import TorchEngine
+
+        return TorchEngine(load_model(self.model_cfg), self.tokenizer, max_batch_slots=self.rollers_cfg.max_batch_slots,
+                           seed=self.rollout_cfg.seed)
+
+    def _set_engine(self, engine) -> None:
+        self.engine = engine
+        self.roller = Roller(
+            engine, self.tokenizer, self.reward_fn, self.rollout_cfg, self.channel_factory(),
+            admission=self.admission,
+            max_groups_in_flight=max(1, self.rollers_cfg.max_batch_slots // self.rollout_cfg.n),
+            remax_baseline=self.remax_baseline, roller_id=self.roller_id,
+        )
+
+    async def _ensure_engine(self) -> None:
+        if self.engine is None:  # rollers.engine=sglang: the server is launched inside the event loop
+            from rollers.sglang_launcher import launch_sglang_engine
+
+            self._set_engine(await launch_sglang_engine(self.rollers_cfg, self.model_cfg, seed=self.rollout_cfg.seed))
+
+    async def start(self, max_groups: int | None = None) -> None:
+        """Start the loop in the background (idempotent while it runs)."""
+        await self._ensure_engine()
+        if self._run_task is None or self._run_task.done():
+            self._run_task = asyncio.create_task(self.roller.run(max_groups), name=f"{self.roller_id}-run")
+
+    async def wait(self, timeout_s: float) -> int | None:
+        """The loop's result (groups started) once it ended, None if still running after ``timeout_s``;
+        re-raises the loop's error (e.g. ``EngineError``). Raises RuntimeError if never started."""
+        if self._run_task is None:
+            raise RuntimeError("the roller was never started")
+        done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
+        return self._run_task.result() if done else None
+
+    async def grant(self, num_groups: int) -> None:
+        self.roller.grant(num_groups)
+
+    async def stats(self) -> dict[str, float]:
+        stats = self.roller.stats() if self.roller is not None else {}
+        if self.engine is not None:
+            stats["weight_version"] = float(self.engine.weight_version)
+        return stats
+
+    async def drain_failures(self) -> list[FailedGroup]:
+        return self.roller.drain_failures() if self.roller is not None else []
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: int) -> None:
+        await self.engine.load_weights(named_tensors, weight_version)
+
+    async def attach_receiver(self, handle: dict, name: str) -> None:
+        """Join the checkpoint engine's weight plane as roller ``name`` (``handle`` from the trainer side)."""
+        from checkpointengine import WeightReceiver, WeightSyncHandle
+
+        await self._ensure_engine()
+        self.receiver = WeightReceiver(WeightSyncHandle.from_dict(handle), name)
+
+    async def update_weights(self, version: int, pause_mode: str) -> dict:
+        """Receive and apply weight ``version`` (``checkpointengine.apply_update``); returns duration and bytes.
+        Raises WeightUpdateError (the old version is kept) or RuntimeError without ``attach_receiver``."""
+        from checkpointengine import apply_update
+
+        if self.receiver is None:
+            raise RuntimeError(f"roller {self.roller_id}: attach_receiver was never called")
+        result = await apply_update(self.engine, self.receiver, version, pause_mode)
+        return {"duration_s": result.duration_s, "num_bytes": result.num_bytes}
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop (running groups finish, bounded by ``timeout_s``), then the engine. Idempotent."""
+        if self.roller is not None:
+            self.roller.stop()
+        if self._run_task is not None and not self._run_task.done():
+            done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
+            if not done:
+                self._run_task.cancel()
+                await asyncio.gather(self._run_task, return_exceptions=True)
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self.roller is not None:
+            self.roller.close()
+
+
+def remote_roller(num_cpus: float = 0.5):
+    """``RollerActor`` as a Ray actor class with ``num_cpus`` logical CPUs (imports Ray lazily)."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus)(RollerActor)
