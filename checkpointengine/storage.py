@@ -20,7 +20,15 @@ from checkpointengine.bucket import TensorEntry
 SHM_ROOT = Path("/dev/shm")
 
 
-def _unlink(paths: list[str]) -> None:
+PROC_FD = Path("/proc/self/fd")
+
+
+def _release(paths: list[str], fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     for p in paths:
         try:
             os.unlink(p)
@@ -29,44 +37,59 @@ def _unlink(paths: list[str]) -> None:
 
 
 class ShmSlots:
-    """``num_slots`` shared-memory buffers of ``bucket_bytes`` each, one file per slot under /dev/shm.
+    """``num_slots`` shared-memory buffers of ``bucket_bytes`` each: files on /dev/shm.
 
-    The creator (``create``) owns the files and unlinks them in ``close``; other processes ``attach``
-    by path. ``buffer(slot)`` is a ``uint8`` tensor mapped on the file (writes are visible to every
-    process that mapped it). Raises FileNotFoundError when attaching to a path that does not exist.
+    On Linux the creator unlinks each file as soon as it is made and hands out
+    ``/proc/<pid>/fd/<fd>`` paths, so the memory goes back to the system when the last process that
+    mapped it exits, even if the sender is killed (a SIGKILLed Ray actor runs no finalizer). Elsewhere the
+    named files are unlinked by ``close`` or a finalizer. Other processes of the node ``attach`` by path;
+    ``buffer(slot)`` is a ``uint8`` tensor mapped on the file (writes are visible to every process that
+    mapped it). Raises FileNotFoundError when attaching to a slot whose sender is gone.
     """
 
-    def __init__(self, paths: list[str], bucket_bytes: int, owner: bool):
+    def __init__(self, paths: list[str], bucket_bytes: int, owned_paths: list[str] | None = None,
+                 owned_fds: list[int] | None = None):
         self.paths = list(paths)
         self.bucket_bytes = bucket_bytes
-        self.owner = owner
         self._buffers = [torch.from_file(p, shared=True, size=bucket_bytes, dtype=torch.uint8) for p in paths]
-        # The owner unlinks its files even if close() is never called (an exception, interpreter exit).
-        self._finalizer = weakref.finalize(self, _unlink, list(paths)) if owner else None
+        self._finalizer = None
+        if owned_paths is not None or owned_fds is not None:
+            # The owner releases its files even if close() is never called (an exception, exit).
+            self._finalizer = weakref.finalize(self, _release, owned_paths or [], owned_fds or [])
 
     @classmethod
     def create(cls, num_slots: int, bucket_bytes: int) -> ShmSlots:
         root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
         tag = f"hflow-ce-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        paths = []
-        for slot in range(num_slots):
-            path = root / f"{tag}-{slot}"
-            with open(path, "wb") as f:
-                f.truncate(bucket_bytes)
-            paths.append(str(path))
-        return cls(paths, bucket_bytes, owner=True)
+        anonymous = PROC_FD.is_dir()
+        paths, fds = [], []
+        try:
+            for slot in range(num_slots):
+                path = str(root / f"{tag}-{slot}")
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                fds.append(fd)
+                os.ftruncate(fd, bucket_bytes)
+                if anonymous:
+                    os.unlink(path)
+                    path = f"/proc/{os.getpid()}/fd/{fd}"
+                paths.append(path)
+        except BaseException:
+            _release([] if anonymous else paths, fds)
+            raise
+        return cls(paths, bucket_bytes, owned_paths=[] if anonymous else paths, owned_fds=fds)
 
     @classmethod
     def attach(cls, paths: list[str], bucket_bytes: int) -> ShmSlots:
         for p in paths:
             if not os.path.exists(p):
-                raise FileNotFoundError(f"shared-memory slot {p} does not exist (sender closed?)")
-        return cls(paths, bucket_bytes, owner=False)
+                raise FileNotFoundError(f"shared-memory slot {p} does not exist (sender closed or gone?)")
+        return cls(paths, bucket_bytes)
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
 
     def close(self) -> None:
+        """Unmap; the creator also closes (and, without /proc, unlinks) its files. Idempotent."""
         self._buffers = []
         if self._finalizer is not None:
             self._finalizer()

@@ -95,3 +95,15 @@ def shard_tensors() -> list[tuple[str, torch.Tensor]]:
         ("model.layers.0.mlp.bias", torch.randn(1, 5, generator=g).bfloat16()),
         ("model.position_ids", torch.arange(11)),
     ]
+
+
+def hold_slots(out) -> None:
+    """Create shm slots, write a byte, report (pid, paths), then wait to be killed (at most 60 s)."""
+    import time
+
+    from checkpointengine.storage import ShmSlots
+
+    slots = ShmSlots.create(2, 4096)
+    slots.buffer(1)[7] = 42
+    out.put((os.getpid(), slots.paths))
+    time.sleep(60)

@@ -154,3 +154,23 @@ def test_shm_shards_from_two_ranks_arrive_whole():
                 p.join(timeout=20)
                 if p.is_alive():
                     p.kill()
+
+
+def test_shm_slots_vanish_when_the_sender_is_killed():
+    """A SIGKILLed sender (e.g. a Ray actor torn down) leaves nothing in /dev/shm."""
+    from checkpointengine.storage import SHM_ROOT, ShmSlots
+
+    out = CTX.Queue()
+    proc = CTX.Process(target=ce_procs.hold_slots, args=(out,), daemon=True)
+    proc.start()
+    try:
+        pid, paths = out.get(timeout=60)
+        attached = ShmSlots.attach(paths, 4096)
+        assert int(attached.buffer(1)[7]) == 42  # another process sees the bytes
+        assert not list(SHM_ROOT.glob(f"hflow-ce-{pid}-*")), "slot files stay named on /dev/shm"
+        attached.close()
+    finally:
+        proc.kill()
+        proc.join(timeout=20)
+    with pytest.raises(FileNotFoundError, match="gone"):
+        ShmSlots.attach(paths, 4096)
