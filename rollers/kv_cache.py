@@ -25,12 +25,13 @@ class SlotKVCache(Cache):
     layer (their head count, head size, dtype and device come from the model's key states).
     """
 
-    def __init__(self, num_slots: int, initial_capacity: int = 128):
+    def __init__(self, num_slots: int, initial_capacity: int = 128, max_capacity: int | None = None):
         super().__init__(layers=[])
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.capacity = max(1, initial_capacity)
+        self.max_capacity = max_capacity
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
         self._rows = slice(0, 0)
@@ -40,12 +41,17 @@ class SlotKVCache(Cache):
     # ------------------------------------------------------------------------------- engine side
 
     def reserve(self, length: int) -> None:
-        """Make every layer hold at least ``length`` positions per slot (doubling, contents kept)."""
+        """Make every layer hold at least ``length`` positions per slot (doubling up to ``max_capacity``,
+        contents kept). Raises ValueError past ``max_capacity``."""
         if length <= self.capacity:
             return
+        if self.max_capacity is not None and length > self.max_capacity:
+            raise ValueError(f"KV cache length {length} exceeds max_capacity={self.max_capacity}")
         new_capacity = self.capacity
         while new_capacity < length:
             new_capacity *= 2
+        if self.max_capacity is not None:
+            new_capacity = min(new_capacity, self.max_capacity)
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 if old is None:

@@ -114,7 +114,7 @@ class TorchEngine(Engine):
         if self._max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self._max_seq_len}")
         self._num_slots = max_batch_slots
-        self._cache = SlotKVCache(max_batch_slots, min(initial_kv_capacity, self._max_seq_len))
+        self._cache = SlotKVCache(max_batch_slots, min(initial_kv_capacity, self._max_seq_len), self._max_seq_len)
         self._weight_version = weight_version
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._running: list[_Sequence] = []
@@ -413,7 +413,7 @@ class TorchEngine(Engine):
 
     def _decode(self) -> None:
         """One forward over every running slot: feed each slot's last token at its own position."""
-        last_tokens = torch.tensor([[seq.tokens()[-1]] for seq in self._running], device=self._device)
+        last_tokens = torch.tensor([[seq.output.output_ids[-1]] for seq in self._running], device=self._device)
         positions = torch.tensor([seq.kv_len for seq in self._running], device=self._device)
         self._cache.plan_decode(positions)
         kv_len = int(positions.max().item()) + 1

@@ -204,11 +204,16 @@ def test_eos_from_generation_config(tiny):
     model, tok, prompts = tiny
     greedy = hf_greedy(model, prompts[1], 8)
     model.generation_config.eos_token_id = [tok.eos_token_id, greedy[0]]
-    try:
+    async def body():
         engine = TorchEngine(model, [], max_batch_slots=1)
         assert {tok.eos_token_id, greedy[0]} <= engine.eos_ids
-        out = run(engine.generate(request("r", prompts[1], max_new_tokens=8, temperature=0)))
-        run(engine.shutdown())
+        try:
+            return await engine.generate(request("r", prompts[1], max_new_tokens=8, temperature=0))
+        finally:
+            await engine.shutdown()
+
+    try:
+        out = run(body())
     finally:
         model.generation_config.eos_token_id = tok.eos_token_id
     assert out.finish_reason == "stop" and out.output_ids == greedy[:1]
