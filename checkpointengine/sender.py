@@ -160,7 +160,8 @@ class WeightSender:
             for _ in named_tensors:
                 pass
             return None
-        stream = self.mapper.route(named_tensors)
+        source = iter(named_tensors)
+        stream = self.mapper.route(source)
         backend = self.handle.backend
         if backend in ("shm", "zmq"):
             body = self._packed_body(stream, write_full, lambda t: (t.dtype, t.shape))
@@ -168,7 +169,11 @@ class WeightSender:
             body = self._broadcast_body(stream)
         else:
             body = self._disk_body(stream)
-        return self._run(version, targets, body)
+        try:
+            return self._run(version, targets, body)
+        except BaseException:
+            _drain(source)  # a gathered stream is collective: the other ranks wait for the rest of it
+            raise
 
     def send_shards(self, shards: Iterable[RowShard], version: int, targets: Iterable[str] | None = None,
                     group: dist.ProcessGroup | None = None) -> SyncReport | None:
@@ -189,21 +194,31 @@ class WeightSender:
         stream = self.mapper.route((s.name, s) for s in rows)
         body = self._packed_body(stream, write_rows, lambda s: (s.tensor.dtype, s.full_shape), agree)
         if not self.is_leader:
+            if agree is not None and not agree(True):
+                raise RuntimeError(f"trainer rank 0 could not start weight update {version} (see its error)")
             body(Round(version, [], set()))
             return None
-        return self._run(version, targets, body)
+        return self._run(version, targets, body, agree)
 
-    def _run(self, version: int, targets: Iterable[str] | None, body: Callable[[Round], tuple[int, int]]
-             ) -> SyncReport:
+    def _run(self, version: int, targets: Iterable[str] | None, body: Callable[[Round], tuple[int, int]],
+             agree: Callable[[bool], bool] | None = None) -> SyncReport:
+        """The leader's update. ``agree``: with several ranks, tells them whether the update started."""
         targets = list(dict.fromkeys(targets if targets is not None else self.rollers))
-        self._check_version(version, targets)
         start = time.perf_counter()
         rnd = Round(version, targets, set(targets))
         try:
-            self._control.await_wants(rnd)
-            if self.handle.backend == "broadcast":
-                self._ensure_group(rnd)
-            self._control.broadcast(rnd, Begin(version))
+            try:
+                self._check_version(version, targets)
+                self._control.await_wants(rnd)
+                if self.handle.backend == "broadcast":
+                    self._ensure_group(rnd)
+                self._control.broadcast(rnd, Begin(version))
+            except BaseException:
+                if agree is not None:
+                    agree(False)  # the other ranks wait for this: release them
+                raise
+            if agree is not None:
+                agree(True)
             num_buckets, num_bytes = body(rnd)
             self._control.broadcast(rnd, End(version, num_buckets, num_bytes))
             self._control.await_results(rnd)
@@ -410,6 +425,14 @@ class _SlotPacker:
         planner.finish()
         self.sync("end of update")
         return planner.num_buckets, planner.total_bytes
+
+
+def _drain(source) -> None:
+    try:
+        for _ in source:
+            pass
+    except Exception as exc:  # the gather itself failed; the original error is the one to raise
+        logger.warning("weight sender: draining the tensor stream after a failed update: %s", exc)
 
 
 def _make_agree(group: dist.ProcessGroup | None) -> Callable[[bool], bool] | None:

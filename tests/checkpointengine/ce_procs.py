@@ -76,6 +76,11 @@ def shard_rank_main(rank: int, world: int, port: int, handle: dict | None, cfg_k
             shards.append(RowShard(name, full[lo:hi].clone(), lo, tuple(full.shape)))
         report = sender.send_shards(shards, 1)
         out.put(("report", rank, None if report is None else report.num_buckets))
+        try:  # version 1 again: the leader refuses before starting; every rank must get an error, not hang
+            sender.send_shards(shards, 1)
+            out.put(("resend", rank, "no error"))
+        except (ValueError, RuntimeError) as exc:
+            out.put(("resend", rank, f"{type(exc).__name__}: {exc}"))
     except BaseException:
         out.put(("crashed", rank, traceback.format_exc()))
     finally:

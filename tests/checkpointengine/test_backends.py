@@ -140,7 +140,7 @@ def test_shm_shards_from_two_ranks_arrive_whole():
         assert kind == "handle", handle
         roller = CTX.Process(target=ce_procs.roller_main, args=(handle, "r0", [(1, "ack")], out), daemon=True)
         roller.start()
-        results = [out.get(timeout=60) for _ in range(3)]
+        results = [out.get(timeout=60) for _ in range(5)]
         crashed = [r for r in results if r[0] == "crashed" or r[2] == "crashed"]
         assert not crashed, crashed
         got = next(r[3] for r in results if r[0] == "r0")
@@ -148,6 +148,8 @@ def test_shm_shards_from_two_ranks_arrive_whole():
                        for n, t in ce_procs.shard_tensors()}  # engine dtype float32: the bf16 one is cast
         reports = {r[1]: r[2] for r in results if r[0] == "report"}
         assert reports[1] is None and reports[0] >= 3
+        resend = {r[1]: r[2] for r in results if r[0] == "resend"}
+        assert "already has weight_version 1" in resend[0] and "rank 0 could not start" in resend[1], resend
     finally:
         for p in [*ranks, roller]:
             if p is not None:
