@@ -223,12 +223,13 @@ class TorchEngine(Engine):
         self._weight_version = weight_version
 
     async def flush_cache(self) -> None:
-        """Free the KV cache. Raises EngineError while requests are running, waiting or kept by a pause."""
+        """Free the KV cache. Raises EngineError while any request holds KV: decoding, or kept by an
+        ``in_place`` pause. Queued requests and those kept by a ``retract`` pause hold none (they are
+        prefilled again on admission), so the pause(retract) → load_weights → flush → resume cycle works."""
         self._check_usable()
-        if self._running or self._waiting:
-            raise EngineError(
-                f"flush_cache with {len(self._running)} running and {len(self._waiting)} waiting requests"
-            )
+        if self._running:
+            raise EngineError(f"flush_cache while {len(self._running)} requests hold KV cache (running or "
+                              "paused in place)")
         self._cache.clear()
 
     async def health(self) -> bool:

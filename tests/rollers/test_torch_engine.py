@@ -35,12 +35,11 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-def hf_greedy(model, prompt_ids, max_new_tokens: int, eos_ids=None) -> list[int]:
+def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
     """Reference: HF ``generate`` greedy on one unpadded prompt (stops at the model's EOS ids)."""
-    kwargs = {} if eos_ids is None else {"eos_token_id": list(eos_ids)}
-    out = model.generate(
-        torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
-    )
+    device = next(model.parameters()).device
+    out = model.generate(torch.tensor([list(prompt_ids)], device=device), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -268,3 +267,32 @@ def test_stream_yields_growing_outputs(tiny):
     for early, late in zip(snaps, snaps[1:], strict=False):
         assert late.output_ids[: len(early.output_ids)] == early.output_ids
         assert len(late.output_ids) > len(early.output_ids)
+
+
+@pytest.mark.gpu
+def test_greedy_and_log_probs_on_gpu():
+    cfg = ModelConfig(path="smollm2-135m-instruct")
+    tok = load_tokenizer(cfg)
+    model = load_model(cfg, device="cuda")
+    prompts = [apply_chat_template(tok, p) for p in ("What is 2+3?", "Name a color.")]
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=4)
+        try:
+            greedy = await asyncio.gather(*[
+                engine.generate(request(f"g{i}", p, max_new_tokens=12, temperature=0)) for i, p in enumerate(prompts)
+            ])
+            sampled = await engine.generate(request("s", prompts[0], max_new_tokens=12, temperature=1.0, seed=1))
+            return greedy, sampled
+        finally:
+            await engine.shutdown()
+
+    greedy, sampled = run(body())
+    assert [o.output_ids for o in greedy] == refs
+    ids = torch.tensor([[*prompts[0], *sampled.output_ids]], device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompts[0]) - 1 : -1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled.output_ids, device="cuda")[:, None])
+    torch.testing.assert_close(torch.tensor(sampled.output_log_probs), expected[:, 0].cpu(), atol=1e-4, rtol=0)
+

@@ -214,12 +214,15 @@ def test_pause_modes_flush_and_queueing(tok, prompts):
                 await engine.pause("sideways")
             running = asyncio.create_task(engine.generate(greedy("a", prompts[0], 30)))
             queued = asyncio.create_task(engine.generate(greedy("b", prompts[1])))  # waits: one slot only
-            await asyncio.sleep(0)
+            while engine.stats()["num_running"] == 0:  # bounded by run()'s timeout
+                await asyncio.sleep(0.001)
             with pytest.raises(EngineError, match="flush_cache"):
                 await engine.flush_cache()
-            await engine.pause("retract")  # kept requests still block a flush
+            await engine.pause("in_place")  # kept with their KV: no flush
             with pytest.raises(EngineError, match="flush_cache"):
                 await engine.flush_cache()
+            await engine.pause("retract")  # kept without KV: the flush is allowed
+            await engine.flush_cache()
             late = asyncio.create_task(engine.generate(greedy("c", prompts[1])))
             await asyncio.sleep(0.05)
             assert not (running.done() or queued.done() or late.done())
