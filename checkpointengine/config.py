@@ -18,7 +18,9 @@ class CheckpointEngineConfig:
     the sender cycles through (2 = double buffering: packing bucket k+1 overlaps sending k);
     ``disk_dir``: root of the ``disk`` backend's version directories (empty = a temp dir);
     ``group_backend``: torch.distributed backend of the ``broadcast`` group, gloo | nccl | auto (nccl
-    when CUDA is available)."""
+    when CUDA is available); ``reuse_receive_buffers``: a roller copies shm/zmq buckets into the tensors
+    of its previous update instead of fresh memory (much faster on CPU, no page faults; costs one
+    resident copy of the weights per roller between updates)."""
 
     backend: str = "shm"
     bucket_bytes: int = 64 * 1024**2
@@ -28,6 +30,7 @@ class CheckpointEngineConfig:
     num_slots: int = 2
     disk_dir: str = ""
     group_backend: str = "auto"
+    reuse_receive_buffers: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

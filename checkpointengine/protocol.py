@@ -149,7 +149,8 @@ class WeightSyncHandle:
     """Where the two sides meet; small and serialisable (``to_dict``/``from_dict``), made by the sender.
 
     ``control_address``: the sender's ZMQ ROUTER; ``shm_paths``: one file per bucket slot (``shm``);
-    ``disk_dir``: where version directories are written (``disk``); ``broadcast_backend``: gloo | nccl.
+    ``disk_dir``: where version directories are written (``disk``); ``broadcast_backend``: gloo | nccl;
+    ``reuse_receive_buffers``: rollers copy shm/zmq buckets into the previous update's tensors.
     """
 
     backend: str
@@ -160,6 +161,7 @@ class WeightSyncHandle:
     shm_paths: list[str] = field(default_factory=list)
     disk_dir: str = ""
     broadcast_backend: str = "gloo"
+    reuse_receive_buffers: bool = True
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

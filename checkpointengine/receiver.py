@@ -66,6 +66,7 @@ class WeightReceiver:
         if handle.backend == "shm":
             self._slots = ShmSlots.attach(handle.shm_paths, handle.bucket_bytes)
         self._group: bc.WeightUpdateGroup | None = None
+        self._pool: dict[str, torch.Tensor] | None = {} if handle.reuse_receive_buffers else None
         self._stats = {"num_updates": 0, "num_failures": 0, "last_update_s": 0.0, "last_bytes": 0,
                        "total_bytes": 0, "last_error": ""}
 
@@ -75,16 +76,19 @@ class WeightReceiver:
         """Ask the sender for ``version`` and yield its ``(engine_name, tensor)`` pairs.
 
         ``copy=False`` yields views into the shared slot for unchunked shm tensors, valid only until the
-        next item is requested. Raises ValueError when ``version`` does not exceed the committed one,
-        WeightSyncTimeout (naming the version and the sender) when a message does not come within
-        ``timeout_s``, WeightSyncAborted when the sender aborts, ProtocolError on a malformed stream.
+        next item is requested. With ``handle.reuse_receive_buffers`` (default) shm/zmq tensors reuse
+        the previous update's memory: valid until the next update (engines copy them).
+
+        Raises ValueError when ``version`` does not exceed the committed one, WeightSyncTimeout (naming
+        the version and the sender) when a message does not come within ``timeout_s``,
+        WeightSyncAborted when the sender aborts, ProtocolError on a malformed stream.
         """
         if version <= self.version:
             raise ValueError(f"roller {self.roller!r}: weight_version {version} does not exceed the "
                              f"committed {self.version}")
         self._send(Want(version, self.version))
         self._await_begin(version)
-        unpacker = BucketUnpacker(self.device)
+        unpacker = BucketUnpacker(self.device, self._pool)
         expected = 0
         num_bytes = 0
         while True:

@@ -115,7 +115,7 @@ class WeightSender:
             self._disk = DiskVersions(disk_dir)
         self.handle = WeightSyncHandle(cfg.backend, self._control.address, cfg.bucket_bytes, cfg.dtype,
                                        cfg.timeout_s, shm_paths, disk_dir,
-                                       _resolve_group_backend(cfg.group_backend))
+                                       _resolve_group_backend(cfg.group_backend), cfg.reuse_receive_buffers)
 
     # ------------------------------------------------------------------------------------ membership
 

@@ -185,3 +185,21 @@ def test_control_messages_round_trip_and_reject_garbage():
     for junk in (b"\xc1", b"\x93\x01\x02\x03", encode(Want(1, 0)).replace(b"Want", b"Nope")):
         with pytest.raises(ProtocolError):
             decode(junk)
+
+
+def test_pooled_unpacking_reuses_memory_across_updates_and_stays_exact():
+    pool: dict[str, torch.Tensor] = {}
+    first, second = _mixed(), [(n, t + 1 if t.is_floating_point() else t) for n, t in _mixed()]
+    got1 = {}
+    unpacker = BucketUnpacker(pool=pool)
+    for entries, buf in _pack(first, 1024)[0]:
+        got1.update(unpacker.add(entries, buf))
+    ptrs = {n: t.data_ptr() for n, t in got1.items() if t.numel()}
+    unpacker = BucketUnpacker(pool=pool)
+    got2 = {}
+    for entries, buf in _pack(second, 1024)[0]:
+        got2.update(unpacker.add(entries, buf))
+    unpacker.finish()
+    assert {n: t.data_ptr() for n, t in got2.items() if t.numel()} == ptrs  # same memory, no new pages
+    for name, tensor in second:
+        assert torch.equal(_bits(got2[name]), _bits(tensor)), name
