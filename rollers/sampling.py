@@ -52,21 +52,33 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[i
 def _draw(log_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Inverse-CDF draw of one token per row from top-k/top-p filtered ``log_probs`` (batch, vocab).
 
-    Without top-k/top-p the CDF runs over the vocabulary in id order (no sort); with them, over the
-    probability-sorted vocabulary (a ``topk`` when only top-k is set, a full sort when top-p is).
+    A row without top-k/top-p walks its CDF in token-id order (no sort); a row with them walks the
+    probability-sorted vocabulary (a ``topk`` when only top-k is set, a full sort when top-p is). The
+    choice is made per row, so a row's token never depends on its neighbours' settings.
     """
     probs = log_probs.exp()
-    vocab = probs.shape[1]
     uniforms = torch.cat([torch.rand(1, generator=r.generator, device=r.generator.device) for r in rows])
     uniforms = uniforms.to(probs.device)
-    if all(r.top_k < 0 and r.top_p >= 1.0 for r in rows):
-        return _inverse_cdf(probs, uniforms)
-    if all(r.top_p >= 1.0 for r in rows) and all(r.top_k > 0 for r in rows):
+    tokens = torch.empty(len(rows), dtype=torch.long, device=probs.device)
+    plain = [i for i, r in enumerate(rows) if r.top_k < 0 and r.top_p >= 1.0]
+    filtered = [i for i, r in enumerate(rows) if not (r.top_k < 0 and r.top_p >= 1.0)]
+    if plain:
+        idx = torch.tensor(plain, device=probs.device)
+        tokens[idx] = _inverse_cdf(probs[idx], uniforms[idx])
+    if filtered:
+        idx = torch.tensor(filtered, device=probs.device)
+        tokens[idx] = _filtered_draw(probs[idx], uniforms[idx], [rows[i] for i in filtered])
+    return tokens
+
+
+def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Top-k/top-p draw over the probability-sorted vocabulary; ``probs`` (batch, vocab)."""
+    vocab = probs.shape[1]
+    if all(r.top_p >= 1.0 for r in rows):  # top-k only (every row has one): a partial sort is enough
         probs, order = torch.topk(probs, max(r.top_k for r in rows), dim=-1)
     else:
         probs, order = torch.sort(probs, dim=-1, descending=True)
-    width = probs.shape[1]
-    ranks = torch.arange(width, device=probs.device)
+    ranks = torch.arange(probs.shape[1], device=probs.device)
     top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=probs.device)
     top_p = torch.tensor([r.top_p for r in rows], device=probs.device)
     keep = (ranks[None, :] < top_k[:, None]) & (torch.cumsum(probs, dim=-1) - probs < top_p[:, None])
