@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct, fp32, CPU (or one GPU with ``--device cuda``). Three workloads (issue #5):
 
-* **long-tail**: 64 requests (``--quick``: 24), ``max_new_tokens`` drawn with a fixed seed, 80% in 16–32
+* **long-tail**: 64 requests (``--quick``: 16), ``max_new_tokens`` drawn with a fixed seed, 80% in 16–32
   and 20% in 128–256, ``ignore_eos``, at most 8 in flight. HF ``generate`` runs them in batches of 8 in
   arrival order, each batch decoding to its longest request; the engine runs them with 8 slots.
 * **uniform**: batch 8 and batch 32, 64 new tokens each (``--quick``: 32), ``ignore_eos``.
@@ -86,7 +86,7 @@ def run_hf(model, tok, requests, batch_size: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="24 long-tail requests, 32 uniform tokens")
+    parser.add_argument("--quick", action="store_true", help="16 long-tail requests, 32 uniform tokens")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -102,7 +102,7 @@ def main() -> None:
     run_hf(model, tok, warm, 2)
 
     results = {}
-    tail = make_requests(tok, long_tail_lengths(24 if args.quick else 64))
+    tail = make_requests(tok, long_tail_lengths(16 if args.quick else 64))
     useful = sum(n for _, n in tail)
     results["engine_tok_s_longtail"] = useful / run_engine(model, tok, tail, 8)
     results["hf_tok_s_longtail"] = useful / run_hf(model, tok, tail, 8)
