@@ -17,6 +17,12 @@ Sequences keep their keys/values at their absolute positions in a per-slot cache
 history or its neighbours; greedy output equals Hugging Face ``generate`` token for token.
 Decoding a small model on CPU is bound by reading the weights, so one forward for every running slot
 per step is what makes it fast; slots freed by short requests are refilled at the next step.
+
+Limits: the model's attention must go through transformers' ``Cache.update`` with a 4-D additive mask
+(Llama, Qwen2/3, Mistral, Gemma-style attention). The per-slot mask is full causal, so a model with a
+sliding window gets ``max_seq_len`` capped at the window (where both agree) with a warning; chunked,
+linear or recurrent layers (``config.layer_types``) are refused at construction with ValueError. Newcomers admitted together are right-padded to the longest of
+them, so one very long prompt makes that prefill forward wider for the others.
 """
 
 from __future__ import annotations
@@ -106,11 +112,15 @@ class TorchEngine(Engine):
     ):
         if max_batch_slots < 1:
             raise ValueError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
+        window = _attention_window(model.config)
         self._model = model.eval()
         self._device = next(model.parameters()).device
         self._eos_ids = collect_eos_ids(model, tokenizer_or_eos_ids)
         self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._max_seq_len = int(max_seq_len or getattr(model.config, "max_position_embeddings", 0) or 4096)
+        if window is not None and self._max_seq_len > window:
+            logger.warning("max_seq_len %d capped at the model's sliding window (%d tokens)", self._max_seq_len, window)
+            self._max_seq_len = window
         if self._max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self._max_seq_len}")
         self._num_slots = max_batch_slots
@@ -451,6 +461,24 @@ class TorchEngine(Engine):
         self._release([i for i, _ in finished])
         for seq, reason in done:
             self._finish(seq, reason)
+
+
+def _attention_window(config) -> int | None:
+    """The model's sliding-window size (None without one); ValueError for layers the engine cannot run.
+
+    Below the window, sliding-window attention equals full causal attention, so the engine serves such
+    models with ``max_seq_len`` capped at the window (see the module docstring).
+    """
+    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if unsupported:
+        raise ValueError(f"TorchEngine runs full/sliding attention layers only; the model has {unsupported}")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        uses_window = "sliding_attention" in layer_types
+    else:
+        uses_window = getattr(config, "use_sliding_window", True)
+    window = getattr(config, "sliding_window", None)
+    return int(window) if uses_window and window else None
 
 
 def _snapshot(output: GenerationOutput) -> GenerationOutput:

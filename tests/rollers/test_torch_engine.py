@@ -269,6 +269,38 @@ def test_stream_yields_growing_outputs(tiny):
         assert len(late.output_ids) > len(early.output_ids)
 
 
+def tiny_qwen2(**overrides) -> torch.nn.Module:
+    """A small Qwen2 (q/k/v biases, another attention implementation than Llama), matrices ~ N(0, 0.2²)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=52, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=2, pad_token_id=0, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * (0.2 if param.dim() > 1 else 0.05) + (param.dim() == 1))
+    return model
+
+
+def test_other_architecture_qwen2(tiny):
+    _, tok, prompts = tiny
+    model = tiny_qwen2()
+    refs, _ = _check_greedy(model, tok, prompts[:3], max_new_tokens=16, slots=2, modes=("together", "joining"))
+    assert len({tuple(r) for r in refs}) == 3
+
+
+def test_sliding_window_caps_max_seq_len_and_other_layers_are_refused(tiny):
+    _, tok, prompts = tiny
+    engine = TorchEngine(tiny_qwen2(use_sliding_window=True, sliding_window=24, max_window_layers=0), tok)
+    with pytest.raises(ValueError, match="max_seq_len=24"):
+        run(engine.generate(request("r", prompts[0], max_new_tokens=24)))
+    with pytest.raises(ValueError, match="chunked_attention"):
+        TorchEngine(tiny_qwen2(layer_types=["full_attention", "chunked_attention"]), tok)
+
+
 @pytest.mark.gpu
 def test_greedy_and_log_probs_on_gpu():
     cfg = ModelConfig(path="smollm2-135m-instruct")
