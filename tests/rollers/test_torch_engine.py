@@ -255,13 +255,16 @@ def test_stream_yields_growing_outputs(tiny):
     async def body():
         engine = TorchEngine(model, tok, max_batch_slots=2)
         try:
-            return [snap async for snap in engine.stream(request("r", prompts[0], max_new_tokens=6,
-                                                                   temperature=0, ignore_eos=True))]
+            snaps = [snap async for snap in engine.stream(request("r", prompts[0], max_new_tokens=6,
+                                                                    temperature=0, ignore_eos=True))]
+            return snaps, engine.stats()
         finally:
             await engine.shutdown()
 
-    snaps = run(body())
-    assert len(snaps) >= 2
+    snaps, stats = run(body())
+    assert len(snaps) >= 2 and snaps[-1].prompt_tokens == len(prompts[0])
+    assert stats["num_tokens_generated"] == 6 and stats["num_requests_in_flight"] == 0
+    assert stats["tokens_per_s"] > 0 and 0 < stats["busy_ratio"] <= 1 and stats["busy_s"] <= stats["uptime_s"]
     assert [s.finish_reason for s in snaps[:-1]] == [None] * (len(snaps) - 1)
     assert snaps[-1].finish_reason == "length" and len(snaps[-1].output_ids) == 6
     for early, late in zip(snaps, snaps[1:], strict=False):
