@@ -53,6 +53,8 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report) -> dict:
         await asyncio.gather(gauges, return_exceptions=True)
     return {
         "num_syncs": stages.num_syncs,
+        "num_groups_admitted": stages.admission.started,
+        "num_groups_generated": stages.num_groups_generated,
         "num_failed_groups": stages.num_failed_groups,
         "num_dropped_groups": stages.num_dropped_groups,
         "weight_version": stages.version,
@@ -71,6 +73,21 @@ def num_batches(cfg: HFlowConfig) -> int:
     return cfg.trainer.total_steps * (cfg.algorithm.require_batches if cfg.mode == "fully-async" else 1)
 
 
+def check_data(cfg: HFlowConfig) -> int:
+    """Load the dataset as the feeder will and check it provides the run's steps; returns its size.
+    Raises StartError naming the dataset size, ``data.train_batch_size``, ``data.epochs`` and
+    ``trainer.total_steps`` (or the offending row) before any pool starts."""
+    from common.models import load_tokenizer
+    from controller.data import PromptDataset
+
+    try:
+        dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
+        dataset.check_total_steps(num_batches(cfg))
+    except ValueError as exc:
+        raise StartError(str(exc)) from exc
+    return len(dataset)
+
+
 def run_job(cfg: HFlowConfig) -> int:
     """Run ``cfg`` to completion; returns the process exit code (see the module docstring)."""
     import ray
@@ -83,12 +100,13 @@ def run_job(cfg: HFlowConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_process_env(num_threads=1)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
     metrics = JobMetrics()
     rt = None
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
     try:
+        check_data(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.metrics.enabled:
             port = metrics.serve(cfg.metrics.host, cfg.metrics.port)
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))

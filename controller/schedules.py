@@ -68,12 +68,14 @@ class Stages:
         self.num_failed_groups = 0
         self.num_dropped_groups = 0
         self.exhausted = False    # the feeder has no more prompts
+        self.finished = False     # the schedule is done: admit nothing more
         self.outstanding = 0      # groups admitted and not yet trained, dropped or failed
         self.admitted_at: dict[str, float] = {}
         self.rewards_by_uid: dict[str, list[float]] = {}
         self.changed = asyncio.Event()  # version synced or groups dropped: admission may allow more
         self._last_step_end = time.monotonic()
         self._produced_seen = 0.0
+        self.num_groups_generated = 0
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -233,6 +235,7 @@ class Stages:
             "multi_version_samples": sum(t[schema.MIN_WEIGHT_VERSION] != t[schema.MAX_WEIGHT_VERSION] for t in tags),
             "response_length_mean": sum(lengths) / len(lengths),
             "uids": sorted(by_uid),
+            "responses_digest": _digest(tags),
             **group_reward_stats(by_uid),
             **{k: v for k, v in train_metrics.items() if isinstance(v, int | float)},
         }
@@ -254,12 +257,21 @@ class Stages:
         for task, value in depth.items():
             self.metrics.queue_depth.labels(task=task).set(value)
         stats = [await r.stats.remote() for r in self.rt.rollers]
+        self.num_groups_generated = int(sum(s["num_groups"] + s["num_failed_groups"] for s in stats))
         produced = sum(s["num_samples"] for s in stats)
         self.metrics.produced.inc(max(0.0, produced - self._produced_seen))
         self._produced_seen = max(produced, self._produced_seen)
         self.metrics.tokens_per_s.set(sum(s["tokens_per_s"] for s in stats))
         for name, s in zip(self.rt.roller_names, stats, strict=True):
             self.metrics.roller_busy.labels(roller=name).set(s["busy_ratio"])
+
+
+def _digest(tags: list[dict]) -> str:
+    """One digest of a step's responses, independent of sample order (for run-to-run parity)."""
+    import hashlib
+
+    items = sorted(f"{t[schema.UID]}:{t.get(schema.RESPONSE_DIGEST, '')}" for t in tags)
+    return hashlib.blake2b("|".join(items).encode(), digest_size=8).hexdigest()
 
 
 # -------------------------------------------------------------------------------------------- schedules
@@ -306,17 +318,21 @@ async def run_fully_async(st: Stages) -> None:
             if admitter.done():
                 admitter.result()  # re-raise an admission error
     finally:
+        st.finished = True
+        st.changed.set()
+        await asyncio.wait({admitter}, timeout=10 * POLL_S)
         admitter.cancel()
         await asyncio.gather(admitter, return_exceptions=True)
 
 
 async def _keep_admitting(st: Stages) -> None:
     """Admit prompt groups whenever the staleness bound allows (woken by syncs and drops)."""
-    while not st.exhausted:
+    while not st.exhausted and not st.finished:
         st.changed.clear()
         await st.admit(st.total_groups)
         try:
-            await asyncio.wait_for(st.changed.wait(), timeout=POLL_S)
+            async with asyncio.timeout(POLL_S):
+                await st.changed.wait()
         except TimeoutError:
             pass
 

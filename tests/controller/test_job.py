@@ -1,0 +1,144 @@
+"""The main job end to end: real Ray actors (rollers, FSDP2 trainer, feeder), real TransferQueue and
+checkpoint-engine processes, the tiny model. Handed cases of the controller issue."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.config import load_config
+from controller.job import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, run_job
+from rollers.tasks import tiny_repeat_records
+
+HOOKS = "tests.controller.reward_hooks"
+
+
+def run(tmp_path: Path, mode: str, *overrides: str) -> tuple[int, list[dict], dict]:
+    """Run the tiny preset in this test session's Ray cluster; (exit code, step records, summary)."""
+    cfg = load_config(mode=mode, preset="tiny", overrides=[f"run_dir={tmp_path}", "metrics.progress=false",
+                                                             *overrides])
+    code = run_job(cfg)
+    jsonl, summary = tmp_path / "metrics.jsonl", tmp_path / "summary.json"
+    steps = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    return code, steps, json.loads(summary.read_text()) if summary.exists() else {}
+
+
+SMALL = ("data.size=32", "data.epochs=1", "data.train_batch_size=8", "trainer.ppo_mini_batch_size=8")
+
+
+def test_too_many_steps_rejected_at_start(tmp_path, ray_cluster, capsys):
+    code, steps, _ = run(tmp_path, "one-step-off", *SMALL, "trainer.total_steps=10")
+    assert code == EXIT_CONFIG and steps == []
+    err = capsys.readouterr().err
+    for needle in ("dataset size 32", "data.train_batch_size=8", "data.epochs=1", "trainer.total_steps=10"):
+        assert needle in err
+
+
+@pytest.mark.parametrize("total_steps", [4, 3])
+def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
+    code, steps, summary = run(tmp_path, "one-step-off", *SMALL, f"trainer.total_steps={total_steps}")
+    assert code == EXIT_OK
+    assert [s["step"] for s in steps] == list(range(1, total_steps + 1))
+    assert summary["num_syncs"] == total_steps and summary["weight_version"] == total_steps
+    # Nothing is generated beyond the last step (no 5th batch; with 3 steps no 4th batch to cancel).
+    assert summary["num_groups_admitted"] == 8 * total_steps
+    assert summary["num_groups_generated"] == 8 * total_steps
+    assert all(s["num_groups"] == 8 for s in steps)
+    assert max(s["staleness_max"] for s in steps) <= 1
+
+
+def test_partial_final_batch_is_a_step(tmp_path, ray_cluster):
+    code, steps, _ = run(tmp_path, "sync", "data.size=3", "data.epochs=1", "data.train_batch_size=4",
+                         "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1")
+    assert code == EXIT_OK
+    assert len(steps) == 1 and steps[0]["num_groups"] == 3 and steps[0]["num_samples"] == 3 * 8
+
+
+def test_fully_async_max_staleness_zero_matches_sync(tmp_path, ray_cluster):
+    common = ("trainer.total_steps=3", "algorithm.max_staleness=0")
+    code_a, sync_steps, _ = run(tmp_path / "sync", "sync", *common)
+    code_b, async_steps, _ = run(tmp_path / "async", "fully-async", *common)
+    assert code_a == code_b == EXIT_OK and len(sync_steps) == len(async_steps) == 3
+    for a, b in zip(sync_steps, async_steps, strict=True):
+        assert a["uids"] == b["uids"]                           # same prompts in the same steps
+        assert a["responses_digest"] == b["responses_digest"]   # token-identical responses
+        assert b["staleness_max"] == 0 and b["multi_version_samples"] == 0
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], abs=1e-4)
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], abs=1e-4)
+
+
+def test_stale_group_is_dropped_and_reissued(tmp_path, ray_cluster):
+    # One group's reward takes 4 s the first time, so it completes after two more updates: staleness 2.
+    code, steps, summary = run(
+        tmp_path, "fully-async", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=8",
+        "algorithm.max_staleness=1", "algorithm.stale_policy=drop", f"rollout.reward={HOOKS}:slow_first_c")
+    assert code == EXIT_OK and len(steps) == 8
+    assert summary["num_dropped_groups"] >= 1
+    assert max(s["staleness_max"] for s in steps) <= 1
+    trained = {u for s in steps for u in s["uids"]}
+    assert any(".r" in u for u in trained)  # the dropped prompt came back under a fresh uid
+
+
+def _seed_with_one_c(size: int = 4) -> int:
+    return next(s for s in range(1000) if [r.ground_truth["answer"] for r in tiny_repeat_records(size, s)].count("c")
+                == 1)
+
+
+def test_failing_reward_fails_the_run(tmp_path, ray_cluster, capsys):
+    seed = _seed_with_one_c()
+    code, steps, _ = run(tmp_path, "sync", "data.size=4", f"data.seed={seed}", "data.train_batch_size=4",
+                         "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", f"rollout.reward={HOOKS}:raise_on_c")
+    assert code == EXIT_FAILED and steps == []
+    assert "refusing to score answer c" in capsys.readouterr().err
+
+
+def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
+    seed = _seed_with_one_c()
+    code, steps, summary = run(tmp_path, "sync", "data.size=4", f"data.seed={seed}", "data.train_batch_size=4",
+                               "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1",
+                               f"rollout.reward={HOOKS}:raise_on_c", "rollers.on_failed_group=skip")
+    assert code == EXIT_OK
+    assert summary["num_failed_groups"] == 1
+    assert len(steps) == 1 and steps[0]["num_groups"] == 3
+
+
+def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_cluster):
+    import threading
+    import time
+    import urllib.request
+
+    from controller.metrics import JobMetrics
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(zip(("code", "steps", "summary"),
+                                                                run(tmp_path, "fully-async", "trainer.total_steps=40"), strict=True)))
+    thread.start()
+    endpoint, body, deadline = tmp_path / "metrics_endpoint.json", "", time.monotonic() + 100
+    wanted = JobMetrics().series_names()
+    while thread.is_alive() and time.monotonic() < deadline:
+        steps = (tmp_path / "metrics.jsonl")
+        if endpoint.exists() and steps.exists() and len(steps.read_text().splitlines()) >= 3:
+            port = json.loads(endpoint.read_text())["port"]
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            if all(f"{name}" in body for name in wanted) and 'hflow_roller_busy_ratio{roller="roller0"}' in body:
+                break
+        time.sleep(0.5)
+    thread.join(timeout=150)
+    assert result.get("code") == EXIT_OK
+    missing = [name for name in wanted if name not in body]
+    assert not missing, missing
+    assert 'hflow_queue_depth{task="train"}' in body or 'hflow_queue_depth{task="rollout"}' in body
+    assert "hflow_weight_sync_seconds_count" in body and "hflow_queue_lag_bucket" in body
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async"])
+def test_tiny_model_learns_the_prompt_dependent_task(tmp_path, ray_cluster, mode):
+    code, steps, summary = run(tmp_path, mode)
+    assert code == EXIT_OK
+    rewards = [s["reward_mean"] for s in steps]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.2, rewards[:5]
+    assert last > 0.9, (last, summary["wall_s"])
