@@ -384,9 +384,6 @@ def test_update_from_disk_and_failed_update_keeps_version(torch_only, tmp_path):
     assert outs[0].output_ids == run(_reference(torch_only.model, weights, requests))[0].output_ids
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TorchEngine.flush_cache refuses while retracted requests wait; SGLang flushes when paused and "
-    "ignores the waiting queue (scheduler.flush_cache: is_fully_idle(ignore_waiting=paused))"))
 def test_weight_update_with_retract_flushes_and_continues(torch_only):
     weights = _perturbed(torch_only.model, seed=505)
 
