@@ -37,7 +37,7 @@ class RunReport:
         self.total_steps = total_steps
         self.steps: list[dict[str, Any]] = []
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
-        self._console = Console(stderr=False, highlight=False) if progress else None
+        self._console = Console(highlight=False, soft_wrap=True) if progress else None
         self._t0 = time.monotonic()
 
     def log_step(self, record: dict[str, Any]) -> None:
