@@ -46,6 +46,7 @@ FINISH_REASON = "finish_reason"
 RESPONSE_LENGTH = "response_length"
 GROUND_TRUTH = "ground_truth"
 REWARD = "reward"  # per-sample tag: the sequence reward (sum of token_level_scores), for the controller's stats
+RESPONSE_DIGEST = "response_digest"  # per-sample tag: hex digest of the response token ids (parity checks)
 REMAX_BASELINE = "remax_baseline"  # (batch,) fp32: reward of the prompt's greedy response (ReMax)
 
 PROMPT_FIELDS = (INPUT_IDS, ATTENTION_MASK)

@@ -126,8 +126,8 @@ class TQGroupChannel:
     ``task`` (default ``rollout``) has not consumed, then ``aget_data``; the prompt is row 0's
     ``input_ids`` where ``attention_mask`` is 1 (the feeder puts them with ``controller.data.prompt_fields``).
     ``put_group``: ``aput`` of the response fields into the same sample ids, with tags
-    ``min_weight_version``, ``max_weight_version``, ``finish_reason``, ``response_length`` and ``reward``
-    (the sequence reward) per sample.
+    ``min_weight_version``, ``max_weight_version``, ``finish_reason``, ``response_length``, ``reward``
+    (the sequence reward) and ``response_digest`` per sample.
     """
 
     PROMPT_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.GROUND_TRUTH)
@@ -159,7 +159,8 @@ class TQGroupChannel:
         fields = result.fields
         tags = [
             {name: (fields[name][i] if name == schema.FINISH_REASON else int(fields[name][i]))
-             for name in self.TAG_FIELDS} | {schema.REWARD: float(result.rewards[i])}
+             for name in self.TAG_FIELDS}
+            | {schema.REWARD: float(result.rewards[i]), schema.RESPONSE_DIGEST: response_digest(fields, i)}
             for i in range(len(result.sample_ids))
         ]
         data = {k: v for k, v in fields.items() if k != schema.FINISH_REASON}
@@ -231,6 +232,14 @@ def sample_seed(base_seed: int, uid: str, index: int, num_prefix_tokens: int = 0
     """
     digest = hashlib.blake2b(f"{base_seed}:{uid}:{index}:{num_prefix_tokens}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
+
+
+def response_digest(fields: dict[str, Any], row: int) -> str:
+    """A short hex digest of sample ``row``'s valid response tokens (lets the controller compare runs
+    token for token without seeing tensors)."""
+    length = int(fields[schema.RESPONSE_LENGTH][row])
+    tokens = fields[schema.RESPONSES][row, :length].to(torch.int64).numpy().tobytes()
+    return hashlib.blake2b(tokens, digest_size=8).hexdigest()
 
 
 def build_response_fields(
