@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollers.engine import check_sampling
+
 ENGINES = ("torch", "sglang")
 SGLANG_LAUNCH = ("sglang", "torch")
 
@@ -39,12 +41,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_resubmits must be >= 0, got {self.max_resubmits}")
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        check_sampling(self.temperature, self.top_p, self.top_k, prefix="rollout.")
         if self.max_response_length < 1:
             raise ValueError(f"rollout.max_response_length must be >= 1, got {self.max_response_length}")
 

@@ -23,6 +23,17 @@ import torch
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "") -> None:
+    """Raise ValueError (naming ``prefix`` + the key) unless temperature >= 0, 0 < top_p <= 1 and
+    top_k is -1 (off) or >= 1."""
+    if temperature < 0:
+        raise ValueError(f"{prefix}temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{prefix}top_p must be in (0, 1], got {top_p}")
+    if top_k == 0 or top_k < -1:
+        raise ValueError(f"{prefix}top_k must be -1 (off) or >= 1, got {top_k}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling for one request. ``temperature`` 0 = greedy; ``top_k`` -1 = off; ``seed`` makes the
@@ -40,12 +51,7 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        check_sampling(self.temperature, self.top_p, self.top_k)
 
 
 @dataclass(frozen=True)

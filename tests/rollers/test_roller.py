@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common import schema
-from common.models import ModelConfig, apply_chat_template, load_model, load_tokenizer
+from common.models import ModelConfig, apply_chat_template, load_tokenizer
 from rollers.config import RollersConfig, RolloutConfig
 from rollers.engine import Engine, EngineError, GenerationOutput, GenerationRequest
 from rollers.rewards import tiny_repeat_reward
@@ -28,24 +28,11 @@ from rollers.roller import (
     sample_seed,
 )
 from rollers.torch_engine import TorchEngine
+from tests.rollers.engine_helpers import run, spiced_tiny
 
-TIMEOUT_S = 90
 N = 4
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
-
-
-def spiced_tiny(seed: int = 0) -> torch.nn.Module:
-    """The tiny Llama re-drawn from N(0, 0.2²): varied outputs, EOS not too likely."""
-    model = load_model(ModelConfig(path="tiny"))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from rollers import sglang_protocol as proto
 from rollers.engine import EngineError, GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine, free_port
 from rollers.sglang_launcher import SGLangLauncher
+from tests.rollers.engine_helpers import TIMEOUT_S, run
 
-TIMEOUT_S = 90
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -56,9 +56,6 @@ def torch_only(served):
         pytest.skip("compares with our in-process torch engine / probes our server's input checks")
     return served
 
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
 @contextlib.asynccontextmanager

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 
@@ -14,12 +13,7 @@ from rollers.config import RollersConfig
 from rollers.engine import EngineError, GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher, launch_sglang_engine
-
-TIMEOUT_S = 90
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+from tests.rollers.engine_helpers import TIMEOUT_S, run
 
 
 def _flag(cmd: list[str], name: str) -> str:

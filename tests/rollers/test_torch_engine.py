@@ -14,25 +14,11 @@ import torch
 from common.models import ModelConfig, apply_chat_template, load_model, load_tokenizer
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.torch_engine import TorchEngine
+from tests.rollers.engine_helpers import run, spiced_tiny
 
 TINY_PROMPTS = ("repeat the word a b c", "say 1 2 3", "copy the word z", "answer is 7 .", "say a")
-TIMEOUT_S = 100  # below pytest-timeout's 120 s; generous for a loaded 2-core machine
 
 
-def spiced_tiny(seed: int = 0) -> torch.nn.Module:
-    """The tiny Llama with its matrices re-drawn from N(0, 0.2²) (seeded): varied, non-degenerate outputs."""
-    model = load_model(ModelConfig(path="tiny"))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    return model
-
-
-def run(coro):
-    """Run ``coro`` on a fresh event loop with a timeout (no test may hang)."""
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
