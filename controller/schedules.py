@@ -90,10 +90,16 @@ class Stages:
             k = min(k, self.admission.num_admissible(self.synced_version))
         if k <= 0 or self.exhausted:
             return 0
+        # Count the groups as started before awaiting the feeder, so a concurrent admit sees them.
+        if bounded:
+            self.admission.start(k, self.synced_version)
+        else:
+            self.admission.started += k
         fed = await self.rt.feeder.feed.remote(k)
         if len(fed) < k:
             self.exhausted = True
-        self._started(fed, bounded)
+            self.admission.started -= k - len(fed)
+        self._track(fed)
         return len(fed)
 
     async def generate(self, num_groups: int, train_version: int, enforce_staleness: bool = False):
@@ -179,14 +185,11 @@ class Stages:
 
     # -------------------------------------------------------------------------------------- bookkeeping
 
-    def _started(self, fed: list[dict], bounded: bool = True) -> None:
+    def _track(self, fed: list[dict]) -> None:
+        """Note the admission time of groups just put by the feeder (for sample age)."""
         now = time.monotonic()
         for g in fed:
             self.admitted_at[g["uid"]] = now
-        if bounded:
-            self.admission.start(len(fed), self.synced_version)
-        else:
-            self.admission.started += len(fed)
         self.outstanding += len(fed)
 
     async def _drop(self, meta, lag: int) -> None:
@@ -195,13 +198,12 @@ class Stages:
                     self.cfg.algorithm.max_staleness)
         await self.rt.tq.aclear(PARTITION, meta.sample_ids)
         self.admission.drop(1)
+        self.admission.started += 1  # the re-issue takes the dropped group's place within the bound
         self.num_dropped_groups += 1
         self.metrics.dropped.inc(len(meta))
         self.admitted_at.pop(uid, None)
         self.outstanding -= 1
-        fed = await self.rt.feeder.reissue.remote([uid])
-        self._started(fed)  # the re-issue replaces the dropped group within the bound
-        self.changed.set()
+        self._track(await self.rt.feeder.reissue.remote([uid]))
 
     def _record(self, meta, train_metrics: dict, step_s: float) -> None:
         now = time.monotonic()
