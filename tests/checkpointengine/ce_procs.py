@@ -15,19 +15,21 @@ import torch
 
 def digest(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     """(dtype, shape, sha256 of the bytes) of a tensor: what a roller reports back."""
-    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), hashlib.sha256(raw).hexdigest()
 
 
-def roller_main(handle: dict, roller: str, script: list[tuple[int, str]], out) -> None:
+def roller_main(handle: dict, roller: str, script: list[tuple[int, str]], out, device: str = "cpu") -> None:
     """Run ``script``: (version, action) with action ack | fail | never_ack | expect_abort; report
-    (roller, version, outcome, digests) for each step."""
+    (roller, version, outcome, digests) for each step. ``device``: where received tensors land."""
     from common.env import set_torch_threads
 
     set_torch_threads(1)
     from checkpointengine import WeightReceiver, WeightSyncAborted, WeightSyncHandle
 
-    receiver = WeightReceiver(WeightSyncHandle.from_dict(handle), roller)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    receiver = WeightReceiver(WeightSyncHandle.from_dict(handle), roller, device=device)
     try:
         for version, action in script:
             try:
