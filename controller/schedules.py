@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from common import schema
 from controller.admission import Admission, staleness
@@ -135,6 +136,10 @@ class Stages:
         train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
         self.version += 1
         self.step += 1
+        every = self.cfg.trainer.save_every
+        if every and self.step % every == 0:  # trainer state (model, optimizer, scheduler, version, RNG)
+            path = Path(self.cfg.run_dir) / "checkpoints" / f"step_{self.step}"
+            await asyncio.to_thread(self.rt.trainer.save_checkpoint, str(path))
         self.outstanding -= len(set(t[schema.UID] for t in meta.tags))
         await self.rt.tq.aclear(PARTITION, meta.sample_ids)
         self._record(meta, train_metrics, time.monotonic() - start)

@@ -51,9 +51,10 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
 
 def test_partial_final_batch_is_a_step(tmp_path, ray_cluster):
     code, steps, _ = run(tmp_path, "sync", "data.size=3", "data.epochs=1", "data.train_batch_size=4",
-                         "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1")
+                         "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", "trainer.save_every=1")
     assert code == EXIT_OK
     assert len(steps) == 1 and steps[0]["num_groups"] == 3 and steps[0]["num_samples"] == 3 * 8
+    assert any((tmp_path / "checkpoints" / "step_1").iterdir())  # trainer.save_every writes DCP checkpoints
 
 
 def test_fully_async_max_staleness_zero_matches_sync(tmp_path, ray_cluster):
