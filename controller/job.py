@@ -105,10 +105,16 @@ def run_job(cfg: HFlowConfig) -> int:
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
     try:
         check_data(cfg)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise StartError(f"run_dir={str(run_dir)!r} exists and is not a directory")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.metrics.enabled:
-            port = metrics.serve(cfg.metrics.host, cfg.metrics.port)
+            try:
+                port = metrics.serve(cfg.metrics.host, cfg.metrics.port)
+            except OSError as exc:
+                raise StartError(f"cannot serve metrics on metrics.host={cfg.metrics.host!r} "
+                                 f"metrics.port={cfg.metrics.port}: {exc}") from exc
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
             print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
         init_ray(cfg.ray.address or None, cfg.ray.num_cpus or None, cfg.ray.object_store_bytes)
@@ -133,6 +139,9 @@ def run_job(cfg: HFlowConfig) -> int:
     except StartError as exc:
         print(f"hflow-async: cannot start: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("hflow-async: interrupted; pools stopped", file=sys.stderr)
+        return EXIT_FAILED
     except BaseException as exc:  # noqa: BLE001 - report the original error, exit non-zero
         cause = _unwrap(exc)
         print(f"hflow-async: run failed: {type(cause).__name__}: {cause}", file=sys.stderr)
