@@ -19,6 +19,7 @@ the slot to be consumed by every target (double buffering: packing k+1 overlaps 
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 import uuid
@@ -105,13 +106,15 @@ class WeightSender:
             return
         self._control = ControlServer(host, cfg)
         shm_paths, disk_dir = [], ""
+        self._own_disk_dir = ""  # a temp dir this sender made for the disk backend (removed by close)
         if cfg.backend == "shm":
             self._slots = ShmSlots.create(cfg.num_slots, cfg.bucket_bytes)
             shm_paths = self._slots.paths
         elif cfg.backend == "zmq":
             self._buffers = [torch.empty(cfg.bucket_bytes, dtype=torch.uint8) for _ in range(cfg.num_slots)]
         elif cfg.backend == "disk":
-            disk_dir = cfg.disk_dir or tempfile.mkdtemp(prefix="hflow-ce-disk-")
+            self._own_disk_dir = "" if cfg.disk_dir else tempfile.mkdtemp(prefix="hflow-ce-disk-")
+            disk_dir = cfg.disk_dir or self._own_disk_dir
             self._disk = DiskVersions(disk_dir)
         self.handle = WeightSyncHandle(cfg.backend, self._control.address, cfg.bucket_bytes, cfg.dtype,
                                        cfg.timeout_s, shm_paths, disk_dir,
@@ -359,6 +362,9 @@ class WeightSender:
         if self._control is not None:
             self._control.close()
             self._control = None
+        if self._own_disk_dir:
+            shutil.rmtree(self._own_disk_dir, ignore_errors=True)
+            self._own_disk_dir = ""
 
 
 class _SlotPacker:

@@ -152,6 +152,22 @@ def _merge(base, other, source: str):
         raise _friendly(exc, source) from None
 
 
+def _load_yaml(path: Path):
+    """A YAML mapping from ``path``; raises ValueError when the file is missing, not YAML, or not a mapping."""
+    import yaml
+
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        loaded = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if not OmegaConf.is_dict(loaded):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (e.g. 'rollout:'), "
+                         f"not a {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(
     mode: str | None = None,
     preset: str | None = None,
@@ -166,16 +182,13 @@ def load_config(
         raise ValueError("give either --preset or --config, not both")
     conf = OmegaConf.structured(HFlowConfig)
     if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ValueError(f"config file {config_file!r} does not exist")
-        conf = _merge(conf, OmegaConf.load(path), str(path))
+        conf = _merge(conf, _load_yaml(Path(config_file)), config_file)
     else:
         name = preset or DEFAULT_PRESET
         path = PRESET_DIR / f"{name}.yaml"
         if not path.is_file():
             raise ValueError(f"unknown preset {name!r}; available presets: {available_presets()}")
-        conf = _merge(conf, OmegaConf.load(path), f"preset {name}")
+        conf = _merge(conf, _load_yaml(path), f"preset {name}")
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ValueError(f"override {item!r} must look like key.subkey=value")

@@ -88,6 +88,20 @@ def check_data(cfg: HFlowConfig) -> int:
     return len(dataset)
 
 
+def _stop_on_sigterm():
+    """SIGTERM stops the job like Ctrl-C: pools shut down, servers stopped. Main thread only; returns the
+    previous handler (None elsewhere)."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        return signal.signal(signal.SIGTERM, interrupt)
+    return None
+
+
 def run_job(cfg: HFlowConfig) -> int:
     """Run ``cfg`` to completion; returns the process exit code (see the module docstring)."""
     import ray
@@ -103,6 +117,7 @@ def run_job(cfg: HFlowConfig) -> int:
     metrics = JobMetrics()
     rt = None
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
+    previous_sigterm = _stop_on_sigterm()
     try:
         check_data(cfg)
         if run_dir.exists() and not run_dir.is_dir():
@@ -118,6 +133,7 @@ def run_job(cfg: HFlowConfig) -> int:
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
             print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
         init_ray(cfg.ray.address or None, cfg.ray.num_cpus or None, cfg.ray.object_store_bytes)
+        _stop_on_sigterm()  # again: ray.init installs its own SIGTERM handler
         t0 = time.monotonic()
         try:
             rt = Runtime(cfg, num_batches(cfg))
@@ -153,3 +169,7 @@ def run_job(cfg: HFlowConfig) -> int:
         metrics.close()
         if owns_ray and ray.is_initialized():
             ray.shutdown()
+        if previous_sigterm is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_sigterm)

@@ -47,8 +47,26 @@ def build_server(spec: dict):
     raise ValueError(f"unknown server role {spec['role']!r}")
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this server when the process that launched it dies (even by SIGKILL), so a
+    killed controller leaves no orphan servers; exit at once if that already happened. (Linux ties this
+    to the launching *thread*: call ``start_transferqueue`` from a thread that outlives the servers.)"""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's shutdown() is the only stop
+        logger.warning("cannot tie the server's life to its launcher (no prctl); stop it with shutdown()")
+    if os.getppid() != parent:
+        sys.exit(0)
+
+
 def _server_main() -> None:
     """Entry of a server subprocess: read the spec from stdin, bind, publish the endpoint, serve."""
+    _die_with_parent()
     spec = json.loads(sys.stdin.read())
     from transferqueue.server import node_id, write_endpoint_file
 

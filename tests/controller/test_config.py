@@ -83,3 +83,14 @@ def test_yaml_roundtrip(tmp_path):
     path.write_text(to_yaml(cfg))
     again = load_config(config_file=str(path))
     assert again == cfg
+
+
+def test_malformed_config_files_are_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  n: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(config_file=str(bad))
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_config(config_file=str(listed))
