@@ -97,6 +97,7 @@ class WeightSender:
         self._group_members: list[str] = []
         self._stats = {"num_syncs": 0, "num_failed_syncs": 0, "num_roller_failures": 0, "last_sync_s": 0.0,
                        "total_sync_s": 0.0, "last_bytes": 0, "total_bytes": 0, "last_error": ""}
+        self._own_disk_dir = ""  # a temp dir this sender made for the disk backend (removed by close)
         if rank != 0:
             if handle is None:
                 raise ValueError(f"WeightSender rank {rank} needs the leader's handle")
@@ -106,7 +107,6 @@ class WeightSender:
             return
         self._control = ControlServer(host, cfg)
         shm_paths, disk_dir = [], ""
-        self._own_disk_dir = ""  # a temp dir this sender made for the disk backend (removed by close)
         if cfg.backend == "shm":
             self._slots = ShmSlots.create(cfg.num_slots, cfg.bucket_bytes)
             shm_paths = self._slots.paths

@@ -142,19 +142,15 @@ async def launch_sglang_engine(rollers: RollersConfig, model: ModelConfig, *, we
     timeouts = dict(request_timeout_s=rollers.sglang_request_timeout_s, max_retries=rollers.sglang_max_retries)
     if rollers.sglang_url:
         engine = SGLangEngine(rollers.sglang_url, **timeouts)
-        try:
-            await engine.connect(timeout_s=rollers.sglang_startup_timeout_s)
-        except BaseException:
-            await engine.shutdown()
-            raise
-        return engine
-    launcher = SGLangLauncher(
-        rollers.sglang_launch, model, mem_fraction=rollers.sglang_mem_fraction, colocated=rollers.sglang_colocated,
-        weight_version=weight_version, seed=seed, startup_timeout_s=rollers.sglang_startup_timeout_s,
-        num_threads=rollers.num_threads, max_batch_slots=rollers.max_batch_slots,
-    )
-    url = await launcher.start()
-    engine = SGLangEngine(url, on_shutdown=launcher.stop, **timeouts)
+    else:
+        launcher = SGLangLauncher(
+            rollers.sglang_launch, model, mem_fraction=rollers.sglang_mem_fraction,
+            colocated=rollers.sglang_colocated, weight_version=weight_version, seed=seed,
+            startup_timeout_s=rollers.sglang_startup_timeout_s, num_threads=rollers.num_threads,
+            max_batch_slots=rollers.max_batch_slots,
+        )
+        url = await launcher.start()
+        engine = SGLangEngine(url, on_shutdown=launcher.stop, **timeouts)
     try:
         await engine.connect(timeout_s=rollers.sglang_startup_timeout_s)
     except BaseException:

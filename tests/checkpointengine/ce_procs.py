@@ -19,6 +19,15 @@ def digest(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), hashlib.sha256(raw).hexdigest()
 
 
+def greedy_ids(model, prompt, n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` by plain full forwards (the reference decode of these tests)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def roller_main(handle: dict, roller: str, script: list[tuple[int, str]], out, device: str = "cpu") -> None:
     """Run ``script``: (version, action) with action ack | fail | never_ack | expect_abort; report
     (roller, version, outcome, digests) for each step. ``device``: where received tensors land."""

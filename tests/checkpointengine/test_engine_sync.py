@@ -26,6 +26,7 @@ from checkpointengine.config import CheckpointEngineConfig
 from common.models import ModelConfig, TinyModelConfig, load_model
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.torch_engine import TorchEngine
+from tests.checkpointengine.ce_procs import greedy_ids
 
 EOS = 2
 
@@ -40,14 +41,6 @@ def _perturb(model, seed=1, scale=0.3):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
-
-
-def _greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 class Rig:
@@ -87,12 +80,12 @@ def test_greedy_generation_after_sync_equals_trainer_greedy(backend):
         try:
             _perturb(rig.trainer)
             before = await rig.engine.generate(_request(0, PROMPTS[0]))
-            assert before.output_ids != _greedy(rig.trainer, PROMPTS[0], 12), "perturbation changed nothing"
+            assert before.output_ids != greedy_ids(rig.trainer, PROMPTS[0], 12), "perturbation changed nothing"
             update, report = await rig.sync(list(rig.trainer.state_dict().items()), 1)
             assert report.acked == ["r0"] and update.version == 1
             outs = await asyncio.gather(*(rig.engine.generate(_request(i, p)) for i, p in enumerate(PROMPTS)))
             for prompt, out in zip(PROMPTS, outs, strict=True):
-                assert out.output_ids == _greedy(rig.trainer, prompt, 12)
+                assert out.output_ids == greedy_ids(rig.trainer, prompt, 12)
                 assert set(out.weight_versions) == {1}
             assert rig.sender.stats()["roller_versions"] == {"r0": 1}
             assert rig.receiver.stats()["weight_version"] == 1 and rig.receiver.stats()["last_bytes"] > 0
@@ -175,7 +168,7 @@ def test_update_with_8_long_requests_in_flight():
                 k = versions.index(1)
                 assert 0 < k and versions == [0] * k + [1] * (40 - k), versions
                 # The v1 tokens continue prompt + v0 tokens exactly as the trainer's weights decode it.
-                assert out.output_ids[k:] == _greedy(rig.trainer, list(prompt) + out.output_ids[:k], 40 - k)
+                assert out.output_ids[k:] == greedy_ids(rig.trainer, list(prompt) + out.output_ids[:k], 40 - k)
         finally:
             await rig.close()
 

@@ -13,6 +13,7 @@ from checkpointengine.config import CheckpointEngineConfig
 from common.models import load_model
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.torch_engine import TorchEngine
+from tests.checkpointengine.ce_procs import greedy_ids
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.group import TrainerGroup
 
@@ -25,14 +26,6 @@ def _perturb_shards(worker, seed: int) -> None:
             noise = torch.randn(shard.full_shape, generator=g) * 0.3
             rows = shard.tensor.shape[0]
             shard.tensor.add_(noise[shard.row_offset: shard.row_offset + rows].to(shard.tensor))
-
-
-def _greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.slow
@@ -70,7 +63,7 @@ def test_fsdp2_two_ranks_to_torch_engine(ray_cluster, tiny_model_config):
 
         outs = asyncio.run(decode())
         for prompt, out in zip(prompts, outs, strict=True):
-            assert out.output_ids == _greedy(trainer_model, prompt, 10)
+            assert out.output_ids == greedy_ids(trainer_model, prompt, 10)
             assert set(out.weight_versions) == {1}
         stats = group.execute(trainer_hooks.sender_stats)[0]
         assert stats["roller_versions"] == {"r0": 1} and stats["last_bytes"] > 0

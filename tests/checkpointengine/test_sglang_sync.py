@@ -20,6 +20,7 @@ from checkpointengine.sglang_sync import SGLangWeightPusher
 from common.models import ModelConfig, load_model
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
+from tests.checkpointengine.ce_procs import greedy_ids
 
 
 def _start_server() -> tuple[subprocess.Popen, str]:
@@ -37,14 +38,6 @@ def _start_server() -> tuple[subprocess.Popen, str]:
             return proc, f"http://127.0.0.1:{match.group(1)}"
     proc.kill()
     raise AssertionError("server did not start:\n" + "".join(lines[-20:]))
-
-
-def _greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.slow
@@ -69,7 +62,7 @@ def test_broadcast_and_disk_to_sglang_api_server(tmp_path):
                 req = GenerationRequest("q", prompt, SamplingParams(max_new_tokens=10, temperature=0.0,
                                                                     ignore_eos=True))
                 out = await client.generate(req)
-                assert out.output_ids == _greedy(trainer, prompt, 10)
+                assert out.output_ids == greedy_ids(trainer, prompt, 10)
                 assert set(out.weight_versions) == {1}
                 # A tensor the server does not know: it refuses, names why, keeps version 1.
                 with pytest.raises(WeightSyncError, match=re.escape(url) + ".*nope"):
@@ -83,7 +76,7 @@ def test_broadcast_and_disk_to_sglang_api_server(tmp_path):
                 report = await pusher.push_via_disk(trainer.named_parameters(), 3)
                 assert report.acked == [url] and await client.get_weight_version() == 3
                 out = await client.generate(req)
-                assert out.output_ids == _greedy(trainer, prompt, 10) and set(out.weight_versions) == {3}
+                assert out.output_ids == greedy_ids(trainer, prompt, 10) and set(out.weight_versions) == {3}
                 assert (tmp_path / "v00000003" / "model.safetensors.index.json").is_file()
             await client.shutdown()
 
