@@ -41,6 +41,7 @@ async def _gauges(stages) -> None:
 
 
 async def _run_schedule(cfg: HFlowConfig, rt, metrics, report) -> dict:
+    from controller.report import group_reward_stats
     from controller.schedules import SCHEDULES, Stages
 
     stages = Stages(cfg, rt, metrics, report)
@@ -58,14 +59,8 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report) -> dict:
         "num_failed_groups": stages.num_failed_groups,
         "num_dropped_groups": stages.num_dropped_groups,
         "weight_version": stages.version,
-        **_frac(stages.rewards_by_uid),
+        **group_reward_stats(stages.rewards_by_uid),
     }
-
-
-def _frac(rewards_by_uid: dict) -> dict:
-    from controller.report import group_reward_stats
-
-    return group_reward_stats(rewards_by_uid)
 
 
 def num_batches(cfg: HFlowConfig) -> int:

@@ -35,6 +35,7 @@ from controller.config import HFlowConfig
 from controller.metrics import JobMetrics
 from controller.report import RunReport, group_reward_stats
 from controller.runtime import PARTITION, Runtime
+from transferqueue.records import BatchMeta
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,6 @@ class Stages:
     """The named stages every schedule is written in, and the run's bookkeeping (metadata only)."""
 
     def __init__(self, cfg: HFlowConfig, rt: Runtime, metrics: JobMetrics, report: RunReport):
-        from transferqueue.records import BatchMeta
-
-        self._BatchMeta = BatchMeta
         self.cfg, self.rt, self.metrics, self.report = cfg, rt, metrics, report
         self.n = cfg.rollout.n
         self.groups_per_step = cfg.data.train_batch_size * (
@@ -127,7 +125,7 @@ class Stages:
             metas.append(meta)
         if not metas:
             raise RolloutFailure(f"all {num_groups} groups of step {self.step + 1} failed")
-        return self._BatchMeta.concat(metas)
+        return BatchMeta.concat(metas)
 
     async def update(self, meta) -> dict:
         """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update."""
