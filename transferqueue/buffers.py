@@ -3,6 +3,7 @@ buffers ``get`` fills, and the copy that assembles a field from its sources."""
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -54,12 +55,22 @@ class ShmCache:
                 pass
         return self.maps[name][1]
 
+    def forget(self, name: str) -> None:
+        """Unmap block ``name`` (its unit destroyed it), so its memory can go back to the system."""
+        with self.lock:
+            hit = self.maps.pop(name, None)
+        if hit is not None:
+            try:
+                hit[0].close()
+            except BufferError:  # a caller's view still uses it; it closes when collected
+                pass
+
     def close(self) -> None:
         while self.maps:
             self.maps.popitem()
 
 
-POPULATE_MIN_BYTES = 1 << 20
+POPULATE_MIN_BYTES = 64 << 10  # smaller buffers come from malloc
 
 
 class BufferPool:
@@ -133,36 +144,57 @@ def assemble_field(j: int, name: str, count: int, routes, replies, received, all
     """Build field ``name`` (column ``j`` of every unit's reply) in meta order: one fresh buffer from
     ``alloc(nbytes, dtype)``, one copy. ``routes``: ``(unit, positions)``; ``received``: p2p tensors per
     reply. Returns what ``Batch`` holds for the field; raises RemoteError for inconsistent replies."""
-    row_nb = np.zeros(count, dtype=np.int64)
-    shapes: list = [None] * count
-    dtypes = set()
-    for (_, pos), (head, _) in zip(routes, replies, strict=True):
-        col = head["columns"][j]
-        dtypes.add(col["dtype"])
-        col_shapes = col["shapes"] if "shapes" in col else [col["shape"]] * col["count"]
-        if len(col_shapes) != len(pos):
-            raise RemoteError(f"unit returned {len(col_shapes)} rows of {name!r}, expected {len(pos)}")
-        desc = {"dtype": col["dtype"], "count": len(pos), "shapes": col_shapes}
-        row_nb[pos] = wire.row_nbytes(desc)
-        for p, sh in zip(pos.tolist(), col_shapes, strict=True):
-            shapes[p] = sh
+    cols = [head["columns"][j] for head, _ in replies]
+    dtypes = {col["dtype"] for col in cols}
     if len(dtypes) != 1:
         raise RemoteError(f"field {name!r} has mixed dtypes across units: {sorted(dtypes)}")
-    dst_off = np.concatenate([[0], np.cumsum(row_nb)]).astype(np.int64)
     dtype = dtypes.pop()
+    for col, (_, pos) in zip(cols, routes, strict=True):
+        if col.get("count") != len(pos) or len(col.get("shapes", pos)) != len(pos):
+            raise RemoteError(f"unit returned {col.get('count')} rows of {name!r}, expected {len(pos)}")
+    shape = cols[0].get("shape")
+    if dtype != wire.OBJECT_DTYPE and shape is not None and all(col.get("shape") == shape for col in cols):
+        row = math.prod(shape) * wire.ITEMSIZE[dtype]  # the common case: one fixed shape, no per-row work
+        out = alloc(count * row, dtype)
+        _copy_routes(out, j, routes, replies, received, shm, lambda p: p * row)
+        return _as_tensor(out, dtype).view(count, *shape)
+    row_nb = np.zeros(count, dtype=np.int64)
+    shapes: list = [None] * count
+    for col, (_, pos) in zip(cols, routes, strict=True):
+        col_shapes = col["shapes"] if "shapes" in col else [col["shape"]] * col["count"]
+        row_nb[pos] = wire.row_nbytes({"dtype": dtype, "count": len(pos), "shapes": col_shapes})
+        for p, sh in zip(pos.tolist(), col_shapes, strict=True):
+            shapes[p] = sh
+    dst_off = np.concatenate([[0], np.cumsum(row_nb)]).astype(np.int64)
     out = alloc(int(dst_off[-1]), dtype)
-    for (_, pos), (head, frames), got in zip(routes, replies, received, strict=True):
-        src = run_sources(head, frames, got, j, shm)
-        brk = np.flatnonzero(np.diff(pos) != 1) + 1
-        segs = [(int(dst_off[pos[s]]), int(dst_off[pos[e - 1] + 1] - dst_off[pos[s]]))
-                for s, e in zip([0, *brk.tolist()], [*brk.tolist(), len(pos)], strict=True)]
-        merge_copy(out, src, segs)
+    _copy_routes(out, j, routes, replies, received, shm, lambda p: int(dst_off[p]))
     desc = {"name": name, "dtype": dtype, "count": count}
     if dtype != wire.OBJECT_DTYPE and all(sh == shapes[0] for sh in shapes):
         desc["shape"] = shapes[0]
     else:
         desc["shapes"] = shapes
     return wire.decode_column(desc, out)
+
+
+def _copy_routes(out, j: int, routes, replies, received, shm: ShmCache, offset) -> None:
+    """Copy column ``j`` of every reply into ``out``; ``offset(p)``: byte offset of row position ``p``."""
+    for (_, pos), (head, frames), got in zip(routes, replies, received, strict=True):
+        src = run_sources(head, frames, got, j, shm)
+        if len(pos) and pos[-1] - pos[0] == len(pos) - 1:  # positions are sorted: one contiguous segment
+            bounds = [(int(pos[0]), int(pos[-1]) + 1)]
+        else:
+            brk = (np.flatnonzero(np.diff(pos) != 1) + 1).tolist()
+            bounds = [(int(pos[s]), int(pos[e - 1]) + 1) for s, e in zip([0, *brk], [*brk, len(pos)], strict=True)]
+        merge_copy(out, src, [(offset(lo), offset(hi) - offset(lo)) for lo, hi in bounds])
+
+
+def _as_tensor(out, dtype: str) -> torch.Tensor:
+    """A flat tensor of ``dtype`` over a filled buffer (numpy host buffer or device tensor), no copy."""
+    if isinstance(out, torch.Tensor):
+        return out.view(wire.DTYPES[dtype]) if out.numel() else torch.empty(0, dtype=wire.DTYPES[dtype],
+                                                                            device=out.device)
+    return torch.from_numpy(out).view(wire.DTYPES[dtype]) if out.size else torch.empty(0, dtype=wire.DTYPES[dtype])
+
 
 def run_sources(head: dict, frames: list, received: list, j: int, shm: ShmCache) -> list:
     """Source buffers of column ``j`` of one reply, in row order (shm views, frames or p2p tensors)."""

@@ -3,17 +3,21 @@
 
 ::
 
-    put:      index.prepare_put (ids) -> per unit: [alloc shm block] -> put -> index.notify (fields ready)
+    put:      [index.prepare_put (given ids)] -> per unit, in parallel: [alloc] -> memcpy into the shm
+              block -> put (its reply leases the block for the next put) -> index.notify (fields ready)
     get_meta: index.get_meta (long-poll; ids + tags only)
     get_data: per unit, in parallel: get -> runs in shm blocks / raw frames -> one copy into new tensors
 
 Samples live on unit ``(id // route_block) % num_units``. Same-node units get data through shared memory
-(one memcpy each way, ZMQ carries only control); others through raw ZMQ frames (zero-copy send).
+(one memcpy each way, ZMQ carries only control, over the servers' ``ipc://`` endpoints); others through
+raw ZMQ frames over TCP (zero-copy send). A steady stream of shared-memory puts of fresh samples costs
+two round trips each (unit, index); ``reserve`` of fresh ids happens once per ``RESERVE_IDS`` samples.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,6 +34,8 @@ from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncD
 
 FULL_RETRY_S = 0.01
 RESERVE_IDS = 4096  # sample ids a client reserves from the index at a time
+SPARE_MAX_BYTES = 8 << 20  # a client keeps one leased spare block per unit for puts up to this size
+ASKED = "asked"  # a spare block is on its way in a put reply
 
 
 def _batch_size(data: Mapping[str, Any]) -> int:
@@ -70,6 +76,8 @@ class TQClient:
         self.links: dict = {}
         self._ids_lock = threading.Lock()
         self._id_next = self._id_end = 0
+        self._spare_lock = threading.Lock()
+        self._spares: dict[int, tuple[str, int, float] | str] = {}  # unit -> (block, size, valid until) | ASKED
         self.num_units = len(handle.unit_addresses)
         here = node_id()
         self.local = [handle.shared_memory and n == here for n in handle.unit_nodes]
@@ -81,6 +89,8 @@ class TQClient:
     # ---------------------------------------------------------------------------------- routing
     def units_of(self, sample_ids: Sequence[int]) -> list[tuple[int, np.ndarray]]:
         """``(unit, positions)`` for each unit holding some of ``sample_ids`` (positions in order)."""
+        if self.num_units == 1:
+            return [(0, np.arange(len(sample_ids)))] if len(sample_ids) else []
         ids = np.asarray(sample_ids, dtype=np.int64)
         units = (ids // self.handle.route_block) % self.num_units
         return [(u, np.flatnonzero(units == u)) for u in range(self.num_units) if (units == u).any()]
@@ -128,50 +138,108 @@ class TQClient:
     def _store(self, data, names, ids, timeout_s, stored: list[int]) -> Flow:
         """Send each unit its rows; retry units that answer ``full`` until the deadline. Returns the
         columns (descriptors over all samples, in ``ids`` order) for the index."""
-        import time
-
         if self.device is not None:
             yield from self._store_p2p(data, names, ids, stored)
             return self._columns_for_index(data, names, ids)
         deadline = time.monotonic() + timeout_s
         pending = {}
         for unit, pos in self.units_of(ids):
-            sub_ids = [ids[i] for i in pos.tolist()]
             encoded = [wire.encode_column(n, _rows(data[n], pos), len(pos)) for n in names]
-            pending[unit] = (sub_ids, encoded)
-        while pending:
-            calls, order = [], []
-            for unit, (sub_ids, encoded) in pending.items():
-                use_shm = self.local[unit] and sum(d["nbytes"] for d, _ in encoded) >= self.handle.shm_min_bytes
-                if use_shm:
-                    calls.append(Call(unit, {"op": "alloc", "nbytes": sum(_aligned(d["nbytes"]) for d, _ in encoded)}))
-                    order.append((unit, "alloc"))
-                else:
-                    calls.append(Call(unit, {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded]},
-                                      [b for _, bufs in encoded for b in bufs]))
-                    order.append((unit, "put"))
-            replies = yield from self._tolerate_full(calls)
-            commits = []
-            for (unit, kind), reply in zip(order, replies, strict=True):
-                if reply is None:
-                    continue
-                if kind == "put":
-                    stored.append(unit)
-                    del pending[unit]
-                    continue
-                sub_ids, encoded = pending[unit]
-                commits.append((unit, self._write_block(unit, reply[0]["block"], sub_ids, encoded)))
-            if commits:
-                got = yield from self._tolerate_full([c for _, c in commits])
-                for (unit, _), reply in zip(commits, got, strict=True):
-                    if reply is not None:
-                        stored.append(unit)
-                        del pending[unit]
-            if pending:
-                if time.monotonic() > deadline:
-                    raise Full(f"storage units {sorted(pending)} stayed full for {timeout_s} s")
-                yield Sleep(FULL_RETRY_S)
+            pending[unit] = ([ids[i] for i in pos.tolist()], encoded)
+        asked: set[int] = set()  # units whose next spare block this flow asked for
+        try:
+            while pending:
+                yield from self._store_round(pending, stored, asked)
+                if pending:
+                    if time.monotonic() > deadline:
+                        raise Full(f"storage units {sorted(pending)} stayed full for {timeout_s} s")
+                    yield Sleep(FULL_RETRY_S)
+        finally:
+            with self._spare_lock:
+                for unit in asked:
+                    if self._spares.get(unit) is ASKED:
+                        del self._spares[unit]
         return self._columns_for_index(data, names, ids)
+
+    def _store_round(self, pending: dict, stored: list[int], asked: set[int]) -> Flow:
+        """One attempt for every pending unit: frames (remote unit or small put), a put into a spare block
+        (one round trip), or alloc then put (two). Units that answered ``full`` stay pending."""
+        calls = []
+        for unit, (sub_ids, encoded) in pending.items():
+            nbytes = sum(d["nbytes"] for d, _ in encoded)
+            if not self.local[unit] or nbytes < self.handle.shm_min_bytes:
+                calls.append(Call(unit, {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded]},
+                                  [b for _, bufs in encoded for b in bufs]))
+                continue
+            need = sum(_aligned(d["nbytes"]) for d, _ in encoded)
+            block = self._take_spare(unit, need)
+            if block is not None:
+                try:
+                    calls.append(self._write_block(unit, block, sub_ids, encoded, asked))
+                    continue
+                except FileNotFoundError:  # the unit took the spare back to make room (and unlinked it)
+                    pass
+            calls.append(Call(unit, {"op": "alloc", "nbytes": need}))
+        commits = []
+        for call, reply in zip(calls, (yield from self._tolerate_full(calls)), strict=True):
+            if reply is None:
+                if "shm" in call.header:  # a spare block the unit took back to make room: gone for good
+                    self.shm.forget(call.header["shm"]["block"])
+                continue
+            if call.header["op"] == "alloc":
+                sub_ids, encoded = pending[call.target]
+                commits.append(self._write_block(call.target, reply[0]["block"], sub_ids, encoded, asked))
+            else:
+                self._stored(call.target, reply[0], pending, stored)
+        if commits:
+            for call, reply in zip(commits, (yield from self._tolerate_full(commits)), strict=True):
+                if reply is not None:
+                    self._stored(call.target, reply[0], pending, stored)
+
+    def _stored(self, unit: int, head: dict, pending: dict, stored: list[int]) -> None:
+        stored.append(unit)
+        del pending[unit]
+        lease = head.get("lease")
+        if lease is not None:
+            with self._spare_lock:  # valid for half the unit's lease: the unit's clock started first
+                self._spares[unit] = (lease["block"], lease["size"], time.monotonic() + lease["lease_s"] / 2)
+
+    def _take_spare(self, unit: int, need: int) -> str | None:
+        """The spare block this client holds for ``unit`` if it is still leased and big enough, else None."""
+        with self._spare_lock:
+            spare = self._spares.get(unit)
+            if not isinstance(spare, tuple):
+                return None
+            name, size, valid_until = spare
+            if time.monotonic() >= valid_until:
+                del self._spares[unit]  # the unit takes it back when the lease ends
+                return None
+            if size < need:
+                return None
+            del self._spares[unit]
+            return name
+
+    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list, asked: set[int]) -> Call:
+        """Copy the columns into ``block`` and return the put that hands it to ``unit``; the put asks for the
+        next spare block when this client holds none for ``unit`` (and the put is not too big to keep one)."""
+        view = self.shm.view(block)
+        offsets, off = [], 0
+        for desc, bufs in encoded:
+            offsets.append(off)
+            pos = off
+            for b in bufs:
+                np.copyto(view[pos:pos + len(b)], b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8))
+                pos += len(b)
+            desc["split"] = False
+            off += _aligned(desc["nbytes"])
+        header = {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded],
+                  "shm": {"block": block, "offsets": offsets}}
+        with self._spare_lock:
+            if off <= SPARE_MAX_BYTES and unit not in self._spares:
+                self._spares[unit] = ASKED
+                asked.add(unit)
+                header["lease"] = off
+        return Call(unit, header)
 
     def _link(self, unit: int) -> Flow:
         """This client's p2p link to ``unit`` (joined on first use), locked for the caller's request."""
@@ -222,20 +290,6 @@ class TQClient:
             if isinstance(reply, Exception) and not isinstance(reply, Full):
                 raise reply
         return [None if isinstance(r, Full) else r for r in replies]
-
-    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list) -> Call:
-        view = self.shm.view(block)
-        offsets, off = [], 0
-        for desc, bufs in encoded:
-            offsets.append(off)
-            pos = off
-            for b in bufs:
-                np.copyto(view[pos:pos + len(b)], b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8))
-                pos += len(b)
-            desc["split"] = False
-            off += _aligned(desc["nbytes"])
-        return Call(unit, {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded],
-                         "shm": {"block": block, "offsets": offsets}})
 
     @staticmethod
     def _columns_for_index(data, names, ids) -> list[dict]:

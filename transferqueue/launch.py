@@ -38,13 +38,28 @@ def build_server(spec: dict):
     if spec["role"] == "index":
         from transferqueue.index_server import IndexServer
 
-        return IndexServer(spec["address"], curve, tuple(spec.get("sampler_modules", ())))
+        return IndexServer(spec["address"], curve, tuple(spec.get("sampler_modules", ())),
+                           local_address=spec.get("local_address", ""))
     if spec["role"] == "unit":
         from transferqueue.storage import StorageUnit
 
         return StorageUnit(spec["address"], spec["capacity_bytes"], curve, lease_s=spec.get("lease_s", 60.0),
-                           p2p=spec.get("p2p"))
+                           p2p=spec.get("p2p"), local_address=spec.get("local_address", ""))
     raise ValueError(f"unknown server role {spec['role']!r}")
+
+
+def local_address(directory: str, i: int) -> str:
+    """The ``ipc://`` endpoint of server ``i`` inside ``directory`` (a private temp dir), or ``""`` when the
+    path would exceed the Unix socket path limit (that server is then reached over TCP only)."""
+    path = os.path.join(directory, f"server{i}.sock")
+    return f"ipc://{path}" if len(path) < 100 else ""
+
+
+def _info(server) -> dict[str, Any]:
+    from transferqueue.server import node_id
+
+    return {"endpoint": server.endpoint, "local_endpoint": server.local_endpoint, "node": node_id(),
+            "pid": os.getpid()}
 
 
 def _die_with_parent() -> None:
@@ -68,12 +83,12 @@ def _server_main() -> None:
     """Entry of a server subprocess: read the spec from stdin, bind, publish the endpoint, serve."""
     _die_with_parent()
     spec = json.loads(sys.stdin.read())
-    from transferqueue.server import node_id, write_endpoint_file
+    from transferqueue.server import write_endpoint_file
 
     server = build_server(spec)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
-    write_endpoint_file(spec["endpoint_file"], {"endpoint": server.endpoint, "node": node_id(), "pid": os.getpid()})
+    write_endpoint_file(spec["endpoint_file"], _info(server))
     server.serve_forever()
 
 
@@ -91,7 +106,9 @@ def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None) -> list[dict]:
 
 def _handle(cfg: TransferQueueConfig, infos: list[dict], curve: CurveKeys | None) -> TQHandle:
     return TQHandle(index_address=infos[0]["endpoint"], unit_addresses=[i["endpoint"] for i in infos[1:]],
-                    unit_nodes=[i["node"] for i in infos[1:]], route_block=cfg.route_block,
+                    unit_nodes=[i["node"] for i in infos[1:]], index_node=infos[0]["node"],
+                    index_local_address=infos[0]["local_endpoint"],
+                    unit_local_addresses=[i["local_endpoint"] for i in infos[1:]], route_block=cfg.route_block,
                     shared_memory=cfg.shared_memory, shm_min_bytes=cfg.shm_min_bytes,
                     request_timeout_s=cfg.request_timeout_s, curve=curve, p2p_backend=cfg.p2p_backend)
 
@@ -147,6 +164,7 @@ def start_transferqueue(cfg: TransferQueueConfig) -> TQServers:
     try:
         for i, spec in enumerate(_specs(cfg, curve)):
             spec["endpoint_file"] = files_i = os.path.join(run_dir, f"server{i}.json")
+            spec["local_address"] = local_address(run_dir, i)
             files.append(files_i)
             p = subprocess.Popen([sys.executable, "-c", "from transferqueue.launch import _server_main; _server_main()"],
                                  stdin=subprocess.PIPE, env=env, start_new_session=True)
@@ -186,18 +204,18 @@ class _ServerActor:
         from common.env import set_torch_threads
 
         set_torch_threads(1)
-        self.server = build_server(spec)
+        self.dir = tempfile.mkdtemp(prefix="hflow-tq-")  # for the ipc endpoint
+        self.server = build_server(dict(spec, local_address=local_address(self.dir, 0)))
         self.thread = threading.Thread(target=self.server.serve_forever, name=f"tq-{spec['role']}", daemon=True)
         self.thread.start()
 
     def info(self) -> dict[str, Any]:
-        from transferqueue.server import node_id
-
-        return {"endpoint": self.server.endpoint, "node": node_id(), "pid": os.getpid()}
+        return _info(self.server)
 
     def stop(self) -> None:
         self.server.stop()
         self.thread.join(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class TQRayServers:

@@ -176,13 +176,19 @@ class CurveKeys:
 class TQHandle:
     """Everything a worker needs to build a client: addresses, routing, keys. Small and serialisable.
 
-    ``unit_nodes``: a node identity per storage unit (host + boot id) used to pick the shared-memory
-    path. ``p2p_backend``: the units' device path (``""`` off, ``gloo``, ``nccl``). ``route_block``: samples ``[k*route_block, (k+1)*route_block)`` live on unit ``k % N``.
+    ``unit_nodes`` / ``index_node``: the node identity (host + boot id) of each server; a client on the
+    same node uses the shared-memory path and the server's ``ipc://`` endpoint (``unit_local_addresses``,
+    ``index_local_address``; ``""`` when it has none) instead of TCP. ``p2p_backend``: the units' device
+    path (``""`` off, ``gloo``, ``nccl``). ``route_block``: samples ``[k*route_block, (k+1)*route_block)``
+    live on unit ``k % N``.
     """
 
     index_address: str
     unit_addresses: list[str]
     unit_nodes: list[str]
+    index_node: str = ""
+    index_local_address: str = ""
+    unit_local_addresses: list[str] = field(default_factory=list)
     route_block: int = 64
     shared_memory: bool = True
     shm_min_bytes: int = 64 * 1024

@@ -45,14 +45,16 @@ class RouterServer:
     """Base of the index and storage-unit servers. Subclasses implement ``handle`` and maybe ``tick``.
 
     ``address``: ``tcp://host:port`` (port 0 picks a free one) or ``ipc://path``; the bound endpoint is
-    ``self.endpoint``. ``curve``: when given, the socket requires CURVE and accepts only the job's client
-    key (ZAP handler in a thread of this process).
+    ``self.endpoint``. ``local_address``: an ``ipc://`` path the same socket also binds, for clients on this
+    node (a round trip over a Unix socket costs less than over loopback TCP); ``self.local_endpoint``.
+    ``curve``: when given, the socket requires CURVE and accepts only the job's client key (ZAP handler
+    in a thread of this process), on both endpoints.
     """
 
     tick_s = 0.05
     gc_every_s = 5.0
 
-    def __init__(self, address: str, curve: CurveKeys | None = None, hwm: int = 1000):
+    def __init__(self, address: str, curve: CurveKeys | None = None, hwm: int = 1000, local_address: str = ""):
         self.ctx = zmq.Context()  # own context: one ZAP handler per server
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -72,6 +74,11 @@ class RouterServer:
         else:
             self.sock.bind(address)
             self.endpoint = address
+        if local_address:
+            if not local_address.startswith("ipc://"):
+                raise ValueError(f"local_address must be an ipc:// endpoint, got {local_address!r}")
+            self.sock.bind(local_address)
+        self.local_endpoint = local_address
         self._stop = threading.Event()
         self.after_reply = None
         self.requests: dict[str, list[float]] = {}

@@ -4,6 +4,8 @@
 
     same node:    client --alloc(nbytes)--> unit: block "hflow-tq-…" from its shared-memory pool
                   client memcpy -> /dev/shm block;  client --put(ids, columns, block offsets)--> unit
+                  (a put may ask for the next block in its reply: a steady stream of puts costs one
+                  round trip to the unit each)
                   client --get(ids, fields)--> unit: [(block, offset, nbytes), ...] ; client memcpy out
     across nodes: client --put(header, frame per column)--> unit keeps the received zmq frames
                   client --get--> unit sends (zero-copy) slices of its blocks / frames
@@ -21,11 +23,20 @@ import mmap
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections import OrderedDict
 
 import numpy as np
 
 from transferqueue import wire
+from transferqueue.chunks import (
+    Chunk,
+    FieldTable,
+    Holder,
+    as_ids,
+    chunks_of_column,
+    contiguous_runs,
+    id_range,
+)
 from transferqueue.records import CurveKeys
 from transferqueue.server import Reply, RouterServer
 
@@ -72,111 +83,12 @@ def size_class(nbytes: int) -> int:
     return -(-n // step) * step
 
 
-@dataclass
-class Holder:
-    """One received buffer set (a shm block or the frames of one put) and the chunks that use it."""
-
-    nbytes: int
-    block: ShmBlock | None = None
-    frames: list = field(default_factory=list)
-    refs: int = 0
-
-
-@dataclass
-class Chunk:
-    """Rows ``[start, start + count)`` of one field. Row ``i`` is ``bufs[buf_of_row[i]][off[i]:off[i]+nb[i]]``
-    (``buf_of_row`` None: all rows in ``bufs[0]``)."""
-
-    start: int
-    count: int
-    dtype: str
-    shapes: list[list[int]]
-    holder: Holder
-    bufs: list
-    buf_of_row: np.ndarray | None
-    off: np.ndarray
-    nb: np.ndarray
-    alive: np.ndarray
-    nalive: int
-
-
-class FieldTable:
-    """Chunks of one field sorted by start id, looked up with ``np.searchsorted``."""
-
-    def __init__(self):
-        self.chunks: list[Chunk] = []
-        self._starts: np.ndarray | None = None
-        self._ends: np.ndarray | None = None
-
-    def _arrays(self):
-        if self._starts is None:
-            self._starts = np.array([c.start for c in self.chunks], dtype=np.int64)
-            self._ends = self._starts + np.array([c.count for c in self.chunks], dtype=np.int64)
-        return self._starts, self._ends
-
-    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(chunk index, row, found)`` per id; ``found`` False where no chunk covers the id."""
-        starts, ends = self._arrays()
-        if not len(starts):
-            zeros = np.zeros(len(ids), dtype=np.int64)
-            return zeros, zeros, np.zeros(len(ids), dtype=bool)
-        cidx = np.searchsorted(starts, ids, side="right") - 1
-        safe = np.maximum(cidx, 0)
-        found = (cidx >= 0) & (ids < ends[safe])
-        return safe, ids - starts[safe], found
-
-    def insert(self, chunk: Chunk) -> None:
-        pos = int(np.searchsorted(self._arrays()[0], chunk.start))
-        self.chunks.insert(pos, chunk)
-        self._starts = None
-
-    def drop_dead(self) -> list[Chunk]:
-        dead = [c for c in self.chunks if c.nalive == 0]
-        if dead:
-            self.chunks = [c for c in self.chunks if c.nalive]
-            self._starts = None
-        return dead
-
-
-def contiguous_runs(ids: np.ndarray) -> list[tuple[int, int]]:
-    """``(position, length)`` of the maximal runs of consecutive ids in ``ids``."""
-    if not len(ids):
-        return []
-    brk = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = [0, *brk.tolist()]
-    ends = [*brk.tolist(), len(ids)]
-    return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
-
-
-def _row_nbytes(col: dict) -> np.ndarray:
-    if "shape" in col:
-        return np.full(col["count"], col["nbytes"] // max(col["count"], 1), dtype=np.int64)
-    return np.asarray(wire.row_nbytes(col), dtype=np.int64)
-
-
-def _row_offsets(col: dict) -> np.ndarray:
-    """Byte offset of each sample inside a packed column."""
-    if "shape" in col:
-        return np.arange(col["count"], dtype=np.int64) * (col["nbytes"] // max(col["count"], 1))
-    nb = _row_nbytes(col)
-    return np.concatenate([[0], np.cumsum(nb)[:-1]]).astype(np.int64) if len(nb) else nb
-
-
-def _as_ids(value, what: str = "ids") -> np.ndarray:
-    if not isinstance(value, list):
-        raise wire.WireError(f"{what} must be a list of non-negative ints")
-    arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu" or (len(arr) and arr.min() < 0):
-        raise wire.WireError(f"{what} must be a list of non-negative ints")
-    return arr.astype(np.int64, copy=False)
-
-
 class StorageUnit(RouterServer):
     """Serves ``alloc``, ``put``, ``get``, ``clear``, ``stats`` and ``ping``; everything else is rejected."""
 
     def __init__(self, address: str, capacity_bytes: int, curve: CurveKeys | None = None,
-                 lease_s: float = 60.0, p2p: dict | None = None):
-        super().__init__(address, curve)
+                 lease_s: float = 60.0, p2p: dict | None = None, local_address: str = ""):
+        super().__init__(address, curve, local_address=local_address)
         self.p2p = None
         if p2p:
             from transferqueue.p2p import UnitP2P
@@ -188,7 +100,8 @@ class StorageUnit(RouterServer):
         self.tables: dict[str, FieldTable] = {}
         self.used_bytes = 0  # live holders + pending allocations + pooled blocks
         self.free: dict[int, list[ShmBlock]] = {}
-        self.pending: dict[str, tuple[ShmBlock, float]] = {}
+        self.pending: dict[str, tuple[ShmBlock, float, bool]] = {}  # leased: (block, deadline, spare)
+        self.revoked: OrderedDict[str, None] = OrderedDict()  # spare blocks taken back (recent ones)
         self.stored_bytes = 0
         self._received = False  # a p2p put's bytes were taken off the link (no drain on failure)
 
@@ -200,6 +113,15 @@ class StorageUnit(RouterServer):
             self.used_bytes -= size
             if not self.free[size]:
                 del self.free[size]
+        for name in [n for n, (_, _, spare) in self.pending.items() if spare]:
+            if self.used_bytes + nbytes <= self.capacity_bytes:
+                break
+            block, _, _ = self.pending.pop(name)  # a spare nobody wrote yet: its client falls back to alloc
+            block.destroy()
+            self.used_bytes -= block.size
+            self.revoked[name] = None
+            while len(self.revoked) > 4096:
+                self.revoked.popitem(last=False)
         if self.used_bytes + nbytes > self.capacity_bytes:
             raise FullError(f"storage unit full: {self.used_bytes} of {self.capacity_bytes} bytes used, "
                             f"{nbytes} more requested")
@@ -220,8 +142,8 @@ class StorageUnit(RouterServer):
         if self.p2p is not None:
             self.p2p.poll()
         now = time.monotonic()
-        for name in [n for n, (_, deadline) in self.pending.items() if deadline < now]:
-            block, _ = self.pending.pop(name)
+        for name in [n for n, (_, deadline, _) in self.pending.items() if deadline < now]:
+            block, _, _ = self.pending.pop(name)
             self.free.setdefault(block.size, []).append(block)
 
     # ------------------------------------------------------------------------------------- handle
@@ -251,9 +173,14 @@ class StorageUnit(RouterServer):
         raise wire.WireError(f"unknown op {op!r} for a storage unit")
 
     def _alloc(self, header: dict) -> Reply:
-        nbytes = header.get("nbytes")
+        return self._lease(header.get("nbytes"), "alloc", spare=False), []
+
+    def _lease(self, nbytes, what: str, spare: bool) -> dict:
+        """Lease a block of at least ``nbytes`` to one client until ``lease_s`` from now (then it returns to
+        the pool). A ``spare`` (asked for in advance by a put) is taken back when the unit needs its space.
+        Raises WireError for a bad size, FullError when it does not fit."""
         if not isinstance(nbytes, int) or nbytes < 0:
-            raise wire.WireError(f"alloc: nbytes must be a non-negative int, got {nbytes!r}")
+            raise wire.WireError(f"{what}: nbytes must be a non-negative int, got {nbytes!r}")
         size = size_class(nbytes)
         pool = self.free.get(size)
         if pool:
@@ -263,25 +190,31 @@ class StorageUnit(RouterServer):
         else:
             self._reserve(size)
             block = ShmBlock(size)
-        self.pending[block.name] = (block, time.monotonic() + self.lease_s)
-        return {"block": block.name, "size": block.size}, []
+        self.pending[block.name] = (block, time.monotonic() + self.lease_s, spare)
+        return {"block": block.name, "size": block.size, "lease_s": self.lease_s}
 
     def _put(self, header: dict, frames: list) -> Reply:
-        ids = _as_ids(header.get("ids"))
+        raw_ids = header.get("ids")
+        lo = id_range(raw_ids)  # consecutive ids: no per-id work below
+        ids = as_ids(raw_ids) if lo is None else np.arange(lo, lo + len(raw_ids), dtype=np.int64)
+        n = len(ids)
         cols = header.get("columns")
         if not isinstance(cols, list) or not cols:
             raise wire.WireError("put: columns must be a non-empty list")
-        cols = [wire.validate_column(c, len(ids)) for c in cols]
+        cols = [wire.validate_column(c, n) for c in cols]
         if len({c["name"] for c in cols}) != len(cols):
             raise wire.WireError("put: duplicate column names")
-        if len(set(ids.tolist())) != len(ids):
+        if lo is None and len(set(ids.tolist())) != n:
             raise wire.WireError("put: duplicate ids")
         link = header.get("p2p")
+        lease = header.get("lease")
         self._received = False
         try:
+            if lease is not None and (not isinstance(lease, int) or lease < 0):
+                raise wire.WireError(f"put: lease must be a non-negative int (bytes), got {lease!r}")
             for c in cols:
                 table = self.tables.get(c["name"])
-                if table is not None and table.locate(ids)[2].any():
+                if table is not None and (table.overlapping(lo, lo + n) if lo is not None else table.locate(ids)[2].any()):
                     raise ValueError(f"put: field {c['name']!r} already stored for some of these ids")
             shm = header.get("shm")
             if link is not None:
@@ -298,21 +231,22 @@ class StorageUnit(RouterServer):
             if link is not None and self.p2p is not None and not self._received:
                 self.p2p.drain(link, [c["nbytes"] for c in cols])  # the client is sending: consume it
             raise
-        runs = contiguous_runs(ids)
+        runs = [(0, n)] if lo is not None else contiguous_runs(ids)
         for c, (bufs, buf_of_row, off) in zip(cols, placed, strict=True):
-            nb = _row_nbytes(c)
-            shapes = c["shapes"] if "shapes" in c else [c["shape"]] * len(ids)
             table = self.tables.setdefault(c["name"], FieldTable())
-            for pos, length in runs:
-                sl = slice(pos, pos + length)
-                table.insert(Chunk(int(ids[pos]), length, c["dtype"], shapes[sl], holder, bufs,
-                                   None if buf_of_row is None else buf_of_row[sl], off[sl], nb[sl],
-                                   np.ones(length, dtype=bool), length))
+            for chunk in chunks_of_column(c, lo, ids, runs, holder, bufs, buf_of_row, off):
+                table.insert(chunk)
                 holder.refs += 1
         if holder.refs == 0:  # zero samples
             holder.refs = 1
             self._release(holder)
-        return {"nbytes": holder.nbytes}, []
+        reply = {"nbytes": holder.nbytes}
+        if lease is not None:  # the block for the client's next shared-memory put: saves it an alloc
+            try:
+                reply["lease"] = self._lease(lease, "put: lease", spare=True)
+            except FullError:
+                pass  # the put itself succeeded; the next one allocates (and waits) as usual
+        return reply, []
 
     def _frames_holder(self, cols: list[dict], frames: list) -> Holder:
         nbytes = sum(c["nbytes"] for c in cols)
@@ -328,7 +262,7 @@ class StorageUnit(RouterServer):
                 placed.append((bufs, np.arange(c["count"]), np.zeros(c["count"], dtype=np.int64)))
                 pos += c["count"]
             else:
-                placed.append(([np.frombuffer(frames[pos].buffer, dtype=np.uint8)], None, _row_offsets(c)))
+                placed.append(([np.frombuffer(frames[pos].buffer, dtype=np.uint8)], None, 0))
                 pos += 1
         return placed
 
@@ -346,18 +280,17 @@ class StorageUnit(RouterServer):
             self.used_bytes -= nbytes
             raise
         self.stored_bytes += nbytes
-        placed = []
-        for c, buf in zip(cols, bufs, strict=True):
-            placed.append(([buf], None, _row_offsets(c)))
-        return Holder(nbytes, frames=bufs), placed
+        return Holder(nbytes, frames=bufs), [([buf], None, 0) for buf in bufs]
 
     def _shm_placement(self, cols: list[dict], shm) -> tuple[Holder, list]:
+        if isinstance(shm, dict) and shm.get("block") in self.revoked:
+            raise FullError(f"put: spare block {shm['block']} was taken back to make room; allocate again")
         if not isinstance(shm, dict) or shm.get("block") not in self.pending:
             raise wire.WireError("put: shm.block must name a block allocated to this client and not yet used")
         offsets = shm.get("offsets")
         if not isinstance(offsets, list) or len(offsets) != len(cols) or not all(isinstance(o, int) for o in offsets):
             raise wire.WireError("put: shm.offsets must hold one int offset per column")
-        block, _ = self.pending[shm["block"]]
+        block, _, _ = self.pending[shm["block"]]
         end = 0
         for c, o in zip(cols, offsets, strict=True):
             if c["split"] or o < end or o + c["nbytes"] > block.size:
@@ -366,13 +299,12 @@ class StorageUnit(RouterServer):
         del self.pending[shm["block"]]
         holder = Holder(block.size, block=block)
         self.stored_bytes += block.size
-        placed = []
-        for c, o in zip(cols, offsets, strict=True):
-            placed.append(([block], None, o + _row_offsets(c)))
-        return holder, placed
+        return holder, [([block], None, o) for o in offsets]
 
     def _get(self, header: dict) -> Reply:
-        ids = _as_ids(header.get("ids"))
+        raw_ids = header.get("ids")
+        lo = id_range(raw_ids)
+        ids = as_ids(raw_ids) if lo is None else np.arange(lo, lo + len(raw_ids), dtype=np.int64)
         names = header.get("fields")
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise wire.WireError("get: fields must be a non-empty list of names")
@@ -381,14 +313,17 @@ class StorageUnit(RouterServer):
         if link is not None and self.p2p is None:
             raise ValueError("get: this storage unit has no p2p device path")
         out_cols, frames, sends = [], [], ([] if link is not None else None)
+        n = len(ids)
         for name in names:
             table = self.tables.get(name)
             if table is None:
                 raise ValueError(f"get: field {name!r} is not stored on this unit")
-            cidx, rows, found = table.locate(ids)
-            if not found.all():
-                raise ValueError(f"get: field {name!r} missing for ids {ids[~found][:8].tolist()}")
-            out_cols.append(self._column_runs(name, table, ids, cidx, rows, use_shm, frames, sends))
+            ch = table.covering(lo, lo + n) if lo is not None else None
+            if ch is not None:  # the common case: consecutive ids put together
+                segments = [(ch, lo - ch.start, lo + n - ch.start)]
+            else:
+                segments = self._segments(name, table, ids)
+            out_cols.append(self._column_runs(name, n, segments, use_shm, frames, sends))
         if sends:
             self.after_reply = self.p2p.send_later(link, sends)
         return {"columns": out_cols}, frames
@@ -409,27 +344,37 @@ class StorageUnit(RouterServer):
             frames.append(buf[off:off + nbytes])
         return [None, 0, nbytes]
 
-    def _column_runs(self, name, table, ids, cidx, rows, use_shm, frames, sends) -> dict:
+    @staticmethod
+    def _segments(name: str, table: FieldTable, ids: np.ndarray) -> list[tuple[Chunk, int, int]]:
+        """``(chunk, first row, end row)`` for each maximal run of ``ids`` stored consecutively in one chunk.
+        Raises ValueError naming missing ids."""
+        cidx, rows, found = table.locate(ids)
+        if not found.all():
+            raise ValueError(f"get: field {name!r} missing for ids {ids[~found][:8].tolist()}")
         n = len(ids)
         brk = np.flatnonzero((np.diff(cidx) != 0) | (np.diff(rows) != 1)) + 1 if n else np.zeros(0, np.int64)
-        runs, shapes, dtypes = [], [], set()
-        for s, e in zip([0, *brk.tolist()], [*brk.tolist(), n], strict=True):
-            ch: Chunk = table.chunks[int(cidx[s])]
-            r0, r1 = int(rows[s]), int(rows[e - 1]) + 1
-            if not ch.alive[r0:r1].all():
+        return [(table.chunks[int(cidx[s])], int(rows[s]), int(rows[e - 1]) + 1)
+                for s, e in zip([0, *brk.tolist()], [*brk.tolist(), n], strict=True)]
+
+    def _column_runs(self, name: str, n: int, segments, use_shm, frames, sends) -> dict:
+        runs, pieces_shapes, dtypes = [], [], set()
+        for ch, r0, r1 in segments:
+            if not ch.all_alive(r0, r1):
                 raise ValueError(f"get: field {name!r} was cleared for some requested ids")
             dtypes.add(ch.dtype)
-            shapes.extend(ch.shapes[r0:r1])
-            if ch.buf_of_row is None:
-                pieces = [(ch.bufs[0], int(ch.off[r0]), int(ch.off[r1 - 1] + ch.nb[r1 - 1] - ch.off[r0]))]
-            else:
-                pieces = [(ch.bufs[int(ch.buf_of_row[r])], int(ch.off[r]), int(ch.nb[r])) for r in range(r0, r1)]
+            pieces_shapes.append((ch.shape, r1 - r0) if ch.shape is not None else (None, ch.shapes[r0:r1]))
             obj = ch.dtype == wire.OBJECT_DTYPE
-            runs.extend(self._emit(buf, off, nbytes, use_shm, frames, sends, obj) for buf, off, nbytes in pieces)
+            runs.extend(self._emit(buf, off, nbytes, use_shm, frames, sends, obj)
+                        for buf, off, nbytes in ch.pieces(r0, r1))
         if len(dtypes) > 1:
             raise ValueError(f"get: field {name!r} has mixed dtypes {sorted(dtypes)} across puts")
         dtype = dtypes.pop() if dtypes else "uint8"
         col = {"name": name, "dtype": dtype, "count": n, "runs": runs}
+        fixed = {tuple(sh) for sh, _ in pieces_shapes if sh is not None}
+        if len(fixed) == 1 and all(sh is not None for sh, _ in pieces_shapes) and dtype != wire.OBJECT_DTYPE:
+            col["shape"] = pieces_shapes[0][0]  # the common case: no per-row shapes at all
+            return col
+        shapes = [row for sh, rows in pieces_shapes for row in ([sh] * rows if sh is not None else rows)]
         if shapes and all(sh == shapes[0] for sh in shapes) and dtype != wire.OBJECT_DTYPE:
             col["shape"] = shapes[0]
         else:
@@ -437,7 +382,9 @@ class StorageUnit(RouterServer):
         return col
 
     def _clear(self, header: dict) -> Reply:
-        ids = np.unique(_as_ids(header.get("ids")))
+        raw_ids = header.get("ids")
+        lo = id_range(raw_ids)
+        ids = None if lo is not None else np.unique(as_ids(raw_ids))
         only = header.get("fields")
         if only is not None and (not isinstance(only, list) or not all(isinstance(n, str) for n in only)):
             raise wire.WireError("clear: fields must be a list of names or null")
@@ -445,15 +392,15 @@ class StorageUnit(RouterServer):
         for name, table in self.tables.items():
             if only is not None and name not in only:
                 continue
-            cidx, rows, found = table.locate(ids)
-            cidx, rows = cidx[found], rows[found]
-            for c in np.unique(cidx).tolist():
-                ch = table.chunks[c]
-                mine = rows[cidx == c]  # ids are unique, so rows are too
-                killed = int(ch.alive[mine].sum())
-                ch.alive[mine] = False
-                ch.nalive -= killed
-                removed += killed
+            if lo is not None:  # consecutive ids: the overlapping chunks, one slice each
+                hi = lo + len(raw_ids)
+                for ch in table.overlapping(lo, hi):
+                    removed += ch.kill(slice(max(lo - ch.start, 0), min(hi - ch.start, ch.count)))
+            else:
+                cidx, rows, found = table.locate(ids)
+                cidx, rows = cidx[found], rows[found]
+                for c in np.unique(cidx).tolist():
+                    removed += table.chunks[c].kill(rows[cidx == c])  # ids are unique, so rows are too
             for ch in table.drop_dead():
                 self._release(ch.holder)
         return {"removed": removed}, []
@@ -462,7 +409,7 @@ class StorageUnit(RouterServer):
         live = {id(c.holder.block): c.holder.block for t in self.tables.values() for c in t.chunks
                 if c.holder.block is not None}
         self.tables.clear()
-        blocks = [b for pool in self.free.values() for b in pool] + [b for b, _ in self.pending.values()]
+        blocks = [b for pool in self.free.values() for b in pool] + [b for b, _, _ in self.pending.values()]
         self.free.clear()
         self.pending.clear()
         for b in [*blocks, *live.values()]:

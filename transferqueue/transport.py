@@ -62,19 +62,32 @@ def _setup(sock: zmq.Socket, handle: TQHandle, address: str) -> None:
     sock.connect(address)
 
 
+def server_addresses(handle: TQHandle) -> dict[int, str]:
+    """Where this process reaches each server (INDEX or unit number): its ``ipc://`` endpoint when the
+    server runs on this node and has one, else its TCP endpoint."""
+    from transferqueue.server import node_id
+
+    here = node_id()
+    local_units = handle.unit_local_addresses or [""] * len(handle.unit_addresses)
+    out = {INDEX: handle.index_local_address if handle.index_local_address and handle.index_node == here
+           else handle.index_address}
+    for u, (addr, local, node) in enumerate(zip(handle.unit_addresses, local_units, handle.unit_nodes, strict=True)):
+        out[u] = local if local and node == here else addr
+    return out
+
+
 class Channel:
     """One DEALER socket per server (created on first use), used by one flow at a time."""
 
-    def __init__(self, ctx: zmq.Context, handle: TQHandle):
-        self.ctx, self.handle = ctx, handle
+    def __init__(self, ctx: zmq.Context, handle: TQHandle, addresses: dict[int, str]):
+        self.ctx, self.handle, self.addresses = ctx, handle, addresses
         self.socks: dict[int, zmq.Socket] = {}
 
     def sock(self, target: int) -> zmq.Socket:
         s = self.socks.get(target)
         if s is None:
-            addr = self.handle.index_address if target == INDEX else self.handle.unit_addresses[target]
             s = self.socks[target] = self.ctx.socket(zmq.DEALER)
-            _setup(s, self.handle, addr)
+            _setup(s, self.handle, self.addresses[target])
         return s
 
     def close(self) -> None:
@@ -106,6 +119,7 @@ class SyncDriver:
 
     def __init__(self, handle: TQHandle, max_channels: int = 16):
         self.handle = handle
+        self.addresses = server_addresses(handle)
         self.ctx = zmq.Context()
         self.pool: list[Channel] = []
         self.created = 0
@@ -122,7 +136,7 @@ class SyncDriver:
                     return self.pool.pop()
                 if self.created < self.max_channels:
                     self.created += 1
-                    return Channel(self.ctx, self.handle)
+                    return Channel(self.ctx, self.handle, self.addresses)
                 if not self.cond.wait(timeout=max(deadline - time.monotonic(), 0)):
                     raise Timeout(f"no free channel within the timeout ({self.max_channels} busy)")
 
@@ -193,6 +207,7 @@ class AsyncDriver:
 
     def __init__(self, handle: TQHandle, max_channels: int = 16):
         self.handle = handle
+        self.addresses = server_addresses(handle)
         self.ctx = zmq.asyncio.Context()
         self.pools: dict[int, tuple[weakref.ref, list[Channel], asyncio.Semaphore]] = {}
         self.max_channels = max_channels
@@ -214,7 +229,7 @@ class AsyncDriver:
             raise Timeout("no free channel within the timeout") from None
         chan = pool.pop() if pool else None
         if chan is None:
-            chan = Channel(self.ctx, self.handle)
+            chan = Channel(self.ctx, self.handle, self.addresses)
             self.all.append(chan)
         try:
             step = next(flow)

@@ -1,0 +1,105 @@
+"""The latency fast paths: spare shared-memory blocks, ipc endpoints on the servers' node, and range
+lookups in the storage units — each must give exactly what the general path gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+import torch
+
+from transferqueue import RemoteError, TQClient
+from transferqueue.chunks import id_range
+from transferqueue.config import TransferQueueConfig
+from transferqueue.launch import start_transferqueue
+from transferqueue.transport import INDEX, server_addresses
+
+KiB = 1024
+
+
+def part() -> str:
+    return f"f-{uuid.uuid4().hex[:8]}"
+
+
+def test_steady_puts_allocate_once_per_unit(shm_client):
+    """After the first put, each put writes into the spare block the previous put's reply leased."""
+    before = [shm_client.unit_stats(u)["requests"].get("alloc", [0])[0] for u in (0, 1)]
+    batches = [torch.full((16, 4096), float(i)) for i in range(5)]  # 256 KiB, 8 samples on each unit
+    metas = [shm_client.put({"x": b}, partition=part()) for b in batches]
+    after = [shm_client.unit_stats(u)["requests"].get("alloc", [0])[0] for u in (0, 1)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+    for meta, b in zip(metas, batches, strict=True):
+        assert torch.equal(shm_client.get_data(meta)["x"], b)
+        shm_client.clear(meta.partition)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_spare_block_is_taken_back_when_the_unit_needs_room(mapped):
+    """A unit that needs room revokes (unlinks) spares nobody wrote yet; the spare's client allocates
+    again, whether it had never mapped the spare (open fails) or had (the unit answers full)."""
+    cfg = TransferQueueConfig(num_storage_units=1, capacity_bytes=1024 * KiB, request_timeout_s=10.0)
+    with start_transferqueue(cfg) as servers:
+        handle = dataclasses.replace(servers.handle, shm_min_bytes=0)
+        with TQClient(handle) as a, TQClient(handle) as b:
+            first = torch.randn(64, 1024)  # 256 KiB; its reply leases `a` a 256 KiB spare
+            a.put({"x": first}, partition="a")
+            if mapped:  # recycle the first block as a's next spare: a has it mapped already
+                a.clear("a")
+                first = torch.randn(64, 1024)
+                a.put({"x": first}, partition="a")
+            spare = a._spares[0][0]
+            assert (spare in a.shm.maps) == mapped
+            assert a.unit_stats(0)["used_bytes"] == 512 * KiB
+            big = torch.randn(150, 1024)  # 600 KiB: fits only if a's spare is taken back
+            meta_b = b.put({"x": big}, partition="b", timeout_s=1)
+            assert torch.equal(b.get_data(meta_b)["x"], big)
+            b.clear("b")
+            second = torch.randn(64, 1024)
+            meta_a = a.put({"x": second}, partition="a2", timeout_s=2)
+            assert torch.equal(a.get_data(meta_a)["x"], second)
+            assert a.get("x", 64, "t", "a")["x"].equal(first)
+            assert spare not in a.shm.maps  # a unmapped the revoked block
+
+
+def test_clients_on_the_servers_node_use_ipc_and_others_tcp(tq_servers):
+    handle = tq_servers.handle
+    local = server_addresses(handle)
+    assert all(addr.startswith("ipc://") for addr in local.values())
+    assert local[INDEX] == handle.index_local_address and local[0] == handle.unit_local_addresses[0]
+    remote = dataclasses.replace(handle, index_node="elsewhere", unit_nodes=["elsewhere"] * len(handle.unit_nodes))
+    assert server_addresses(remote) == {INDEX: handle.index_address, 0: handle.unit_addresses[0],
+                                        1: handle.unit_addresses[1]}
+    assert handle.index_address.startswith("tcp://127.0.0.1:")
+    with TQClient(remote) as client:  # over TCP and frames only, same results
+        data = torch.arange(40.0).view(10, 4)
+        meta = client.put({"x": data}, partition=(p := part()))
+        assert torch.equal(client.get("x", 10, "t", p)["x"], data) and len(meta) == 10
+
+
+def test_range_and_scattered_lookups_agree(client):
+    """Two puts of one field make two chunks; gets and clears across, inside and between them."""
+    p = part()
+    meta = client.put({"x": torch.arange(12.0).view(12, 1)}, partition=p)
+    ids = meta.sample_ids
+    client.put({"y": torch.arange(6.0).view(6, 1)}, partition=p, sample_ids=ids[:6])
+    client.put({"y": torch.arange(6.0, 12.0).view(6, 1)}, partition=p, sample_ids=ids[6:])
+    with pytest.raises(RemoteError, match="already"):
+        client.put({"y": torch.zeros(4, 1)}, partition=p, sample_ids=ids[4:8])
+    whole = client.get_data(meta, ["x", "y"])
+    assert torch.equal(whole["y"], whole["x"])
+    inside = dataclasses.replace(meta, sample_ids=ids[7:10], tags=meta.tags[7:10])
+    assert client.get_data(inside, ["y"])["y"].view(-1).tolist() == [7.0, 8.0, 9.0]
+    scattered = dataclasses.replace(meta, sample_ids=[ids[9], ids[2], ids[5]], tags=meta.tags[:3])
+    assert client.get_data(scattered, ["y"])["y"].view(-1).tolist() == [9.0, 2.0, 5.0]
+    assert client.clear(p, ids[4:8]) == 4  # across the chunk boundary
+    with pytest.raises(RemoteError, match="missing|cleared"):
+        client.get_data(dataclasses.replace(meta, sample_ids=ids[3:5], tags=meta.tags[3:5]), ["y"])
+    rest = dataclasses.replace(meta, sample_ids=ids[:4] + ids[8:], tags=meta.tags[:4] + meta.tags[8:])
+    assert client.get_data(rest, ["y"])["y"].view(-1).tolist() == [0.0, 1.0, 2.0, 3.0, 8.0, 9.0, 10.0, 11.0]
+
+
+@pytest.mark.parametrize(("ids", "first"), [([3, 4, 5], 3), ([0], 0), ([], None), ([4, 3], None), ([1, 3], None),
+                                            ([-1, 0], None), ([1, True, 3], None), ([1.0, 2.0], None), ("012", None)])
+def test_id_range_only_accepts_consecutive_ints(ids, first):
+    assert id_range(ids) == first
