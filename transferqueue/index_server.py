@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import asdict
+from itertools import repeat
 
 from transferqueue import wire
 from transferqueue.index import MetadataIndex
@@ -23,7 +24,7 @@ MAX_PARKED = 10_000
 def _ids_or_none(value, what: str) -> list[int] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(i, int) for i in value):
+    if not isinstance(value, list) or not all(map(isinstance, value, repeat(int))):
         raise wire.WireError(f"{what} must be a list of ints or null")
     return value
 
@@ -33,11 +34,10 @@ class IndexServer(RouterServer):
     ``sample_info``, ``ping``. ``sampler_modules``: modules imported at start (they call
     ``samplers.register_sampler``)."""
 
-    def __init__(self, address: str, curve: CurveKeys | None = None, sampler_modules: tuple[str, ...] = (),
-                 local_address: str = ""):
+    def __init__(self, address: str, curve: CurveKeys | None = None, sampler_modules: tuple[str, ...] = ()):
         for mod in sampler_modules:
             importlib.import_module(mod)
-        super().__init__(address, curve, local_address=local_address)
+        super().__init__(address, curve)
         self.index = MetadataIndex()
         self.parked: list[tuple[float, bytes, dict]] = []
 

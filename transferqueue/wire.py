@@ -15,6 +15,7 @@ Every descriptor is validated against its frames (``validate_column``) before an
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,7 @@ def _build_dtypes() -> dict[str, torch.dtype]:
 DTYPES: dict[str, torch.dtype] = _build_dtypes()
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {k: v.itemsize for k, v in DTYPES.items()}
+_LIST, _INT = frozenset({list}), frozenset({int})
 
 
 class WireError(RemoteError):
@@ -78,10 +80,24 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _check_shape(shape: Any, what: str) -> list[int]:
-    if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise WireError(f"{what}: shape must be a list of non-negative ints, got {shape!r}")
-    return list(shape)
+def _check_shape(shape: Any, name: str) -> list[int]:
+    if isinstance(shape, list | tuple):
+        for d in shape:
+            if not isinstance(d, int) or d < 0:
+                break
+        else:
+            return list(shape)
+    raise WireError(f"field {name!r}: shape must be a list of non-negative ints, got {shape!r}")
+
+
+def _check_shapes(shapes: list, name: str) -> list[list[int]]:
+    """``[_check_shape(s, name) for s in shapes]``; lists of plain ints are checked in bulk (one put can
+    carry thousands of shapes), anything else per shape, so the error names the first bad one."""
+    if set(map(type, shapes)) <= _LIST:
+        dims = list(itertools.chain.from_iterable(shapes))
+        if set(map(type, dims)) <= _INT and (not dims or min(dims) >= 0):
+            return list(map(list, shapes))
+    return [_check_shape(s, name) for s in shapes]
 
 
 def row_nbytes(desc: dict) -> list[int]:
@@ -110,18 +126,19 @@ def validate_column(desc: Any, count: int) -> dict:
     if "shape" in desc:
         if dtype == OBJECT_DTYPE:
             raise WireError(f"field {name!r}: object columns need per-sample shapes")
-        shape = _check_shape(desc["shape"], f"field {name!r}")
+        shape = _check_shape(desc["shape"], name)
         out = {"name": name, "dtype": dtype, "shape": shape}
+        total = math.prod(shape) * ITEMSIZE[dtype] * count  # sum(row_nbytes(out)) without the list
     else:
         shapes = desc["shapes"]
         if not isinstance(shapes, list) or len(shapes) != count:
             raise WireError(f"field {name!r}: shapes must be a list of {count} shapes")
-        out = {"name": name, "dtype": dtype, "shapes": [_check_shape(s, f"field {name!r}") for s in shapes]}
+        out = {"name": name, "dtype": dtype, "shapes": _check_shapes(shapes, name)}
         if dtype == OBJECT_DTYPE and not all(len(s) == 1 for s in out["shapes"]):
             raise WireError(f"field {name!r}: object shapes must be [byte_length]")
+        total = sum(map(math.prod, out["shapes"])) * ITEMSIZE.get(dtype, 1)  # object: byte lengths
     out["count"] = count
     out["split"] = bool(desc.get("split", False))
-    total = sum(row_nbytes(out))
     if desc.get("nbytes") != total:
         raise WireError(f"field {name!r}: nbytes {desc.get('nbytes')!r} != {total} implied by dtype and shape")
     out["nbytes"] = total

@@ -169,3 +169,124 @@ def test_chunking_three_samples_for_four_workers():
     assert [len(p) for p in parts] == [1, 1, 1, 0]
     joined = BatchMeta.concat(parts)
     assert joined.sample_ids == [7, 8, 9] and joined.tags == meta.tags
+
+
+def test_claim_of_a_contiguous_run_across_two_reserved_ranges():
+    ix = MetadataIndex()
+    a, b = ix.reserve(4), ix.reserve(4)
+    assert b == a + 4
+    ix.notify("p", list(range(a + 2, a + 6)), [col("x", 4)], None, new=True)  # 2 ids of each range
+    ix.notify("p", [a, a + 1, b + 2, b + 3], [col("x", 4)], None, new=True)  # the rest, not contiguous
+    assert ix.reserved == {} and ix.reserved_starts == [] and ix.produced == 8
+    assert sorted(ix.partitions["p"].samples) == list(range(a, a + 8))
+
+
+def test_claim_of_a_run_with_a_used_or_unreserved_id_marks_nothing():
+    ix = MetadataIndex()
+    start = ix.reserve(8)
+    ix.notify("p", [start + 3], [col("x", 1)], None, new=True)
+    with pytest.raises(ValueError, match=f"sample id {start + 3} was not reserved, or was already used"):
+        ix.notify("p", list(range(start + 1, start + 5)), [col("x", 4)], None, new=True)
+    with pytest.raises(ValueError, match=f"sample id {start + 8} was not reserved"):
+        ix.notify("p", list(range(start + 4, start + 9)), [col("x", 5)], None, new=True)
+    with pytest.raises(ValueError, match="duplicates"):
+        ix.notify("p", [start, start], [col("x", 2)], None, new=True)
+    assert ix.reserved[start] == bytearray([0, 0, 0, 1, 0, 0, 0, 0]) and ix.produced == 1
+    assert list(ix.partitions["p"].samples) == [start + 3] and ix.bytes_stored == col("x", 1)["nbytes"]
+    ix.notify("p", [start + 1, start + 2], [col("x", 2)], None, new=True)  # the ids themselves are intact
+    ix.notify("p", list(range(start + 4, start + 8)) + [start], [col("x", 5)], None, new=True)
+    assert ix.reserved == {} and ix.produced == 8
+
+
+def test_new_samples_get_their_own_tags_and_bytes():
+    ix = MetadataIndex()
+    start = ix.reserve(3)
+    ids = [start, start + 1, start + 2]
+    var = {"name": "r", "dtype": "int8", "shapes": [[5], [1], [2]], "nbytes": 8, "count": 3}
+    ix.notify("p", ids, [col("x", 3), var], [{"w": 1, "uid": "a"}, {}, {"w": 2}], new=True)
+    ix.notify("p", ids[1:], [col("y", 2)], [{"uid": "b"}, {"uid": "b", "k": 0}])
+    samples = ix.partitions["p"].samples
+    assert [list(samples[i].tags.items()) for i in ids] == [[("uid", "a"), ("w", 1)], [("uid", "b")],
+                                                           [("w", 2), ("uid", "b"), ("k", 0)]]
+    assert [samples[i].nbytes for i in ids] == [16 + 5, 16 + 1 + 16, 16 + 2 + 16]
+    assert [samples[i].lengths for i in ids] == [{"r": 5}, {"r": 1}, {"r": 2}]
+    assert ix.bytes_stored == sum(s.nbytes for s in samples.values()) and ix.partitions["p"].uid_counts == {"a": 1,
+                                                                                                          "b": 2}
+    with pytest.raises(ValueError, match="uid must be a str or int, got NoneType"):
+        ix.notify("p", ids[:1], [col("z", 1)], [{"uid": None}])
+    assert samples[ids[0]].tags["uid"] == "a" and "z" not in ix.partitions["p"].bits
+
+
+def test_clear_with_repeated_ids_removes_each_once():
+    ix = MetadataIndex()
+    ids = ix.prepare_put("p", None, 3, ["x"])
+    put(ix, "p", ids, fields=("x",))
+    assert ix.clear("p", [ids[0], ids[0], ids[2]]) == [ids[0], ids[2]]
+    assert ix.cleared == 2 and ix.bytes_stored == col("x", 1)["nbytes"]
+
+
+def _check_bookkeeping(ix: MetadataIndex) -> None:
+    """Incremental state equals state rebuilt from the samples: bytes, uid counts, every subscription."""
+    from collections import Counter
+
+    from transferqueue.index import Subscription
+
+    assert ix.bytes_stored == sum(s.nbytes for p in ix.partitions.values() for s in p.samples.values())
+    for part in ix.partitions.values():
+        uids = Counter(s.tags["uid"] for s in part.samples.values() if "uid" in s.tags)
+        assert part.uid_counts == dict(uids)
+        for (bit, mask), sub in part.subs.items():
+            fresh = Subscription(part, bit, mask, sub.field_names)
+            fresh.add_many(part.samples.values())
+            assert set(sub.ready) == set(fresh.ready)
+            assert {k: set(v) for k, v in sub.groups.items()} == {k: set(v) for k, v in fresh.groups.items()}
+            assert set(sub.complete) == set(fresh.complete) and sub.complete_samples == fresh.complete_samples
+
+
+def test_random_puts_gets_and_clears_keep_subscriptions_consistent():
+    import random
+
+    rng = random.Random(0)
+    ix = MetadataIndex()
+    free: list[int] = []
+    for _ in range(400):
+        op = rng.random()
+        live = [i for p in ix.partitions.values() for i in p.samples]
+        if op < 0.1 or len(free) < 6:
+            start = ix.reserve(rng.randint(1, 10))
+            free += range(start, ix.next_id)
+        elif op < 0.45:
+            n = rng.randint(1, 6)
+            ids = free[:n] if rng.random() < 0.7 else rng.sample(free, n)
+            tags = None if rng.random() < 0.3 else [{"uid": rng.choice("abcd")} for _ in ids]
+            ix.notify("p", ids, [col(rng.choice("xy"), n)], tags, new=True)
+            free = [i for i in free if i not in ids]
+        elif op < 0.6 and live:
+            ids = rng.sample(live, rng.randint(1, min(4, len(live))))
+            field = rng.choice("xyz")
+            try:
+                ix.notify("p", ids, [col(field, len(ids))], [{"uid": rng.choice("abcde")} for _ in ids])
+            except ValueError as exc:
+                assert "already" in str(exc) or "write-once" in str(exc) or "cleared" in str(exc)
+        elif op < 0.8:
+            fields = rng.sample(["x", "y", "z"], rng.randint(1, 2))
+            ix.get_meta("p", fields, rng.randint(1, 3), rng.choice(["t1", "t2"]),
+                        rng.choice(["sequential", "group_complete"]))
+        elif op < 0.97 and live:
+            ix.clear("p", rng.sample(live, rng.randint(1, min(5, len(live)))))
+        else:
+            ix.clear("p")
+        _check_bookkeeping(ix)
+    assert ix.produced == ix.cleared + sum(len(p.samples) for p in ix.partitions.values())
+
+
+def test_sample_moved_into_a_complete_group_is_counted():
+    ix = MetadataIndex()
+    ids = ix.prepare_put("p", None, 2, ["x"])
+    put(ix, "p", ids, fields=("x",), tags=[{"uid": "a"}, {}])
+    sub = ix.subscription(ix.partitions["p"], "train", ["x"])
+    assert sub.complete == {"a": 1, ("sample", ids[1]): 1} and sub.complete_samples == 2
+    put(ix, "p", ids[1:], fields=("y",), tags=[{"uid": "a"}])  # joins group a, which stays complete
+    assert sub.complete == {"a": 2} and sub.complete_samples == 2
+    meta = ix.get_meta("p", ["x"], 2, "train", "group_complete", {"group_size": 2})
+    assert meta.sample_ids == ids and sub.complete_samples == 0
