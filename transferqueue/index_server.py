@@ -34,10 +34,11 @@ class IndexServer(RouterServer):
     ``sample_info``, ``ping``. ``sampler_modules``: modules imported at start (they call
     ``samplers.register_sampler``)."""
 
-    def __init__(self, address: str, curve: CurveKeys | None = None, sampler_modules: tuple[str, ...] = ()):
+    def __init__(self, address: str, curve: CurveKeys | None = None, sampler_modules: tuple[str, ...] = (),
+                 local_address: str = ""):
         for mod in sampler_modules:
             importlib.import_module(mod)
-        super().__init__(address, curve)
+        super().__init__(address, curve, local_address=local_address)
         self.index = MetadataIndex()
         self.parked: list[tuple[float, bytes, dict]] = []
 
