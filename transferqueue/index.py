@@ -27,6 +27,7 @@ from transferqueue.samplers import get_sampler
 from transferqueue.wire import OBJECT_DTYPE, row_nbytes
 
 _NBYTES = attrgetter("nbytes")
+_DICT, _UID_TYPES = frozenset({dict}), frozenset({str, int})
 _NO_TAGS: Mapping = MappingProxyType({})  # a sample's tags until it gets some (read-only: copy on write)
 
 
@@ -41,6 +42,20 @@ def _row_bytes(columns: list[dict], count: int) -> tuple[int, list[int] | None]:
             rows = row_nbytes(col)
             var = rows if var is None else [x + y for x, y in zip(var, rows, strict=True)]
     return const, var
+
+
+def _set_lengths(samples: list[_Sample], lengths: list[tuple[str, list[int]]], fresh: bool) -> None:
+    """Record per-sample lengths (``(field, [length per sample])``); ``fresh``: samples without any yet."""
+    if fresh and lengths:
+        first, per_sample = lengths[0]
+        for smp, length in zip(samples, per_sample, strict=True):
+            smp.lengths = {first: length}
+        lengths = lengths[1:]
+    for name, per_sample in lengths:
+        for smp, length in zip(samples, per_sample, strict=True):
+            if smp.lengths is None:
+                smp.lengths = {}
+            smp.lengths[name] = length
 
 
 class _Sample:
@@ -296,7 +311,7 @@ class MetadataIndex:
         if tags is not None and len(tags) != len(sample_ids):
             raise ValueError(f"{len(tags)} tag dicts for {len(sample_ids)} samples")
         if new:
-            self._check_new(part, columns, tags)
+            uids = self._check_new(part, columns, tags)
             self._claim(sample_ids)
         else:
             samples = self._existing(part, sample_ids, tags)
@@ -310,17 +325,17 @@ class MetadataIndex:
         const, var = _row_bytes(columns, len(sample_ids))
         self.bytes_stored += sum(c["nbytes"] for c in columns)
         if new:
-            samples = self._create(part, sample_ids, mask, const, var, tags)
-            touched = {t["uid"]: None for t in tags if t.get("uid") is not None} if tags else {}
+            samples = self._create(part, sample_ids, mask, const, var)
+            touched = self._tag_new(part, samples, tags, uids) if tags is not None else {}
         else:
             touched = self._update(part, samples, mask, const, var, tags)
-        for name, per_sample in lengths:
-            for smp, length in zip(samples, per_sample, strict=True):
-                if smp.lengths is None:
-                    smp.lengths = {}
-                smp.lengths[name] = length
+        _set_lengths(samples, lengths, fresh=new)
         for sub in part.subs.values():
-            sub.add_many(samples)
+            # Every sample covered by a subscription is in it: a new sample (its mask is ``mask``) can only
+            # enter one whose fields it has; an existing one only if ``mask`` adds one of its fields or
+            # the sample changed group (``_move_group`` took it out of every subscription).
+            if (new and mask & sub.mask == sub.mask) or (not new and (touched or mask & sub.mask)):
+                sub.add_many(samples)
             for key in touched:
                 sub._recheck(key)
 
@@ -330,12 +345,20 @@ class MetadataIndex:
             if known is not None and known.dtype != col["dtype"]:
                 raise ValueError(f"field {col['name']!r}: dtype {col['dtype']} differs from earlier puts ({known.dtype})")
 
-    def _check_new(self, part: _Partition, columns: list[dict], tags) -> None:
-        """The checks ``notify`` makes before changing anything, run before new samples are created."""
+    def _check_new(self, part: _Partition, columns: list[dict], tags: list[dict] | None) -> list | None:
+        """The checks ``notify`` makes before changing anything, run before new samples are created.
+        Returns the uid of each tag dict (None where it has none), or None without tags."""
         self._check_dtypes(part, columns)
-        for t in tags or []:
+        if tags is None:
+            return None
+        if set(map(type, tags)) <= _DICT:  # the usual case, checked in bulk: plain dicts, each with a uid
+            uids = list(map(dict.get, tags, itertools.repeat("uid")))
+            if set(map(type, uids)) <= _UID_TYPES:
+                return uids
+        for t in tags:
             if not isinstance(t, dict) or not isinstance(t.get("uid", ""), str | int):
                 raise ValueError(f"tags must be maps whose uid is a str or int, got {t!r:.100}")
+        return [t.get("uid") for t in tags]
 
     def _existing(self, part: _Partition, sample_ids: list[int], tags) -> list[_Sample]:
         """The samples of ``sample_ids``; ValueError for an unknown/cleared id or a bad tag dict or uid."""
@@ -351,27 +374,28 @@ class MetadataIndex:
                 raise ValueError(f"sample {s.sid}: uid must be a str or int, got {type(uid).__name__}")
         return samples
 
-    def _create(self, part: _Partition, sample_ids: list[int], mask: int, const: int, var: list[int] | None,
-                tags: list[dict] | None) -> list[_Sample]:
-        """New samples (ids just claimed) with ``mask`` ready, their bytes and tags; counts their uids."""
+    def _create(self, part: _Partition, sample_ids: list[int], mask: int, const: int,
+                var: list[int] | None) -> list[_Sample]:
+        """New samples (ids just claimed) with ``mask`` ready and their bytes (``const`` + ``var[i]``)."""
         if var is None:
             samples = [_Sample(sid, mask, const) for sid in sample_ids]
         else:
             samples = [_Sample(sid, mask, const + v) for sid, v in zip(sample_ids, var, strict=True)]
         part.samples.update(zip(sample_ids, samples, strict=True))
         self.produced += len(samples)
-        if tags is not None:
-            counts = part.uid_counts
-            for s, t in zip(samples, tags, strict=True):
-                if not t:
-                    continue
-                uid = t.get("uid")
-                if uid is None:
-                    s.tags = dict(t)
-                else:
-                    s.tags = {"uid": uid, **t}  # uid first, as _move_group then update would leave it
-                    counts[uid] = counts.get(uid, 0) + 1
         return samples
+
+    @staticmethod
+    def _tag_new(part: _Partition, samples: list[_Sample], tags: list[dict], uids: list) -> dict:
+        """Give new samples their tags and count their uids; returns the uids (groups to recheck)."""
+        counts = part.uid_counts
+        for s, t, uid in zip(samples, tags, uids, strict=True):
+            if uid is not None:
+                s.tags = {"uid": uid, **t}  # uid first, as _move_group then update would leave it
+                counts[uid] = counts.get(uid, 0) + 1
+            elif t:
+                s.tags = dict(t)
+        return dict.fromkeys(uids if None not in uids else (u for u in uids if u is not None))
 
     def _update(self, part: _Partition, samples: list[_Sample], mask: int, const: int, var: list[int] | None,
                 tags: list[dict] | None) -> set:
@@ -479,8 +503,11 @@ class MetadataIndex:
             self.bytes_stored -= sum(map(_NBYTES, part.samples.values()))
             self.cleared += len(part.samples)
             return list(part.samples)
-        targets = list(dict.fromkeys(i for i in sample_ids if i in part.samples))
-        removed = [part.samples.pop(sid) for sid in targets]
+        removed = list(map(part.samples.pop, sample_ids, itertools.repeat(None)))
+        targets = list(sample_ids)
+        if None in removed:  # unknown, cleared or repeated ids: skipped
+            targets = [sid for sid, s in zip(targets, removed, strict=True) if s is not None]
+            removed = [s for s in removed if s is not None]
         # Groups are rechecked once per uid, in the order of each uid's last removed sample: that leaves
         # ``Subscription.complete`` (membership and order) as a remove-and-recheck per sample would.
         touched: dict[Hashable, None] = {}
