@@ -44,13 +44,8 @@ def _row_bytes(columns: list[dict], count: int) -> tuple[int, list[int] | None]:
     return const, var
 
 
-def _set_lengths(samples: list[_Sample], lengths: list[tuple[str, list[int]]], fresh: bool) -> None:
-    """Record per-sample lengths (``(field, [length per sample])``); ``fresh``: samples without any yet."""
-    if fresh and lengths:
-        first, per_sample = lengths[0]
-        for smp, length in zip(samples, per_sample, strict=True):
-            smp.lengths = {first: length}
-        lengths = lengths[1:]
+def _set_lengths(samples: list[_Sample], lengths: list[tuple[str, list[int]]]) -> None:
+    """Record per-sample lengths (``(field, [length per sample])``)."""
     for name, per_sample in lengths:
         for smp, length in zip(samples, per_sample, strict=True):
             if smp.lengths is None:
@@ -329,7 +324,7 @@ class MetadataIndex:
             touched = self._tag_new(part, samples, tags, uids) if tags is not None else {}
         else:
             touched = self._update(part, samples, mask, const, var, tags)
-        _set_lengths(samples, lengths, fresh=new)
+        _set_lengths(samples, lengths)
         for sub in part.subs.values():
             # Every sample covered by a subscription is in it: a new sample (its mask is ``mask``) can only
             # enter one whose fields it has; an existing one only if ``mask`` adds one of its fields or
