@@ -5,7 +5,8 @@ Payload L: 8 int64 fields of (1024, 1024) = 64 MiB; payload S: 8 fields of (128,
 * put ends when the data is stored and readable; get ends when the caller holds writable tensors of its
   own (Ray's read-only results are copied for a like-for-like figure; upstream's get is timed as returned);
 * memcpy: ``np.copyto`` of 64 MiB into a pre-faulted buffer, best of 5;
-* every other figure is the median of ``--reps`` repetitions after one warm-up;
+* every other figure is the median of ``--reps`` repetitions after one warm-up (payload S: ``10 * reps``,
+  as a 1 MiB put takes about a millisecond and a median of five is at the mercy of one scheduler hiccup);
 * metadata: ``get_meta`` at batch 1024 with ``group_complete`` and at batch 1 with ``sequential``, with
   ``--meta-samples`` (1M) samples indexed.
 
@@ -31,6 +32,7 @@ UPSTREAM_ENV = ROOT / "bench" / ".envs" / "upstream-tq"
 UPSTREAM_PKGS = ["torch==2.13.0", "transferqueue==0.1.11"]
 NUM_FIELDS = 8
 SHAPES = {"L": (1024, 1024), "S": (128, 128)}
+S_REPS = 10  # payload S is timed over this many times --reps
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0"}
 
 
@@ -159,7 +161,8 @@ def bench_ours(payloads: dict, reps: int) -> dict:
 
     cfg = TransferQueueConfig(num_storage_units=1, capacity_bytes=2 * 1024**3)
     with start_transferqueue(cfg) as servers, TQClient(servers.handle) as client:
-        return {size: _ours_one(client, size, data, reps) for size, data in payloads.items()}
+        return {size: _ours_one(client, size, data, reps * S_REPS if size == "S" else reps)
+                for size, data in payloads.items()}
 
 
 def _ours_one(client, size: str, data: dict, reps: int) -> tuple[float, float, int]:
@@ -256,7 +259,7 @@ def upstream_worker(reps: int) -> None:
              object_store_memory=1024**3, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
     client = tq.get_client()
-    out = {size: _upstream_one(client, size, reps) for size in ("L", "S")}
+    out = {size: _upstream_one(client, size, reps * S_REPS if size == "S" else reps) for size in ("L", "S")}
     print("UPSTREAM " + json.dumps(out), flush=True)
     tq.close()
     ray.shutdown()

@@ -48,7 +48,10 @@ def _batch_size(data: Mapping[str, Any]) -> int:
 
 
 def _rows(value: Any, pos: np.ndarray) -> Any:
-    """Rows ``pos`` of a field value: a view for a contiguous range, else a gathered copy."""
+    """Rows ``pos`` (sorted, distinct) of a field value: the value itself or a view for a contiguous
+    range, else a gathered copy."""
+    if len(pos) == len(value):
+        return value
     if len(pos) and pos[-1] - pos[0] == len(pos) - 1:
         return value[int(pos[0]):int(pos[-1]) + 1]
     if isinstance(value, torch.Tensor):
@@ -164,7 +167,7 @@ class TQClient:
     def _store_round(self, pending: dict, stored: list[int], asked: set[int]) -> Flow:
         """One attempt for every pending unit: frames (remote unit or small put), a put into a spare block
         (one round trip), or alloc then put (two). Units that answered ``full`` stay pending."""
-        calls = []
+        calls, failed = [], []
         for unit, (sub_ids, encoded) in pending.items():
             nbytes = sum(d["nbytes"] for d, _ in encoded)
             if not self.local[unit] or nbytes < self.handle.shm_min_bytes:
@@ -175,7 +178,7 @@ class TQClient:
             block = self._take_spare(unit, need)
             if block is not None:
                 try:
-                    calls.append(self._write_block(unit, block, sub_ids, encoded, asked))
+                    calls.append(self._write_block(unit, block, sub_ids, encoded, asked, failed))
                     continue
                 except FileNotFoundError:  # the unit took the spare back to make room (and unlinked it)
                     pass
@@ -188,13 +191,15 @@ class TQClient:
                 continue
             if call.header["op"] == "alloc":
                 sub_ids, encoded = pending[call.target]
-                commits.append(self._write_block(call.target, reply[0]["block"], sub_ids, encoded, asked))
+                commits.append(self._write_block(call.target, reply[0]["block"], sub_ids, encoded, asked, failed))
             else:
                 self._stored(call.target, reply[0], pending, stored)
         if commits:
             for call, reply in zip(commits, (yield from self._tolerate_full(commits)), strict=True):
                 if reply is not None:
                     self._stored(call.target, reply[0], pending, stored)
+        if failed:
+            raise failed[0]
 
     def _stored(self, unit: int, head: dict, pending: dict, stored: list[int]) -> None:
         stored.append(unit)
@@ -219,19 +224,29 @@ class TQClient:
             del self._spares[unit]
             return name
 
-    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list, asked: set[int]) -> Call:
-        """Copy the columns into ``block`` and return the put that hands it to ``unit``; the put asks for the
-        next spare block when this client holds none for ``unit`` (and the put is not too big to keep one)."""
+    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list, asked: set[int],
+                     failed: list) -> Call:
+        """The put that hands ``block`` to ``unit``, which copies the columns into the block right after it is
+        sent, while the unit registers it (the unit never reads the bytes, and nobody can ask for them before
+        the index is notified, after the reply). A copy error lands in ``failed``. The put asks for the next
+        spare block when this client holds none for ``unit`` (and the put is not too big to keep one).
+        Raises FileNotFoundError when the block is gone (a spare the unit took back)."""
         view = self.shm.view(block)
         offsets, off = [], 0
-        for desc, bufs in encoded:
+        for desc, _ in encoded:
             offsets.append(off)
-            pos = off
-            for b in bufs:
-                np.copyto(view[pos:pos + len(b)], b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8))
-                pos += len(b)
             desc["split"] = False
             off += _aligned(desc["nbytes"])
+
+        def copy() -> None:
+            try:
+                for (_, bufs), start in zip(encoded, offsets, strict=True):
+                    for b in bufs:
+                        np.copyto(view[start:start + len(b)], b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8))
+                        start += len(b)
+            except BaseException as exc:  # raised after the reply, so the flow knows to undo this unit's put
+                failed.append(exc)
+
         header = {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded],
                   "shm": {"block": block, "offsets": offsets}}
         with self._spare_lock:
@@ -239,7 +254,7 @@ class TQClient:
                 self._spares[unit] = ASKED
                 asked.add(unit)
                 header["lease"] = off
-        return Call(unit, header)
+        return Call(unit, header, after_send=copy)
 
     def _link(self, unit: int) -> Flow:
         """This client's p2p link to ``unit`` (joined on first use), locked for the caller's request."""

@@ -103,3 +103,26 @@ def test_range_and_scattered_lookups_agree(client):
                                             ([-1, 0], None), ([1, True, 3], None), ([1.0, 2.0], None), ("012", None)])
 def test_id_range_only_accepts_consecutive_ints(ids, first):
     assert id_range(ids) == first
+
+
+def test_a_put_whose_copy_fails_is_undone(shm_client, monkeypatch):
+    """The copy into the block runs after the put is sent; if it fails the put raises and leaves nothing."""
+    import numpy as np
+
+    from transferqueue import client as client_mod
+
+    p = part()
+    before = [shm_client.unit_stats(u)["stored_bytes"] for u in (0, 1)]
+    copyto = np.copyto
+
+    def broken_copyto(dst, src):
+        raise MemoryError("copy failed")
+
+    monkeypatch.setattr(client_mod.np, "copyto", broken_copyto)
+    with pytest.raises(MemoryError, match="copy failed"):
+        shm_client.put({"x": torch.ones(8, 4096)}, partition=p)
+    monkeypatch.setattr(client_mod.np, "copyto", copyto)
+    assert [shm_client.unit_stats(u)["stored_bytes"] for u in (0, 1)] == before
+    assert shm_client.get_meta(["x"], 8, "t", p).sample_ids == []
+    meta = shm_client.put({"x": torch.ones(8, 4096)}, partition=p)  # the client still works
+    assert torch.equal(shm_client.get_data(meta)["x"], torch.ones(8, 4096))
