@@ -126,3 +126,30 @@ def test_a_put_whose_copy_fails_is_undone(shm_client, monkeypatch):
     assert shm_client.get_meta(["x"], 8, "t", p).sample_ids == []
     meta = shm_client.put({"x": torch.ones(8, 4096)}, partition=p)  # the client still works
     assert torch.equal(shm_client.get_data(meta)["x"], torch.ones(8, 4096))
+
+
+def test_threads_sharing_a_client_never_share_a_spare_block(shm_client):
+    """Concurrent puts through one client: each block is written by one put only, so every batch reads
+    back exactly as it was put."""
+    import threading
+
+    p = part()
+    results: dict[int, list] = {}
+
+    def worker(k: int) -> None:
+        results[k] = []
+        for i in range(15):
+            data = torch.full((8, 8192), float(k * 100 + i))  # 256 KiB, on both units
+            results[k].append((shm_client.put({"x": data}, partition=p), data))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results) == [0, 1, 2, 3]
+    for puts in results.values():
+        assert len(puts) == 15
+        for meta, data in puts:
+            assert torch.equal(shm_client.get_data(meta)["x"], data)
+    shm_client.clear(p)
