@@ -184,21 +184,22 @@ class TQClient:
                     pass
             calls.append(Call(unit, {"op": "alloc", "nbytes": need}))
         commits = []
-        for call, reply in zip(calls, (yield from self._tolerate_full(calls)), strict=True):
-            if reply is None:
-                if "shm" in call.header:  # a spare block the unit took back to make room: gone for good
+        for call, reply in zip(calls, (yield from self._tolerate(calls, failed)), strict=True):
+            if isinstance(reply, Exception):
+                if isinstance(reply, Full) and "shm" in call.header:  # a spare the unit took back: gone
                     self.shm.forget(call.header["shm"]["block"])
-                continue
-            if call.header["op"] == "alloc":
-                sub_ids, encoded = pending[call.target]
-                commits.append(self._write_block(call.target, reply[0]["block"], sub_ids, encoded, asked, failed))
+            elif call.header["op"] == "alloc":
+                if not failed:
+                    sub_ids, encoded = pending[call.target]
+                    commits.append(self._write_block(call.target, reply[0]["block"], sub_ids, encoded, asked,
+                                                     failed))
             else:
                 self._stored(call.target, reply[0], pending, stored)
         if commits:
-            for call, reply in zip(commits, (yield from self._tolerate_full(commits)), strict=True):
-                if reply is not None:
+            for call, reply in zip(commits, (yield from self._tolerate(commits, failed)), strict=True):
+                if not isinstance(reply, Exception):
                     self._stored(call.target, reply[0], pending, stored)
-        if failed:
+        if failed:  # after every successful put is in `stored`, so the flow's undo reaches all of them
             raise failed[0]
 
     def _stored(self, unit: int, head: dict, pending: dict, stored: list[int]) -> None:
@@ -296,15 +297,14 @@ class TQClient:
             stored.append(unit)
 
     @staticmethod
-    def _tolerate_full(calls: list[Call]) -> Flow:
-        """Send ``calls`` together; a ``Full`` reply becomes None (retried later), other errors raise."""
+    def _tolerate(calls: list[Call], failed: list) -> Flow:
+        """Send ``calls`` together; returns every reply, error replies as exception objects. ``Full`` is
+        retried later; any other error is also appended to ``failed`` (raised once every reply is seen)."""
         for call in calls:
             call.tolerate = True
         replies = yield calls
-        for reply in replies:
-            if isinstance(reply, Exception) and not isinstance(reply, Full):
-                raise reply
-        return [None if isinstance(r, Full) else r for r in replies]
+        failed.extend(r for r in replies if isinstance(r, Exception) and not isinstance(r, Full))
+        return replies
 
     @staticmethod
     def _columns_for_index(data, names, ids) -> list[dict]:
