@@ -116,33 +116,6 @@ def test_a_put_that_times_out_on_one_unit_leaves_nothing_on_any_unit(small_tq):
         assert [client.unit_stats(u)["stored_bytes"] for u in (0, 1)] == before
 
 
-@pytest.mark.xfail(strict=True, reason="a shared-memory put the unit rejects leaves its block leased in `pending` "
-                                       "(neither pooled nor revocable) until lease_s (= request_timeout_s) ends")
-def test_a_rejected_put_leaves_no_block_holding_capacity(small_tq, monkeypatch):
-    """Unit 0 rejects its part of a shared-memory put (bad offsets). The put fails (fine), but the block
-    allocated for it must not keep holding unit 0's capacity: another client's put that needs most of
-    each unit must fit at once."""
-    handle = dataclasses.replace(small_tq.handle, shm_min_bytes=0)
-    with TQClient(handle) as a, TQClient(handle) as b:
-        write_block = TQClient._write_block
-
-        def bad_for_unit_0(self, unit, *args):
-            call = write_block(self, unit, *args)
-            if unit == 0:
-                call.header["shm"]["offsets"] = [1 << 40]
-            return call
-
-        monkeypatch.setattr(TQClient, "_write_block", bad_for_unit_0)
-        with pytest.raises(RemoteError, match="offset"):
-            a.put({"x": torch.zeros(8, 75 * KiB // 4)}, partition=part())  # 300 KiB on each unit
-        monkeypatch.setattr(TQClient, "_write_block", write_block)
-        p = part()
-        big = torch.ones(8, 200 * KiB // 4)  # 800 KiB on each unit of 1 MiB
-        meta = b.put({"x": big}, partition=p, timeout_s=1)
-        assert torch.equal(b.get_data(meta)["x"], big)
-        b.clear(p)
-
-
 def test_spares_of_many_clients_never_make_a_put_full(small_tq):
     """Three clients each hold a spare on each unit of 1 MiB; a put that needs room takes other clients'
     spares and pooled blocks back, so puts never fail while little is stored, every batch reads back as
@@ -169,26 +142,52 @@ def test_spares_of_many_clients_never_make_a_put_full(small_tq):
 
 
 def test_async_puts_sharing_a_client_never_share_a_spare_block(small_tq):
-    """Concurrent ``aput`` tasks on one event loop through one client: each reads back its own bytes."""
+    """Concurrent ``aput`` / ``aget_data`` / ``aclear`` tasks on one event loop through one client (puts in
+    flight together take spares from one table): each task reads back exactly its own bytes."""
     handle = dataclasses.replace(small_tq.handle, shm_min_bytes=0)
-    p = part()
 
-    async def main(client: TQClient) -> list:
-        async def worker(k: int) -> list:
-            out = []
-            for i in range(5):
-                data = torch.full((8, 4 * KiB), float(k * 100 + i))  # 64 KiB on each unit
-                out.append((await client.aput({"x": data}, partition=p), data))
-            return out
+    async def worker(client: TQClient, k: int) -> int:
+        p = part()
+        for i in range(5):
+            data = torch.full((8, 4 * KiB), float(k * 100 + i))  # 64 KiB on each unit
+            meta = await client.aput({"x": data}, partition=p, timeout_s=2)
+            assert torch.equal((await client.aget_data(meta))["x"], data)
+            assert await client.aclear(p, meta.sample_ids) == 8
+        return k
 
-        return [pair for puts in await asyncio.gather(*(worker(k) for k in range(3))) for pair in puts]
+    async def main(client: TQClient) -> list[int]:
+        return list(await asyncio.gather(*(worker(client, k) for k in range(3))))
 
     with TQClient(handle) as client:
-        puts = asyncio.run(main(client))
-        assert len(puts) == 15
-        for meta, data in puts:
-            assert torch.equal(client.get_data(meta)["x"], data)
-        assert client.clear(p) == 15 * 8
+        assert asyncio.run(main(client)) == [0, 1, 2]
+
+
+# Keep this the last small_tq test: until fixed, the block it strands holds unit 0's capacity for 20 s.
+@pytest.mark.xfail(strict=True, reason="a shared-memory put the unit rejects leaves its block leased in `pending` "
+                                       "(neither pooled nor revocable) until lease_s (= request_timeout_s) ends")
+def test_a_rejected_put_leaves_no_block_holding_capacity(small_tq, monkeypatch):
+    """Unit 0 rejects its part of a shared-memory put (bad offsets). The put fails (fine), but the block
+    allocated for it must not keep holding unit 0's capacity: another client's put that needs most of
+    each unit must fit at once."""
+    handle = dataclasses.replace(small_tq.handle, shm_min_bytes=0)
+    with TQClient(handle) as a, TQClient(handle) as b:
+        write_block = TQClient._write_block
+
+        def bad_for_unit_0(self, unit, *args):
+            call = write_block(self, unit, *args)
+            if unit == 0:
+                call.header["shm"]["offsets"] = [1 << 40]
+            return call
+
+        monkeypatch.setattr(TQClient, "_write_block", bad_for_unit_0)
+        with pytest.raises(RemoteError, match="offset"):
+            a.put({"x": torch.zeros(8, 75 * KiB // 4)}, partition=part())  # 300 KiB on each unit
+        monkeypatch.setattr(TQClient, "_write_block", write_block)
+        p = part()
+        big = torch.ones(8, 200 * KiB // 4)  # 800 KiB on each unit of 1 MiB
+        meta = b.put({"x": big}, partition=p, timeout_s=1)
+        assert torch.equal(b.get_data(meta)["x"], big)
+        b.clear(p)
 
 
 def _ping(endpoint: str, curve=None, wait_ms: int = 300) -> dict | None:
