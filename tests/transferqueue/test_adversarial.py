@@ -74,6 +74,24 @@ def test_a_put_into_an_expired_spare_leased_again_is_refused(unit):
     assert unit.handle(b"B", own, [])[0]["nbytes"] > 0  # B's put of its own block still works
 
 
+@pytest.mark.xfail(strict=True, reason="_reserve revokes spares and empties the pool before it knows whether the "
+                                       "request can fit at all; a put's `lease` is not capped")
+def test_a_lease_that_cannot_fit_takes_no_spare_back(unit):
+    """A put asking for a spare larger than the unit (a malformed ``lease``, or a client's 8 MiB ask on a
+    nearly full unit) gets no spare, and must not revoke other clients' spares nor empty the pool for it."""
+    spares = []
+    for ids in ([0, 1], [2, 3]):
+        block = unit.handle(b"A", {"op": "alloc", "nbytes": 2 * KiB}, [])[0]["block"]
+        head = unit.handle(b"A", {"op": "put", "ids": ids, "columns": [_col("x", 2)], "lease": 2 * KiB,
+                                  "shm": {"block": block, "offsets": [0]}}, [])[0]
+        spares.append(head["lease"]["block"])
+    head = unit.handle(b"M", {"op": "put", "ids": [10, 11], "columns": [_col("y", 2)], "lease": 2**62},
+                       [zmq.Frame(bytes(2 * KiB))])[0]
+    assert "lease" not in head  # the put itself is stored; no spare that big
+    assert not any(s in unit.revoked for s in spares)
+    assert all(s in unit.pending for s in spares)
+
+
 @pytest.mark.parametrize("ids", [
     [2.0, 3.0], [-3, -2], [2**64 - 1, 7],
     pytest.param([True, 2], marks=pytest.mark.xfail(strict=True, reason="as_ids turns a bool into id 1")),
