@@ -35,7 +35,11 @@ from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncD
 FULL_RETRY_S = 0.01
 RESERVE_IDS = 4096  # sample ids a client reserves from the index at a time
 SPARE_MAX_BYTES = 8 << 20  # a client keeps one leased spare block per unit for puts up to this size
-ASKED = "asked"  # a spare block is on its way in a put reply
+
+
+class _Asked(set):
+    """The units one put flow asked a spare block of; the object itself marks them in ``TQClient._spares``
+    until the reply brings the block (so no other flow asks too, and only this flow removes its marks)."""
 
 
 def _batch_size(data: Mapping[str, Any]) -> int:
@@ -80,7 +84,7 @@ class TQClient:
         self._ids_lock = threading.Lock()
         self._id_next = self._id_end = 0
         self._spare_lock = threading.Lock()
-        self._spares: dict[int, tuple[str, int, float] | str] = {}  # unit -> (block, size, valid until) | ASKED
+        self._spares: dict[int, tuple[str, int, float] | _Asked] = {}  # unit -> (block, size, valid until)
         self.num_units = len(handle.unit_addresses)
         here = node_id()
         self.local = [handle.shared_memory and n == here for n in handle.unit_nodes]
@@ -149,7 +153,7 @@ class TQClient:
         for unit, pos in self.units_of(ids):
             encoded = [wire.encode_column(n, _rows(data[n], pos), len(pos)) for n in names]
             pending[unit] = ([ids[i] for i in pos.tolist()], encoded)
-        asked: set[int] = set()  # units whose next spare block this flow asked for
+        asked = _Asked()  # the units whose next spare block this flow asked for; its marker in _spares
         try:
             while pending:
                 yield from self._store_round(pending, stored, asked)
@@ -160,13 +164,15 @@ class TQClient:
         finally:
             with self._spare_lock:
                 for unit in asked:
-                    if self._spares.get(unit) is ASKED:
+                    if self._spares.get(unit) is asked:
                         del self._spares[unit]
         return self._columns_for_index(data, names, ids)
 
-    def _store_round(self, pending: dict, stored: list[int], asked: set[int]) -> Flow:
+    def _store_round(self, pending: dict, stored: list[int], asked: _Asked) -> Flow:
         """One attempt for every pending unit: frames (remote unit or small put), a put into a spare block
-        (one round trip), or alloc then put (two). Units that answered ``full`` stay pending."""
+        (one round trip), or alloc then put (two). Units that answered ``full`` stay pending. ``stored``
+        gets every unit a put went to unless it answered with an error (no answer: it may still store, so
+        the flow's undo must clear it too)."""
         calls, failed = [], []
         for unit, (sub_ids, encoded) in pending.items():
             nbytes = sum(d["nbytes"] for d, _ in encoded)
@@ -184,31 +190,52 @@ class TQClient:
                     pass
             calls.append(Call(unit, {"op": "alloc", "nbytes": need}))
         commits = []
-        for call, reply in zip(calls, (yield from self._tolerate(calls, failed)), strict=True):
+        for call, reply in zip(calls, (yield from self._sent(calls, stored, failed)), strict=True):
             if isinstance(reply, Exception):
-                if isinstance(reply, Full) and "shm" in call.header:  # a spare the unit took back: gone
-                    self.shm.forget(call.header["shm"]["block"])
-            elif call.header["op"] == "alloc":
-                if not failed:
-                    sub_ids, encoded = pending[call.target]
-                    commits.append(self._write_block(call.target, reply[0]["block"], sub_ids, encoded, asked,
-                                                     failed))
+                continue
+            if call.header["op"] != "alloc":
+                self._stored(call.target, reply[0], pending)
+            elif failed:  # no put follows: keep the block as this client's spare if it has none
+                self._keep_spare(call.target, reply[0])
             else:
-                self._stored(call.target, reply[0], pending, stored)
+                sub_ids, encoded = pending[call.target]
+                commits.append(self._write_block(call.target, reply[0]["block"], sub_ids, encoded, asked, failed))
         if commits:
-            for call, reply in zip(commits, (yield from self._tolerate(commits, failed)), strict=True):
+            for call, reply in zip(commits, (yield from self._sent(commits, stored, failed)), strict=True):
                 if not isinstance(reply, Exception):
-                    self._stored(call.target, reply[0], pending, stored)
-        if failed:  # after every successful put is in `stored`, so the flow's undo reaches all of them
+                    self._stored(call.target, reply[0], pending)
+        if failed:  # raised once every reply of the round is in, so the flow's undo reaches every unit
             raise failed[0]
 
-    def _stored(self, unit: int, head: dict, pending: dict, stored: list[int]) -> None:
-        stored.append(unit)
+    def _sent(self, calls: list[Call], stored: list[int], failed: list) -> Flow:
+        """Send ``calls`` together; returns every reply, error replies as exception objects. A put's unit
+        is in ``stored`` from the send until it answers with an error. ``Full`` is retried later (a
+        shared-memory block it names is gone: unmapped here); any other error is appended to ``failed``."""
+        for call in calls:
+            call.tolerate = True
+            if call.header["op"] == "put":
+                stored.append(call.target)
+        replies = yield calls
+        for call, reply in zip(calls, replies, strict=True):
+            if isinstance(reply, Exception) and call.header["op"] == "put":
+                stored.remove(call.target)
+                if isinstance(reply, Full) and "shm" in call.header:
+                    self.shm.forget(call.header["shm"]["block"])
+        failed.extend(r for r in replies if isinstance(r, Exception) and not isinstance(r, Full))
+        return replies
+
+    def _keep_spare(self, unit: int, lease: dict) -> None:
+        with self._spare_lock:  # valid for half the unit's lease: the unit's clock started first
+            if unit not in self._spares:
+                self._spares[unit] = (lease["block"], lease["size"], time.monotonic() + lease["lease_s"] / 2)
+
+    def _stored(self, unit: int, head: dict, pending: dict) -> None:
         del pending[unit]
         lease = head.get("lease")
         if lease is not None:
-            with self._spare_lock:  # valid for half the unit's lease: the unit's clock started first
-                self._spares[unit] = (lease["block"], lease["size"], time.monotonic() + lease["lease_s"] / 2)
+            with self._spare_lock:
+                self._spares.pop(unit, None)  # this flow's marker (another flow's spare cannot be there)
+            self._keep_spare(unit, lease)
 
     def _take_spare(self, unit: int, need: int) -> str | None:
         """The spare block this client holds for ``unit`` if it is still leased and big enough, else None."""
@@ -225,7 +252,7 @@ class TQClient:
             del self._spares[unit]
             return name
 
-    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list, asked: set[int],
+    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list, asked: _Asked,
                      failed: list) -> Call:
         """The put that hands ``block`` to ``unit``, which copies the columns into the block right after it is
         sent, while the unit registers it (the unit never reads the bytes, and nobody can ask for them before
@@ -252,7 +279,7 @@ class TQClient:
                   "shm": {"block": block, "offsets": offsets}}
         with self._spare_lock:
             if off <= SPARE_MAX_BYTES and unit not in self._spares:
-                self._spares[unit] = ASKED
+                self._spares[unit] = asked
                 asked.add(unit)
                 header["lease"] = off
         return Call(unit, header, after_send=copy)
@@ -284,27 +311,19 @@ class TQClient:
             encoded = [encode_device_column(n, _rows(data[n], pos), len(pos), self.device) for n in names]
             link = yield from self._link(unit)
             tensors = [t for _, t in encoded]
+            stored.append(unit)  # until it answers with an error: no answer means it may still store
             try:
                 yield [Call(unit, {"op": "put", "ids": [ids[i] for i in pos.tolist()], "p2p": link.id,
                                    "columns": [d for d, _ in encoded]},
                             after_send=lambda link=link, tensors=tensors: [w.wait() for w in link.send(tensors)])]
             except (TQError, RuntimeError) as exc:
-                if not isinstance(exc, RemoteError):
+                if isinstance(exc, RemoteError):
+                    stored.remove(unit)
+                else:
                     self._drop_link(unit)  # a transfer failed half-way: the link's order is lost
                 raise
             finally:
                 link.lock.release()
-            stored.append(unit)
-
-    @staticmethod
-    def _tolerate(calls: list[Call], failed: list) -> Flow:
-        """Send ``calls`` together; returns every reply, error replies as exception objects. ``Full`` is
-        retried later; any other error is also appended to ``failed`` (raised once every reply is seen)."""
-        for call in calls:
-            call.tolerate = True
-        replies = yield calls
-        failed.extend(r for r in replies if isinstance(r, Exception) and not isinstance(r, Full))
-        return replies
 
     @staticmethod
     def _columns_for_index(data, names, ids) -> list[dict]:

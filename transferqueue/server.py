@@ -154,6 +154,11 @@ class RouterServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self.local_endpoint:  # libzmq leaves the socket file behind
+            try:
+                os.unlink(self.local_endpoint[len("ipc://"):])
+            except FileNotFoundError:
+                pass
         if self.auth is not None:
             self.auth.stop()
         self.ctx.destroy(linger=0)

@@ -101,31 +101,42 @@ class StorageUnit(RouterServer):
         self.used_bytes = 0  # live holders + pending allocations + pooled blocks
         self.free: dict[int, list[ShmBlock]] = {}
         self.pending: dict[str, tuple[ShmBlock, float, bool]] = {}  # leased: (block, deadline, spare)
-        self.revoked: OrderedDict[str, None] = OrderedDict()  # spare blocks taken back (recent ones)
+        self.gone: OrderedDict[str, None] = OrderedDict()  # leased blocks destroyed unused (recent names)
         self.stored_bytes = 0
         self._received = False  # a p2p put's bytes were taken off the link (no drain on failure)
 
     # ----------------------------------------------------------------------------------- capacity
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int, revoke_spares: bool = True) -> None:
+        """Count ``nbytes`` more as used, making room by destroying pooled blocks and (``revoke_spares``)
+        spare blocks nobody wrote yet. Raises FullError, destroying nothing, when that would not suffice."""
+        spares = [n for n, (_, _, spare) in self.pending.items() if spare] if revoke_spares else []
+        reclaimable = sum(size * len(pool) for size, pool in self.free.items())
+        reclaimable += sum(self.pending[n][0].size for n in spares)
+        if self.used_bytes - reclaimable + nbytes > self.capacity_bytes:
+            raise FullError(f"storage unit full: {self.used_bytes} of {self.capacity_bytes} bytes used, "
+                            f"{nbytes} more requested")
         while self.used_bytes + nbytes > self.capacity_bytes and self.free:
             size = max(self.free)
             self.free[size].pop().destroy()
             self.used_bytes -= size
             if not self.free[size]:
                 del self.free[size]
-        for name in [n for n, (_, _, spare) in self.pending.items() if spare]:
+        for name in spares:
             if self.used_bytes + nbytes <= self.capacity_bytes:
                 break
-            block, _, _ = self.pending.pop(name)  # a spare nobody wrote yet: its client falls back to alloc
-            block.destroy()
-            self.used_bytes -= block.size
-            self.revoked[name] = None
-            while len(self.revoked) > 4096:
-                self.revoked.popitem(last=False)
-        if self.used_bytes + nbytes > self.capacity_bytes:
-            raise FullError(f"storage unit full: {self.used_bytes} of {self.capacity_bytes} bytes used, "
-                            f"{nbytes} more requested")
+            self._drop_lease(name)  # its client falls back to alloc
         self.used_bytes += nbytes
+
+    def _drop_lease(self, name: str) -> None:
+        """Destroy a leased block nobody wrote (revoked, expired, or named by a rejected put). It is never
+        leased again, so a client still writing into its mapping harms nobody; a put naming it is answered
+        ``full`` and its client allocates again."""
+        block, _, _ = self.pending.pop(name)
+        block.destroy()
+        self.used_bytes -= block.size
+        self.gone[name] = None
+        while len(self.gone) > 4096:
+            self.gone.popitem(last=False)
 
     def _release(self, holder: Holder) -> None:
         holder.refs -= 1
@@ -143,14 +154,19 @@ class StorageUnit(RouterServer):
             self.p2p.poll()
         now = time.monotonic()
         for name in [n for n, (_, deadline, _) in self.pending.items() if deadline < now]:
-            block, _, _ = self.pending.pop(name)
-            self.free.setdefault(block.size, []).append(block)
+            self._drop_lease(name)  # its client may still write into it: never hand it to another
 
     # ------------------------------------------------------------------------------------- handle
     def handle(self, identity: bytes, header: dict, frames: list) -> Reply | None:
         op = header["op"]
         if op == "put":
-            return self._put(header, frames)
+            try:
+                return self._put(header, frames)
+            except Exception:
+                shm = header.get("shm")
+                if isinstance(shm, dict) and isinstance(shm.get("block"), str) and shm["block"] in self.pending:
+                    self._drop_lease(shm["block"])  # a rejected put's block: free its capacity now
+                raise
         if op == "get":
             return self._get(header)
         if op == "alloc":
@@ -176,9 +192,10 @@ class StorageUnit(RouterServer):
         return self._lease(header.get("nbytes"), "alloc", spare=False), []
 
     def _lease(self, nbytes, what: str, spare: bool) -> dict:
-        """Lease a block of at least ``nbytes`` to one client until ``lease_s`` from now (then it returns to
-        the pool). A ``spare`` (asked for in advance by a put) is taken back when the unit needs its space.
-        Raises WireError for a bad size, FullError when it does not fit."""
+        """Lease a block of at least ``nbytes`` to one client until ``lease_s`` from now (then it is
+        destroyed unless a put used it). A ``spare`` (asked for in advance by a put) is taken back when the
+        unit needs its space, and never takes another client's spare. Raises WireError for a bad size,
+        FullError when it does not fit."""
         if not isinstance(nbytes, int) or nbytes < 0:
             raise wire.WireError(f"{what}: nbytes must be a non-negative int, got {nbytes!r}")
         size = size_class(nbytes)
@@ -188,7 +205,7 @@ class StorageUnit(RouterServer):
             if not pool:
                 del self.free[size]
         else:
-            self._reserve(size)
+            self._reserve(size, revoke_spares=not spare)
             block = ShmBlock(size)
         self.pending[block.name] = (block, time.monotonic() + self.lease_s, spare)
         return {"block": block.name, "size": block.size, "lease_s": self.lease_s}
@@ -283,8 +300,9 @@ class StorageUnit(RouterServer):
         return Holder(nbytes, frames=bufs), [([buf], None, 0) for buf in bufs]
 
     def _shm_placement(self, cols: list[dict], shm) -> tuple[Holder, list]:
-        if isinstance(shm, dict) and shm.get("block") in self.revoked:
-            raise FullError(f"put: spare block {shm['block']} was taken back to make room; allocate again")
+        if isinstance(shm, dict) and shm.get("block") in self.gone:
+            raise FullError(f"put: block {shm['block']} was taken back (lease ended or room needed); "
+                            "allocate again")
         if not isinstance(shm, dict) or shm.get("block") not in self.pending:
             raise wire.WireError("put: shm.block must name a block allocated to this client and not yet used")
         offsets = shm.get("offsets")
