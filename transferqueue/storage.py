@@ -12,9 +12,12 @@
 
 A column chunk covers one contiguous run of sample ids of one field and points into a buffer (shared
 memory block or received frame); buffers are reference counted by the chunks that use them. Capacity
-counts every live or pooled buffer; a put that does not fit gets a ``full`` error reply (the client
-retries until its timeout, then raises ``Full``), so memory never grows without bound. Shared-memory
-blocks are recycled through size-class free lists, so steady-state puts write into pre-faulted pages.
+counts every live, pooled or leased buffer; a put that does not fit gets a ``full`` error reply (the
+client retries until its timeout, then raises ``Full``), so memory never grows without bound. Blocks
+freed by ``clear`` are recycled through size-class free lists, so steady-state puts write into
+pre-faulted pages. A lease that ends unused (expired, a spare revoked to make room, or named by a
+rejected put) destroys its block: a block is never handed to a second client while the first may still
+write into it.
 """
 
 from __future__ import annotations
