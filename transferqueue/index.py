@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable
 from operator import attrgetter
-from types import MappingProxyType
 
 from transferqueue.records import BatchMeta, FieldSchema
 from transferqueue.samplers import get_sampler
+from transferqueue.table import NO_TAGS, Partition, Sample, Subscription
 from transferqueue.wire import OBJECT_DTYPE, row_nbytes
 
 _NBYTES = attrgetter("nbytes")
 _DICT, _UID_TYPES = frozenset({dict}), frozenset({str, int})
-_NO_TAGS: Mapping = MappingProxyType({})  # a sample's tags until it gets some (read-only: copy on write)
 
 
 def _row_bytes(columns: list[dict], count: int) -> tuple[int, list[int] | None]:
@@ -44,7 +43,7 @@ def _row_bytes(columns: list[dict], count: int) -> tuple[int, list[int] | None]:
     return const, var
 
 
-def _set_lengths(samples: list[_Sample], lengths: list[tuple[str, list[int]]]) -> None:
+def _set_lengths(samples: list[Sample], lengths: list[tuple[str, list[int]]]) -> None:
     """Record per-sample lengths (``(field, [length per sample])``)."""
     for name, per_sample in lengths:
         for smp, length in zip(samples, per_sample, strict=True):
@@ -53,146 +52,12 @@ def _set_lengths(samples: list[_Sample], lengths: list[tuple[str, list[int]]]) -
             smp.lengths[name] = length
 
 
-class _Sample:
-    __slots__ = ("sid", "mask", "consumed", "tags", "lengths", "nbytes")
-
-    def __init__(self, sid: int, mask: int = 0, nbytes: int = 0):
-        self.sid = sid
-        self.mask = mask  # bit per ready field (``_Partition.bits``)
-        self.consumed = 0  # bit per task that consumed it (``MetadataIndex.task_bits``)
-        self.tags: Mapping = _NO_TAGS
-        self.lengths: dict[str, int] | None = None  # first dim per variable-length field
-        self.nbytes = nbytes
-
-    def group_key(self) -> Hashable:
-        uid = self.tags.get("uid")
-        return ("sample", self.sid) if uid is None else uid
-
-
-class Subscription:
-    """Ready, unconsumed samples of one partition for one task and field set (a ``samplers.ReadyView``).
-
-    ``complete`` maps each complete group (all ``group_count`` samples of its key ready here) to its size
-    when counted, in the order the groups completed; ``complete_samples`` is the sum of those sizes."""
-
-    def __init__(self, part: _Partition, task_bit: int, mask: int, field_names: list[str]):
-        self.part, self.task_bit, self.mask, self.field_names = part, task_bit, mask, field_names
-        self.ready: dict[int, None] = {}
-        self.groups: dict[Hashable, dict[int, None]] = {}
-        self.complete: dict[Hashable, int] = {}
-        self.complete_samples = 0
-
-    def covers(self, s: _Sample) -> bool:
-        return (s.mask & self.mask) == self.mask and not (s.consumed & self.task_bit)
-
-    def add_many(self, samples: Iterable[_Sample]) -> None:
-        """Add each sample that ``covers`` accepts, in order, rechecking its group after each (inlined:
-        this runs once per put over all its samples)."""
-        want, bit, ready, groups, complete = self.mask, self.task_bit, self.ready, self.groups, self.complete
-        counts = self.part.uid_counts
-        for s in samples:
-            sid = s.sid
-            if (s.mask & want) != want or s.consumed & bit or sid in ready:
-                continue
-            ready[sid] = None
-            uid = s.tags.get("uid")
-            key = ("sample", sid) if uid is None else uid
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = {}
-            group[sid] = None
-            n = len(group)
-            if n == (1 if uid is None else counts.get(uid, 1)):
-                self.complete_samples += n - complete.get(key, 0)
-                complete[key] = n
-            elif key in complete:
-                self.complete_samples -= complete.pop(key)
-
-    def remove_many(self, samples: Iterable[_Sample]) -> None:
-        """Remove each sample (if here); groups are rechecked by the caller once the counts are updated."""
-        ready, groups, complete = self.ready, self.groups, self.complete
-        for s in samples:
-            sid = s.sid
-            if sid not in ready:
-                continue
-            del ready[sid]
-            uid = s.tags.get("uid")
-            key = ("sample", sid) if uid is None else uid
-            if key in complete:
-                self.complete_samples -= complete.pop(key)
-            group = groups[key]
-            del group[sid]
-            if not group:
-                del groups[key]
-
-    def remove(self, s: _Sample) -> None:
-        self.remove_many((s,))
-
-    def _recheck(self, key: Hashable) -> None:
-        group = self.groups.get(key)
-        if group is not None and len(group) == self.part.group_count(key):
-            self.complete_samples += len(group) - self.complete.get(key, 0)  # a complete group can grow:
-            self.complete[key] = len(group)  # a sample moved into it with its uid count
-        elif key in self.complete:
-            self.complete_samples -= self.complete.pop(key)
-
-    # -- ReadyView
-    def ready_ids(self) -> Iterator[int]:
-        return iter(self.ready)
-
-    def num_ready(self) -> int:
-        return len(self.ready)
-
-    def complete_groups(self) -> Iterator[tuple[Hashable, list[int]]]:
-        for key in self.complete:
-            yield key, sorted(self.groups[key])
-
-    def num_complete_samples(self) -> int:
-        return self.complete_samples
-
-    def length(self, sample_id: int) -> int:
-        s = self.part.samples[sample_id]
-        total = 0
-        for name in self.field_names:
-            per_sample = s.lengths.get(name) if s.lengths else None
-            if per_sample is not None:
-                total += per_sample
-            else:
-                total += self.part.fixed_len.get(name, 1)
-        return total
-
-
-class _Partition:
-    def __init__(self, name: str):
-        self.name = name
-        self.bits: dict[str, int] = {}
-        self.schemas: dict[str, FieldSchema] = {}
-        self.fixed_len: dict[str, int] = {}  # first dim of a field's samples put while it was fixed-shape
-        self.samples: dict[int, _Sample] = {}
-        self.uid_counts: dict[Hashable, int] = {}
-        self.subs: dict[tuple[int, int], Subscription] = {}
-
-    def group_count(self, key: Hashable) -> int:
-        """Samples put with this uid (uids are str/int; a tuple key is a sample without uid: a group of 1)."""
-        return 1 if isinstance(key, tuple) else self.uid_counts.get(key, 1)
-
-    def field_mask(self, names: list[str], create: bool) -> int | None:
-        mask = 0
-        for n in names:
-            if n not in self.bits:
-                if not create:
-                    return None
-                self.bits[n] = 1 << len(self.bits)
-            mask |= self.bits[n]
-        return mask
-
-
 class MetadataIndex:
     """The table itself. All methods raise ValueError for bad input (unknown/cleared ids, fields already
     written, unknown sampler...); the server turns those into error replies."""
 
     def __init__(self):
-        self.partitions: dict[str, _Partition] = {}
+        self.partitions: dict[str, Partition] = {}
         self.next_id = 0
         self.produced = 0
         self.reserved: dict[int, bytearray] = {}  # start -> one byte per id: 0 free, 1 used
@@ -209,13 +74,13 @@ class MetadataIndex:
             self.task_bits[task] = 1 << len(self.task_bits)
         return self.task_bits[task]
 
-    def _partition(self, name: str, create: bool = False) -> _Partition:
+    def _partition(self, name: str, create: bool = False) -> Partition:
         if not isinstance(name, str) or not name:
             raise ValueError(f"partition must be a non-empty string, got {name!r}")
         if name not in self.partitions:
             if not create:
                 raise ValueError(f"unknown partition {name!r}")
-            self.partitions[name] = _Partition(name)
+            self.partitions[name] = Partition(name)
         return self.partitions[name]
 
     # ------------------------------------------------------------------------------------------ put
@@ -230,7 +95,7 @@ class MetadataIndex:
             self.next_id += count
             self.produced += count
             for sid in ids:
-                part.samples[sid] = _Sample(sid)
+                part.samples[sid] = Sample(sid)
             return ids
         mask = part.field_mask(fields, create=False) or 0
         for sid in sample_ids:
@@ -334,13 +199,13 @@ class MetadataIndex:
             for key in touched:
                 sub._recheck(key)
 
-    def _check_dtypes(self, part: _Partition, columns: list[dict]) -> None:
+    def _check_dtypes(self, part: Partition, columns: list[dict]) -> None:
         for col in columns:
             known = part.schemas.get(col["name"])
             if known is not None and known.dtype != col["dtype"]:
                 raise ValueError(f"field {col['name']!r}: dtype {col['dtype']} differs from earlier puts ({known.dtype})")
 
-    def _check_new(self, part: _Partition, columns: list[dict], tags: list[dict] | None) -> list | None:
+    def _check_new(self, part: Partition, columns: list[dict], tags: list[dict] | None) -> list | None:
         """The checks ``notify`` makes before changing anything, run before new samples are created.
         Returns the uid of each tag dict (None where it has none), or None without tags."""
         self._check_dtypes(part, columns)
@@ -355,7 +220,7 @@ class MetadataIndex:
                 raise ValueError(f"tags must be maps whose uid is a str or int, got {t!r:.100}")
         return [t.get("uid") for t in tags]
 
-    def _existing(self, part: _Partition, sample_ids: list[int], tags) -> list[_Sample]:
+    def _existing(self, part: Partition, sample_ids: list[int], tags) -> list[Sample]:
         """The samples of ``sample_ids``; ValueError for an unknown/cleared id or a bad tag dict or uid."""
         samples = list(map(part.samples.get, sample_ids))
         if None in samples:
@@ -369,19 +234,19 @@ class MetadataIndex:
                 raise ValueError(f"sample {s.sid}: uid must be a str or int, got {type(uid).__name__}")
         return samples
 
-    def _create(self, part: _Partition, sample_ids: list[int], mask: int, const: int,
-                var: list[int] | None) -> list[_Sample]:
+    def _create(self, part: Partition, sample_ids: list[int], mask: int, const: int,
+                var: list[int] | None) -> list[Sample]:
         """New samples (ids just claimed) with ``mask`` ready and their bytes (``const`` + ``var[i]``)."""
         if var is None:
-            samples = [_Sample(sid, mask, const) for sid in sample_ids]
+            samples = [Sample(sid, mask, const) for sid in sample_ids]
         else:
-            samples = [_Sample(sid, mask, const + v) for sid, v in zip(sample_ids, var, strict=True)]
+            samples = [Sample(sid, mask, const + v) for sid, v in zip(sample_ids, var, strict=True)]
         part.samples.update(zip(sample_ids, samples, strict=True))
         self.produced += len(samples)
         return samples
 
     @staticmethod
-    def _tag_new(part: _Partition, samples: list[_Sample], tags: list[dict], uids: list) -> dict:
+    def _tag_new(part: Partition, samples: list[Sample], tags: list[dict], uids: list) -> dict:
         """Give new samples their tags and count their uids; returns the uids (groups to recheck)."""
         counts = part.uid_counts
         for s, t, uid in zip(samples, tags, uids, strict=True):
@@ -392,14 +257,14 @@ class MetadataIndex:
                 s.tags = dict(t)
         return dict.fromkeys(uids if None not in uids else (u for u in uids if u is not None))
 
-    def _update(self, part: _Partition, samples: list[_Sample], mask: int, const: int, var: list[int] | None,
+    def _update(self, part: Partition, samples: list[Sample], mask: int, const: int, var: list[int] | None,
                 tags: list[dict] | None) -> set:
         """Existing samples: add ``mask`` and bytes, merge tags (moving samples between uid groups).
         Returns the group keys whose completeness may have changed."""
         touched: set = set()
         for i, s in enumerate(samples):
             if tags is not None and tags[i]:
-                if s.tags is _NO_TAGS:
+                if s.tags is NO_TAGS:
                     s.tags = {}
                 uid = tags[i].get("uid")
                 if uid is not None and uid != s.tags.get("uid"):
@@ -409,7 +274,7 @@ class MetadataIndex:
             s.nbytes += const if var is None else const + var[i]
         return touched
 
-    def _move_group(self, part: _Partition, s: _Sample, uid: Hashable, touched: set) -> None:
+    def _move_group(self, part: Partition, s: Sample, uid: Hashable, touched: set) -> None:
         old = s.group_key()
         for sub in part.subs.values():
             sub.remove(s)
@@ -421,7 +286,7 @@ class MetadataIndex:
         part.uid_counts[uid] = part.uid_counts.get(uid, 0) + 1
         touched.update((old, uid))
 
-    def _merge_schema(self, part: _Partition, col: dict, count: int) -> list[int] | None:
+    def _merge_schema(self, part: Partition, col: dict, count: int) -> list[int] | None:
         """Fold one column into the field schema; returns the per-sample lengths to record (first dim;
         for ``seqlen_balanced``), kept only while a field is variable-length, else None (samples put
         while it was fixed use ``part.fixed_len``)."""
@@ -443,7 +308,7 @@ class MetadataIndex:
         return [fixed[0] if fixed else 1] * count
 
     # ------------------------------------------------------------------------------------- get_meta
-    def subscription(self, part: _Partition, task: str, fields: list[str]) -> Subscription | None:
+    def subscription(self, part: Partition, task: str, fields: list[str]) -> Subscription | None:
         """The subscription of (task, fields), built with one scan on first use; None for unknown fields."""
         mask = part.field_mask(fields, create=False)
         if mask is None:
