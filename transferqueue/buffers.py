@@ -7,6 +7,7 @@ import math
 import mmap
 import os
 import re
+import struct
 import threading
 import weakref
 from collections import OrderedDict
@@ -54,6 +55,19 @@ class ShmCache:
             except BufferError:  # a caller's view still uses it; it closes when collected
                 pass
         return self.maps[name][1]
+
+    def check_leases(self, replies: list) -> None:
+        """After copying a get's shared-memory runs: raise RemoteError if a block was cleared and leased
+        again while we read it (its header's lease number moved on; the copy may hold another put's
+        bytes). ``replies``: the units' ``(header, frames)`` get replies."""
+        for head, _ in replies:
+            for col in head["columns"]:
+                for run in col["runs"]:
+                    if len(run) == 4 and run[0] is not None and run[0] != "p2p":
+                        (now,) = struct.unpack_from("<Q", self.view(run[0]), 0)
+                        if now != run[3]:
+                            raise RemoteError(f"get: field {col['name']!r} was cleared while being read "
+                                              f"(block {run[0]} leased again)")
 
     def forget(self, name: str) -> None:
         """Unmap block ``name`` (its unit destroyed it), so its memory can go back to the system."""
@@ -201,7 +215,7 @@ def run_sources(head: dict, frames: list, received: list, j: int, shm: ShmCache)
     fi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] is None)
     pi = sum(1 for col in head["columns"][:j] for run in col["runs"] if run[0] == "p2p")
     src = []
-    for seg, off, nbytes in head["columns"][j]["runs"]:
+    for seg, off, nbytes, *_ in head["columns"][j]["runs"]:
         if seg is None:
             if fi >= len(frames):
                 raise RemoteError("reply announces more frames than it carries")

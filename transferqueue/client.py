@@ -29,7 +29,7 @@ from transferqueue import wire
 from transferqueue.buffers import BufferPool, ShmCache, assemble_field
 from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQError, TQHandle
 from transferqueue.server import node_id
-from transferqueue.storage import ALIGN
+from transferqueue.storage import ALIGN, HEADER
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
 
 FULL_RETRY_S = 0.01
@@ -180,7 +180,7 @@ class TQClient:
                 calls.append(Call(unit, {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded]},
                                   [b for _, bufs in encoded for b in bufs]))
                 continue
-            need = sum(_aligned(d["nbytes"]) for d, _ in encoded)
+            need = HEADER + sum(_aligned(d["nbytes"]) for d, _ in encoded)
             block = self._take_spare(unit, need)
             if block is not None:
                 try:
@@ -260,7 +260,7 @@ class TQClient:
         spare block when this client holds none for ``unit`` (and the put is not too big to keep one).
         Raises FileNotFoundError when the block is gone (a spare the unit took back)."""
         view = self.shm.view(block)
-        offsets, off = [], 0
+        offsets, off = [], HEADER
         for desc, _ in encoded:
             offsets.append(off)
             desc["split"] = False
@@ -372,8 +372,10 @@ class TQClient:
             received = [[] for _ in routes]
         else:
             replies, received = yield from self._get_p2p(routes, calls)
-        return Batch(meta, {n: self._assemble(j, n, len(meta), routes, replies, received)
-                            for j, n in enumerate(names)})
+        batch = Batch(meta, {n: self._assemble(j, n, len(meta), routes, replies, received)
+                             for j, n in enumerate(names)})
+        self.shm.check_leases(replies)
+        return batch
 
     def _get_p2p(self, routes, calls: list[Call]) -> Flow:
         """Send the gets with this client's links, then receive every ``p2p`` run of the replies in order."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import time
 import uuid
 from collections import OrderedDict
@@ -45,6 +46,7 @@ from transferqueue.server import Reply, RouterServer
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64
+HEADER = ALIGN  # bytes at the start of every block the unit owns: the lease number (uint64, little-endian)
 
 
 class FullError(ValueError):
@@ -66,6 +68,14 @@ class ShmBlock:
         finally:
             os.close(fd)
         self.view = np.frombuffer(self.mm, dtype=np.uint8)
+        self.lease_no = 0
+
+    def stamp(self) -> None:
+        """Count one more lease into the block's header. A get reply names the number its bytes were put
+        under; a reader that finds another number after copying knows the block was cleared and leased
+        again meanwhile (the new lessee learns of the block only after this store)."""
+        self.lease_no += 1
+        struct.pack_into("<Q", self.mm, 0, self.lease_no)
 
     def destroy(self) -> None:
         self.view = None
@@ -201,7 +211,7 @@ class StorageUnit(RouterServer):
         FullError when it does not fit."""
         if not isinstance(nbytes, int) or nbytes < 0:
             raise wire.WireError(f"{what}: nbytes must be a non-negative int, got {nbytes!r}")
-        size = size_class(nbytes)
+        size = HEADER + size_class(max(nbytes - HEADER, 0))  # the header rides on top of a data size class
         pool = self.free.get(size)
         if pool:
             block = pool.pop()
@@ -210,6 +220,7 @@ class StorageUnit(RouterServer):
         else:
             self._reserve(size, revoke_spares=not spare)
             block = ShmBlock(size)
+        block.stamp()
         self.pending[block.name] = (block, time.monotonic() + self.lease_s, spare)
         return {"block": block.name, "size": block.size, "lease_s": self.lease_s}
 
@@ -312,7 +323,7 @@ class StorageUnit(RouterServer):
         if not isinstance(offsets, list) or len(offsets) != len(cols) or not all(isinstance(o, int) for o in offsets):
             raise wire.WireError("put: shm.offsets must hold one int offset per column")
         block, _, _ = self.pending[shm["block"]]
-        end = 0
+        end = HEADER  # the block's header is the unit's
         for c, o in zip(cols, offsets, strict=True):
             if c["split"] or o < end or o + c["nbytes"] > block.size:
                 raise wire.WireError(f"put: column {c['name']!r} at offset {o} overlaps or leaves the block")
@@ -356,7 +367,7 @@ class StorageUnit(RouterServer):
             sends.append(buf.view[off:off + nbytes] if isinstance(buf, ShmBlock) else buf[off:off + nbytes])
             return ["p2p", 0, nbytes]
         if use_shm and isinstance(buf, ShmBlock):
-            return [buf.name, off, nbytes]
+            return [buf.name, off, nbytes, buf.lease_no]
         if isinstance(buf, ShmBlock):
             frames.append(buf.view[off:off + nbytes])
         elif hasattr(buf, "numpy"):  # a tensor received over p2p

@@ -22,7 +22,7 @@ from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
 from transferqueue.records import Timeout
 from transferqueue.security import make_job_keys
-from transferqueue.storage import StorageUnit
+from transferqueue.storage import HEADER, StorageUnit
 
 KiB = 1024
 
@@ -52,23 +52,31 @@ def _col(name: str, rows: int, row_bytes: int = 1024) -> dict:
     return {"name": name, "dtype": "uint8", "shape": [row_bytes], "nbytes": rows * row_bytes}
 
 
+def test_a_put_may_not_write_over_the_blocks_header(unit):
+    """The first HEADER bytes of a block hold the unit's lease number (readers check it after copying)."""
+    block = unit.handle(b"A", {"op": "alloc", "nbytes": 4 * KiB}, [])[0]["block"]
+    with pytest.raises(wire.WireError, match="overlaps"):
+        unit.handle(b"A", {"op": "put", "ids": [0, 1], "columns": [_col("x", 2)],
+                           "shm": {"block": block, "offsets": [HEADER - 8]}}, [])
+
+
 def test_a_put_into_an_expired_spare_is_refused_and_the_block_never_reused(unit):
     """Client A's spare expires at the unit (A's put was delayed past the lease). The unit destroys it
     rather than pooling it: B's next alloc gets another block, and A's late put naming the old one is
     answered ``full`` (A allocates again) — two puts can never share a block."""
     first = unit.handle(b"A", {"op": "alloc", "nbytes": 2 * KiB}, [])[0]
     head = unit.handle(b"A", {"op": "put", "ids": [0, 1], "columns": [_col("x", 2)], "lease": 2 * KiB,
-                              "shm": {"block": first["block"], "offsets": [0]}}, [])[0]
+                              "shm": {"block": first["block"], "offsets": [HEADER]}}, [])[0]
     spare = head["lease"]["block"]
     time.sleep(0.1)
     unit.tick()  # the spare's lease ended
     b_block = unit.handle(b"B", {"op": "alloc", "nbytes": 2 * KiB}, [])[0]["block"]
     assert b_block != spare and spare not in unit.pending
-    late = {"op": "put", "ids": [2, 3], "columns": [_col("x", 2)], "shm": {"block": spare, "offsets": [0]}}
+    late = {"op": "put", "ids": [2, 3], "columns": [_col("x", 2)], "shm": {"block": spare, "offsets": [HEADER]}}
     with pytest.raises(ValueError) as err:
         unit.handle(b"A", late, [])
     assert getattr(err.value, "full", False)
-    own = {"op": "put", "ids": [4, 5], "columns": [_col("x", 2)], "shm": {"block": b_block, "offsets": [0]}}
+    own = {"op": "put", "ids": [4, 5], "columns": [_col("x", 2)], "shm": {"block": b_block, "offsets": [HEADER]}}
     assert unit.handle(b"B", own, [])[0]["nbytes"] > 0  # B's put of its own block still works
 
 
@@ -79,7 +87,7 @@ def test_a_lease_that_cannot_fit_takes_no_spare_back(unit):
     for ids in ([0, 1], [2, 3]):
         block = unit.handle(b"A", {"op": "alloc", "nbytes": 2 * KiB}, [])[0]["block"]
         head = unit.handle(b"A", {"op": "put", "ids": ids, "columns": [_col("x", 2)], "lease": 2 * KiB,
-                                  "shm": {"block": block, "offsets": [0]}}, [])[0]
+                                  "shm": {"block": block, "offsets": [HEADER]}}, [])[0]
         spares.append(head["lease"]["block"])
     head = unit.handle(b"M", {"op": "put", "ids": [10, 11], "columns": [_col("y", 2)], "lease": 2**62},
                        [zmq.Frame(bytes(2 * KiB))])[0]

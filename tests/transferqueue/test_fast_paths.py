@@ -13,6 +13,7 @@ from transferqueue import RemoteError, TQClient
 from transferqueue.chunks import id_range
 from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
+from transferqueue.storage import HEADER
 from transferqueue.transport import INDEX, server_addresses
 
 KiB = 1024
@@ -50,7 +51,7 @@ def test_spare_block_is_taken_back_when_the_unit_needs_room(mapped):
                 a.put({"x": first}, partition="a")
             spare = a._spares[0][0]
             assert (spare in a.shm.maps) == mapped
-            assert a.unit_stats(0)["used_bytes"] == 512 * KiB
+            assert a.unit_stats(0)["used_bytes"] == 2 * (256 * KiB + HEADER)  # the put's block and a's spare
             big = torch.randn(150, 1024)  # 600 KiB: fits only if a's spare is taken back
             meta_b = b.put({"x": big}, partition="b", timeout_s=1)
             assert torch.equal(b.get_data(meta_b)["x"], big)
@@ -173,3 +174,29 @@ def test_a_put_one_unit_rejects_is_undone_on_the_others(shm_client, monkeypatch)
         shm_client.put({"x": torch.ones(8, 4096)}, partition=p)  # ids span both units (route_block 4)
     assert [shm_client.unit_stats(u)["stored_bytes"] for u in (0, 1)] == before
     assert shm_client.get_meta(["x"], 1, "t", p).sample_ids == []
+
+
+def test_a_get_that_races_a_clear_and_a_new_put_raises_instead_of_returning_their_bytes(monkeypatch):
+    """Between a unit's get reply and the reader's copy, the ids are cleared and another client's put
+    takes the freed block: the reader must get an error, not the other put's bytes."""
+    cfg = TransferQueueConfig(num_storage_units=1, capacity_bytes=16 << 20)
+    with start_transferqueue(cfg) as servers:
+        handle = dataclasses.replace(servers.handle, shm_min_bytes=0)
+        with TQClient(handle) as reader, TQClient(handle) as other:
+            meta = reader.put({"x": torch.zeros(16, 4096)}, partition="a")
+            assemble = TQClient._assemble
+            raced = []
+
+            def clear_and_put_first(self, *args):
+                if not raced:  # the reply named the block; now it is freed and leased again
+                    raced.append(other.clear("a"))
+                    other.put({"x": torch.ones(16, 4096)}, partition="b")
+                return assemble(self, *args)
+
+            monkeypatch.setattr(TQClient, "_assemble", clear_and_put_first)
+            with pytest.raises(RemoteError, match="cleared while being read"):
+                reader.get_data(meta)
+            assert raced == [16]
+            monkeypatch.setattr(TQClient, "_assemble", assemble)
+            got = reader.get("x", 16, "t", "b")["x"]  # the new put reads back intact
+            assert torch.equal(got, torch.ones(16, 4096))
