@@ -89,7 +89,14 @@ def _server_main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     write_endpoint_file(spec["endpoint_file"], _info(server))
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:  # also when the launcher died (PDEATHSIG) and nobody else cleans the run directory
+        try:
+            os.unlink(spec["endpoint_file"])
+            os.rmdir(os.path.dirname(spec["endpoint_file"]))  # succeeds for the last server out
+        except OSError:
+            pass
 
 
 def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None) -> list[dict]:
