@@ -30,6 +30,7 @@ import uuid
 from collections import OrderedDict
 
 import numpy as np
+import zmq
 
 from transferqueue import wire
 from transferqueue.chunks import (
@@ -115,6 +116,8 @@ class StorageUnit(RouterServer):
         self.free: dict[int, list[ShmBlock]] = {}
         self.pending: dict[str, tuple[ShmBlock, float, bool]] = {}  # leased: (block, deadline, spare)
         self.gone: OrderedDict[str, None] = OrderedDict()  # leased blocks destroyed unused (recent names)
+        self.sending: list[tuple[zmq.MessageTracker, ShmBlock]] = []  # zero-copy reply frames ZMQ may read
+        self.draining: list[ShmBlock] = []  # cleared blocks that such frames still read: not reused yet
         self.stored_bytes = 0
         self._received = False  # a p2p put's bytes were taken off the link (no drain on failure)
 
@@ -123,7 +126,7 @@ class StorageUnit(RouterServer):
         """Count ``nbytes`` more as used, making room by destroying pooled blocks and (``revoke_spares``)
         spare blocks nobody wrote yet. Raises FullError, destroying nothing, when that would not suffice."""
         spares = [n for n, (_, _, spare) in self.pending.items() if spare] if revoke_spares else []
-        reclaimable = sum(size * len(pool) for size, pool in self.free.items())
+        reclaimable = sum(size * len(pool) for size, pool in self.free.items()) + sum(b.size for b in self.draining)
         reclaimable += sum(self.pending[n][0].size for n in spares)
         if self.used_bytes - reclaimable + nbytes > self.capacity_bytes:
             raise FullError(f"storage unit full: {self.used_bytes} of {self.capacity_bytes} bytes used, "
@@ -134,6 +137,10 @@ class StorageUnit(RouterServer):
             self.used_bytes -= size
             if not self.free[size]:
                 del self.free[size]
+        while self.used_bytes + nbytes > self.capacity_bytes and self.draining:
+            block = self.draining.pop(0)  # unlinked now; its pages live on until ZMQ drops the frames
+            block.destroy()
+            self.used_bytes -= block.size
         for name in spares:
             if self.used_bytes + nbytes <= self.capacity_bytes:
                 break
@@ -156,15 +163,29 @@ class StorageUnit(RouterServer):
         if holder.refs:
             return
         self.stored_bytes -= holder.nbytes
-        if holder.block is not None:
-            self.free.setdefault(holder.block.size, []).append(holder.block)  # stays counted in used_bytes
+        if holder.block is not None:  # stays counted in used_bytes
+            self._prune_sending()
+            if any(b is holder.block for _, b in self.sending):
+                self.draining.append(holder.block)
+            else:
+                self.free.setdefault(holder.block.size, []).append(holder.block)
         else:
             self.used_bytes -= holder.nbytes
             holder.frames.clear()
 
+    def _prune_sending(self) -> None:
+        if self.sending:
+            self.sending = [(t, b) for t, b in self.sending if not t.done]
+
     def tick(self) -> None:
         if self.p2p is not None:
             self.p2p.poll()
+        self._prune_sending()
+        if self.draining:
+            busy = {id(b) for _, b in self.sending}
+            for b in [b for b in self.draining if id(b) not in busy]:
+                self.draining.remove(b)
+                self.free.setdefault(b.size, []).append(b)
         now = time.monotonic()
         for name in [n for n, (_, deadline, _) in self.pending.items() if deadline < now]:
             self._drop_lease(name)  # its client may still write into it: never hand it to another
@@ -360,16 +381,17 @@ class StorageUnit(RouterServer):
             self.after_reply = self.p2p.send_later(link, sends)
         return {"columns": out_cols}, frames
 
-    @staticmethod
-    def _emit(buf, off: int, nbytes: int, use_shm: bool, frames: list, sends: list | None, obj: bool) -> list:
+    def _emit(self, buf, off: int, nbytes: int, use_shm: bool, frames: list, sends: list | None, obj: bool) -> list:
         """One run of a get reply: p2p (bytes follow on the side group), shm (block name) or a frame."""
         if sends is not None and not obj:
             sends.append(buf.view[off:off + nbytes] if isinstance(buf, ShmBlock) else buf[off:off + nbytes])
             return ["p2p", 0, nbytes]
         if use_shm and isinstance(buf, ShmBlock):
             return [buf.name, off, nbytes, buf.lease_no]
-        if isinstance(buf, ShmBlock):
-            frames.append(buf.view[off:off + nbytes])
+        if isinstance(buf, ShmBlock):  # ZMQ reads it after the reply is queued: no reuse until it is done
+            frame = zmq.Frame(buf.view[off:off + nbytes], copy=False, track=True)
+            self.sending.append((frame.tracker, buf))
+            frames.append(frame)
         elif hasattr(buf, "numpy"):  # a tensor received over p2p
             frames.append(buf[off:off + nbytes].cpu().numpy())
         else:
@@ -442,6 +464,8 @@ class StorageUnit(RouterServer):
                 if c.holder.block is not None}
         self.tables.clear()
         blocks = [b for pool in self.free.values() for b in pool] + [b for b, _, _ in self.pending.values()]
+        blocks += self.draining
+        self.draining = []
         self.free.clear()
         self.pending.clear()
         for b in [*blocks, *live.values()]:

@@ -259,3 +259,23 @@ def test_a_stopped_server_removes_its_ipc_socket_file():
         loop.join(timeout=5)
         assert not loop.is_alive()
         assert not os.path.exists(path)
+
+
+def test_a_cleared_block_is_not_reused_while_zmq_still_sends_it(unit):
+    """A frames-path get (a remote reader) replies with zero-copy frames of the block; ZMQ reads them after
+    the handler returns. A clear meanwhile must not hand the block to the next alloc until ZMQ is done."""
+    import gc
+
+    block = unit.handle(b"A", {"op": "alloc", "nbytes": 4 * KiB}, [])[0]["block"]
+    unit.handle(b"A", {"op": "put", "ids": [0, 1], "columns": [_col("x", 2)],
+                       "shm": {"block": block, "offsets": [HEADER]}}, [])
+    head, frames = unit.handle(b"R", {"op": "get", "ids": [0, 1], "fields": ["x"]}, [])  # frames, not sent yet
+    assert head["columns"][0]["runs"][0][0] is None and len(frames) == 1
+    unit.handle(b"A", {"op": "clear", "ids": [0, 1]}, [])
+    unit.tick()
+    assert unit.handle(b"B", {"op": "alloc", "nbytes": 4 * KiB}, [])[0]["block"] != block
+    assert [b.name for b in unit.draining] == [block]
+    del frames, head
+    gc.collect()  # the frame is released: ZMQ is done with it
+    unit.tick()
+    assert not unit.draining and any(b.name == block for pool in unit.free.values() for b in pool)
