@@ -140,11 +140,21 @@ def run_job(cfg: HFlowConfig) -> int:
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s; mode {cfg.mode}, "
               f"{cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
         report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
+        about = {"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task}
+        status = "failed"
         try:
             extra = asyncio.run(_run_schedule(cfg, rt, metrics, report))
-            report.finish({"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task, **extra,
-                           "config": to_dict(cfg)})
+            status = "completed"
+            report.finish({"status": status, **about, **extra, "config": to_dict(cfg)})
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
         finally:
+            if status != "completed":  # the steps done so far still get their summary and plot
+                try:
+                    report.finish({"status": status, **about, "config": to_dict(cfg)})
+                except Exception:  # noqa: BLE001 - never mask the run's own error
+                    logger.warning("could not write the summary of the %s run", status, exc_info=True)
             report.close()
         return EXIT_OK
     except StartError as exc:

@@ -45,6 +45,7 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     assert code == EXIT_OK
     assert [s["step"] for s in steps] == list(range(1, total_steps + 1))
     assert summary["num_syncs"] == total_steps and summary["weight_version"] == total_steps
+    assert summary["status"] == "completed"
     # Nothing is generated beyond the last step (no 5th batch; with 3 steps no 4th batch to cancel).
     assert summary["num_groups_admitted"] == 8 * total_steps
     assert summary["num_groups_generated"] == 8 * total_steps
@@ -96,6 +97,8 @@ def test_failing_reward_fails_the_run(tmp_path, ray_cluster, capsys):
                          "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", f"rollout.reward={HOOKS}:raise_on_c")
     assert code == EXIT_FAILED and steps == []
     assert "refusing to score answer c" in capsys.readouterr().err
+    assert (tmp_path / "summary.json").exists()  # a failed (or interrupted) run still gets its summary
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
 
 
 def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
