@@ -16,7 +16,6 @@ import gc
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Any
 
@@ -79,7 +78,7 @@ class RouterServer:
                 raise ValueError(f"local_address must be an ipc:// endpoint, got {local_address!r}")
             self.sock.bind(local_address)
         self.local_endpoint = local_address
-        self._stop = threading.Event()
+        self._stopped = False  # a plain flag: stop() runs in signal handlers, which must take no lock
         self.after_reply = None
         self.requests: dict[str, list[float]] = {}
 
@@ -106,7 +105,7 @@ class RouterServer:
         gc.disable()
         next_gc = time.monotonic() + self.gc_every_s
         try:
-            while not self._stop.is_set():
+            while not self._stopped:
                 if poller.poll(int(self.tick_s * 1000)):
                     self._one()
                 self.tick()
@@ -150,7 +149,9 @@ class RouterServer:
         stat[2] = max(stat[2], dt)
 
     def stop(self) -> None:
-        self._stop.set()
+        """Make ``serve_forever`` return within ``tick_s``. It only sets a flag (no lock), so a signal
+        handler may call it, even one that interrupts another signal handler."""
+        self._stopped = True
 
     def close(self) -> None:
         self.sock.close(linger=0)
