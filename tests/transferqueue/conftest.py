@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -37,3 +38,25 @@ def shm_client(tq_servers):
     c = TQClient(dataclasses.replace(tq_servers.handle, shm_min_bytes=0))
     yield c
     c.close()
+
+
+@pytest.fixture
+def rejecting_unit(monkeypatch):
+    """``with rejecting_unit(u):`` storage unit ``u`` rejects this process's shared-memory puts (their
+    offsets point past any block), so a put fails on that unit alone."""
+
+    @contextlib.contextmanager
+    def reject(unit: int):
+        write_block = TQClient._write_block
+
+        def bad_offsets(self, target, *args):
+            call = write_block(self, target, *args)
+            if target == unit:
+                call.header["shm"]["offsets"] = [1 << 40]
+            return call
+
+        with monkeypatch.context() as m:
+            m.setattr(TQClient, "_write_block", bad_offsets)
+            yield
+
+    return reject

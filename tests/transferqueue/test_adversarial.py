@@ -180,24 +180,14 @@ def test_async_puts_sharing_a_client_never_share_a_spare_block(small_tq):
         assert asyncio.run(main(client)) == [0, 1, 2]
 
 
-def test_a_rejected_put_leaves_no_block_holding_capacity(small_tq, monkeypatch):
+def test_a_rejected_put_leaves_no_block_holding_capacity(small_tq, rejecting_unit):
     """Unit 0 rejects its part of a shared-memory put (bad offsets). The put fails (fine), but the block
     allocated for it must not keep holding unit 0's capacity: another client's put that needs most of
     each unit must fit at once."""
     handle = dataclasses.replace(small_tq.handle, shm_min_bytes=0)
     with TQClient(handle) as a, TQClient(handle) as b:
-        write_block = TQClient._write_block
-
-        def bad_for_unit_0(self, unit, *args):
-            call = write_block(self, unit, *args)
-            if unit == 0:
-                call.header["shm"]["offsets"] = [1 << 40]
-            return call
-
-        monkeypatch.setattr(TQClient, "_write_block", bad_for_unit_0)
-        with pytest.raises(RemoteError, match="offset"):
+        with rejecting_unit(0), pytest.raises(RemoteError, match="offset"):
             a.put({"x": torch.zeros(8, 75 * KiB // 4)}, partition=part())  # 300 KiB on each unit
-        monkeypatch.setattr(TQClient, "_write_block", write_block)
         p = part()
         big = torch.ones(8, 200 * KiB // 4)  # 800 KiB on each unit of 1 MiB
         meta = b.put({"x": big}, partition=p, timeout_s=1)

@@ -156,21 +156,12 @@ def test_threads_sharing_a_client_never_share_a_spare_block(shm_client):
     shm_client.clear(p)
 
 
-def test_a_put_one_unit_rejects_is_undone_on_the_others(shm_client, monkeypatch):
+def test_a_put_one_unit_rejects_is_undone_on_the_others(shm_client, rejecting_unit):
     """Unit 1 rejects its part while unit 0 stores its part in the same round: the put raises, and unit 0's
     part is cleared again (nothing of a failed put is kept)."""
     p = part()
     before = [shm_client.unit_stats(u)["stored_bytes"] for u in (0, 1)]
-    write_block = TQClient._write_block
-
-    def bad_for_unit_1(self, unit, *args):
-        call = write_block(self, unit, *args)
-        if unit == 1:
-            call.header["shm"]["offsets"] = [1 << 40]
-        return call
-
-    monkeypatch.setattr(TQClient, "_write_block", bad_for_unit_1)
-    with pytest.raises(RemoteError, match="offset"):
+    with rejecting_unit(1), pytest.raises(RemoteError, match="offset"):
         shm_client.put({"x": torch.ones(8, 4096)}, partition=p)  # ids span both units (route_block 4)
     assert [shm_client.unit_stats(u)["stored_bytes"] for u in (0, 1)] == before
     assert shm_client.get_meta(["x"], 1, "t", p).sample_ids == []
