@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from transferqueue import wire
+from transferqueue.chunks import contiguous_runs
 from transferqueue.records import RemoteError
 from transferqueue.storage import SHM_DIR, size_class
 
@@ -63,7 +64,7 @@ class ShmCache:
         for head, _ in replies:
             for col in head["columns"]:
                 for run in col["runs"]:
-                    if len(run) == 4 and run[0] is not None and run[0] != "p2p":
+                    if len(run) == 4:  # a shared-memory run: [block, offset, nbytes, lease number]
                         (now,) = struct.unpack_from("<Q", self.view(run[0]), 0)
                         if now != run[3]:
                             raise RemoteError(f"get: field {col['name']!r} was cleared while being read "
@@ -171,7 +172,7 @@ def assemble_field(j: int, name: str, count: int, routes, replies, received, all
         row = math.prod(shape) * wire.ITEMSIZE[dtype]  # the common case: one fixed shape, no per-row work
         out = alloc(count * row, dtype)
         _copy_routes(out, j, routes, replies, received, shm, lambda p: p * row)
-        return _as_tensor(out, dtype).view(count, *shape)
+        return wire.decode_column({"name": name, "dtype": dtype, "count": count, "shape": shape}, out)
     row_nb = np.zeros(count, dtype=np.int64)
     shapes: list = [None] * count
     for col, (_, pos) in zip(cols, routes, strict=True):
@@ -194,20 +195,10 @@ def _copy_routes(out, j: int, routes, replies, received, shm: ShmCache, offset) 
     """Copy column ``j`` of every reply into ``out``; ``offset(p)``: byte offset of row position ``p``."""
     for (_, pos), (head, frames), got in zip(routes, replies, received, strict=True):
         src = run_sources(head, frames, got, j, shm)
-        if len(pos) and pos[-1] - pos[0] == len(pos) - 1:  # positions are sorted: one contiguous segment
-            bounds = [(int(pos[0]), int(pos[-1]) + 1)]
-        else:
-            brk = (np.flatnonzero(np.diff(pos) != 1) + 1).tolist()
-            bounds = [(int(pos[s]), int(pos[e - 1]) + 1) for s, e in zip([0, *brk], [*brk, len(pos)], strict=True)]
+        # positions are sorted and distinct: first and last tell whether they form one segment
+        runs = [(0, len(pos))] if len(pos) and pos[-1] - pos[0] == len(pos) - 1 else contiguous_runs(pos)
+        bounds = [(int(pos[s]), int(pos[s]) + n) for s, n in runs]
         merge_copy(out, src, [(offset(lo), offset(hi) - offset(lo)) for lo, hi in bounds])
-
-
-def _as_tensor(out, dtype: str) -> torch.Tensor:
-    """A flat tensor of ``dtype`` over a filled buffer (numpy host buffer or device tensor), no copy."""
-    if isinstance(out, torch.Tensor):
-        return out.view(wire.DTYPES[dtype]) if out.numel() else torch.empty(0, dtype=wire.DTYPES[dtype],
-                                                                            device=out.device)
-    return torch.from_numpy(out).view(wire.DTYPES[dtype]) if out.size else torch.empty(0, dtype=wire.DTYPES[dtype])
 
 
 def run_sources(head: dict, frames: list, received: list, j: int, shm: ShmCache) -> list:

@@ -76,8 +76,8 @@ class Chunk:
         return killed
 
 
-def chunks_of_column(col: dict, ids_lo: int | None, ids: np.ndarray, runs: list[tuple[int, int]], holder: Holder,
-                     bufs: list, buf_of_row: np.ndarray | None, off: int | np.ndarray) -> list[Chunk]:
+def chunks_of_column(col: dict, ids: np.ndarray, runs: list[tuple[int, int]], holder: Holder, bufs: list,
+                     buf_of_row: np.ndarray | None, off: int | np.ndarray) -> list[Chunk]:
     """One chunk per run ``(position, length)`` of consecutive ids of a validated column. ``off``: the
     column's base offset in ``bufs[0]`` (packed) or per-row offsets (one buffer per row)."""
     fixed_row = col["nbytes"] // max(col["count"], 1) if "shape" in col and buf_of_row is None else None
@@ -85,8 +85,8 @@ def chunks_of_column(col: dict, ids_lo: int | None, ids: np.ndarray, runs: list[
     out = []
     if fixed_row is not None and isinstance(off, int):
         for pos, length in runs:
-            out.append(Chunk(int(ids[pos]) if ids_lo is None else ids_lo + pos, length, col["dtype"], col["shape"],
-                             None, holder, bufs, base=off + pos * fixed_row, row=fixed_row, nalive=length))
+            out.append(Chunk(int(ids[pos]), length, col["dtype"], col["shape"], None, holder, bufs,
+                             base=off + pos * fixed_row, row=fixed_row, nalive=length))
         return out
     nb = _row_nbytes(col)
     if isinstance(off, int):

@@ -133,14 +133,11 @@ class StorageUnit(RouterServer):
                             f"{nbytes} more requested")
         while self.used_bytes + nbytes > self.capacity_bytes and self.free:
             size = max(self.free)
-            self.free[size].pop().destroy()
-            self.used_bytes -= size
+            self._destroy(self.free[size].pop())
             if not self.free[size]:
                 del self.free[size]
         while self.used_bytes + nbytes > self.capacity_bytes and self.draining:
-            block = self.draining.pop(0)  # unlinked now; its pages live on until ZMQ drops the frames
-            block.destroy()
-            self.used_bytes -= block.size
+            self._destroy(self.draining.pop(0))  # unlinked now; its pages live on until ZMQ drops the frames
         for name in spares:
             if self.used_bytes + nbytes <= self.capacity_bytes:
                 break
@@ -151,12 +148,14 @@ class StorageUnit(RouterServer):
         """Destroy a leased block nobody wrote (revoked, expired, or named by a rejected put). It is never
         leased again, so a client still writing into its mapping harms nobody; a put naming it is answered
         ``full`` and its client allocates again."""
-        block, _, _ = self.pending.pop(name)
-        block.destroy()
-        self.used_bytes -= block.size
+        self._destroy(self.pending.pop(name)[0])
         self.gone[name] = None
         while len(self.gone) > 4096:
             self.gone.popitem(last=False)
+
+    def _destroy(self, block: ShmBlock) -> None:
+        block.destroy()
+        self.used_bytes -= block.size
 
     def _release(self, holder: Holder) -> None:
         holder.refs -= 1
@@ -165,13 +164,17 @@ class StorageUnit(RouterServer):
         self.stored_bytes -= holder.nbytes
         if holder.block is not None:  # stays counted in used_bytes
             self._prune_sending()
-            if any(b is holder.block for _, b in self.sending):
-                self.draining.append(holder.block)
-            else:
-                self.free.setdefault(holder.block.size, []).append(holder.block)
+            self._give_back(holder.block)
         else:
             self.used_bytes -= holder.nbytes
             holder.frames.clear()
+
+    def _give_back(self, block: ShmBlock) -> None:
+        """Pool a cleared block, or keep it in ``draining`` while zero-copy frames of it are still queued."""
+        if any(b is block for _, b in self.sending):
+            self.draining.append(block)
+        else:
+            self.free.setdefault(block.size, []).append(block)
 
     def _prune_sending(self) -> None:
         if self.sending:
@@ -182,10 +185,9 @@ class StorageUnit(RouterServer):
             self.p2p.poll()
         self._prune_sending()
         if self.draining:
-            busy = {id(b) for _, b in self.sending}
-            for b in [b for b in self.draining if id(b) not in busy]:
-                self.draining.remove(b)
-                self.free.setdefault(b.size, []).append(b)
+            blocks, self.draining = self.draining, []
+            for b in blocks:
+                self._give_back(b)
         now = time.monotonic()
         for name in [n for n, (_, deadline, _) in self.pending.items() if deadline < now]:
             self._drop_lease(name)  # its client may still write into it: never hand it to another
@@ -286,7 +288,7 @@ class StorageUnit(RouterServer):
         runs = [(0, n)] if lo is not None else contiguous_runs(ids)
         for c, (bufs, buf_of_row, off) in zip(cols, placed, strict=True):
             table = self.tables.setdefault(c["name"], FieldTable())
-            for chunk in chunks_of_column(c, lo, ids, runs, holder, bufs, buf_of_row, off):
+            for chunk in chunks_of_column(c, ids, runs, holder, bufs, buf_of_row, off):
                 table.insert(chunk)
                 holder.refs += 1
         if holder.refs == 0:  # zero samples
