@@ -173,23 +173,3 @@ def contiguous_runs(ids: np.ndarray) -> list[tuple[int, int]]:
     starts = [0, *brk.tolist()]
     ends = [*brk.tolist(), len(ids)]
     return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
-
-
-MAX_ID = (1 << 63) - 1
-
-
-def id_range(value) -> int | None:
-    """The first id when ``value`` (a request's ``ids``) lists consecutive non-negative ints, else None."""
-    if not isinstance(value, list) or not value or not all(type(v) is int for v in value):
-        return None
-    lo = value[0]
-    if lo < 0 or lo + len(value) > MAX_ID + 1:
-        return None
-    return lo if value == list(range(lo, lo + len(value))) else None
-
-
-def as_ids(value, what: str = "ids") -> np.ndarray:
-    """A request's id list as an int64 array; raises WireError unless it is a list of non-negative ints."""
-    if not isinstance(value, list) or not all(type(v) is int and 0 <= v <= MAX_ID for v in value):
-        raise wire.WireError(f"{what} must be a list of non-negative ints (below 2**63)")
-    return np.asarray(value, dtype=np.int64) if value else np.zeros(0, dtype=np.int64)

@@ -24,7 +24,7 @@ from operator import attrgetter
 from transferqueue.records import BatchMeta, FieldSchema
 from transferqueue.samplers import get_sampler
 from transferqueue.table import NO_TAGS, Partition, Sample, Subscription
-from transferqueue.wire import OBJECT_DTYPE, row_nbytes
+from transferqueue.wire import OBJECT_DTYPE, id_range, row_nbytes
 
 _NBYTES = attrgetter("nbytes")
 _DICT, _UID_TYPES = frozenset({dict}), frozenset({str, int})
@@ -133,8 +133,7 @@ class MetadataIndex:
         if i >= 0:
             start = self.reserved_starts[i]
             used, off = self.reserved[start], first - start
-            if (off + n <= len(used) and used.find(1, off, off + n) < 0 and sample_ids == list(range(first, first + n))
-                    and all(map(isinstance, sample_ids, itertools.repeat(int)))):
+            if off + n <= len(used) and used.find(1, off, off + n) < 0 and id_range(sample_ids) == first:
                 used[off:off + n] = b"\x01" * n
                 if 0 not in used:
                     del self.reserved[start]

@@ -37,13 +37,12 @@ from transferqueue.chunks import (
     Chunk,
     FieldTable,
     Holder,
-    as_ids,
     chunks_of_column,
     contiguous_runs,
-    id_range,
 )
 from transferqueue.records import CurveKeys
 from transferqueue.server import Reply, RouterServer
+from transferqueue.wire import as_ids, id_range
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from transferqueue import RemoteError, TQClient
-from transferqueue.chunks import id_range
 from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
 from transferqueue.storage import HEADER
 from transferqueue.transport import INDEX, server_addresses
+from transferqueue.wire import id_range
 
 KiB = 1024
 
