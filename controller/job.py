@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,8 +88,6 @@ def check_data(cfg: HFlowConfig) -> int:
 def _stop_on_sigterm():
     """SIGTERM stops the job like Ctrl-C: pools shut down, servers stopped. Main thread only; returns the
     previous handler (None elsewhere)."""
-    import signal
-    import threading
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -175,6 +175,4 @@ def run_job(cfg: HFlowConfig) -> int:
         if owns_ray and ray.is_initialized():
             ray.shutdown()
         if previous_sigterm is not None:
-            import signal
-
             signal.signal(signal.SIGTERM, previous_sigterm)
