@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from common.env import setup_process_env
 
-setup_process_env(num_threads=2)
+# Torch threads of the test process: 2 by default; HFLOW_TEST_THREADS=1 runs the suite with another float
+# summation order (results must not depend on it).
+setup_process_env(num_threads=int(os.environ.get("HFLOW_TEST_THREADS", "2")))
 
 
 def _has_cuda() -> bool:

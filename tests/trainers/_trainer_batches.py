@@ -56,6 +56,40 @@ def single_rank_group(backend: str = "gloo"):
         dist.destroy_process_group()
 
 
+# Adam's first steps move a weight by about ``lr * sign(g)``: an element whose gradient is near zero moves
+# by ~lr one way or the other depending on float summation order (thread count, BLAS kernel), so weights
+# after an Adam step cannot be compared tightly. With ``eps`` far above every |g| the step is
+# ``lr * m / eps``: linear in the gradients, so two runs whose gradients agree within float error also
+# agree in their weight updates within float error. Tests that compare updates use this (and lr 1, so the
+# updates are large against the weights' float resolution).
+LINEAR_ADAM_EPS = 1.0
+LINEAR_ADAM_LR = 1.0
+
+
+def _set_linear_adam(worker) -> None:
+    for group in worker.actor_optimizer.param_groups:
+        group["eps"] = LINEAR_ADAM_EPS
+
+
+def linear_adam(worker_or_group) -> None:
+    """Make the actor optimizer of a worker (or of every rank of a group) well-conditioned: see above."""
+    if hasattr(worker_or_group, "execute"):
+        worker_or_group.execute(_set_linear_adam)
+    else:
+        _set_linear_adam(worker_or_group)
+
+
+def assert_same_updates(before_a: dict, after_a: dict, before_b: dict, after_b: dict) -> None:
+    """The weight updates ``after - before`` of two runs agree (relative to the update's own size), every
+    tensor moved, and both runs hold the same parameter names."""
+    assert sorted(after_a) == sorted(after_b) == sorted(before_a) == sorted(before_b)
+    for name in after_a:
+        delta_a, delta_b = after_a[name] - before_a[name], after_b[name] - before_b[name]
+        scale = delta_a.abs().max().item()
+        assert scale > 1e-4, f"{name} did not move (max |update| {scale:g})"
+        torch.testing.assert_close(delta_b, delta_a, atol=1e-4 * scale, rtol=1e-3, msg=name)
+
+
 def with_training_fields(worker_or_group, batch: dict) -> dict:
     """``batch`` plus ``old_log_probs`` (and ``ref_log_prob``), ``advantages``, ``returns``."""
     out = dict(batch)

@@ -7,7 +7,14 @@ import torch
 
 from common import schema
 from common.models import ModelConfig
-from tests.trainers._trainer_batches import make_batch, single_rank_group, with_training_fields
+from tests.trainers._trainer_batches import (
+    LINEAR_ADAM_LR,
+    assert_same_updates,
+    linear_adam,
+    make_batch,
+    single_rank_group,
+    with_training_fields,
+)
 from trainers.batching import shard_for_ranks
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.group import TrainerGroup
@@ -15,7 +22,8 @@ from trainers.worker import TrainerWorker
 
 TINY = ModelConfig(path="tiny")
 # 2 prompts per mini-batch (several optimizer steps per update), micro-batches of 4 samples.
-TRAINER = {"ppo_mini_batch_size": 2, "ppo_micro_batch_size": 4, "lr": 1e-3, "num_threads": 1,
+# lr and eps make Adam's update linear in the gradients (see linear_adam), so updates compare tightly.
+TRAINER = {"ppo_mini_batch_size": 2, "ppo_micro_batch_size": 4, "lr": LINEAR_ADAM_LR, "num_threads": 1,
            "num_cpus_per_rank": 0.25, "timeout_s": 100.0}
 ALGORITHM = AlgorithmConfig(adv_estimator="reinforce_plus_plus")  # batch whitening: needs the global batch
 
@@ -24,6 +32,7 @@ ALGORITHM = AlgorithmConfig(adv_estimator="reinforce_plus_plus")  # batch whiten
 def group(ray_cluster):
     g = TrainerGroup(TrainerConfig(num_ranks=2, **TRAINER), ALGORITHM, TINY, temperature=0.9,
                      max_response_length=5)
+    linear_adam(g)
     yield g
     g.shutdown()
 
@@ -32,8 +41,10 @@ def group(ray_cluster):
 def single(group):
     gen = single_rank_group()
     next(gen)
-    yield TrainerWorker(TrainerConfig(num_ranks=1, **TRAINER), ALGORITHM, TINY, temperature=0.9,
-                        max_response_length=5)
+    worker = TrainerWorker(TrainerConfig(num_ranks=1, **TRAINER), ALGORITHM, TINY, temperature=0.9,
+                           max_response_length=5)
+    linear_adam(worker)
+    yield worker
     next(gen, None)
 
 
@@ -55,13 +66,11 @@ def test_two_ranks_equal_one_rank(group, single):
     two, one = with_training_fields(group, batch), with_training_fields(single, batch)
     for key in (schema.OLD_LOG_PROBS, "entropy", schema.ADVANTAGES, schema.RETURNS):
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-5, msg=key)
+    before = single.full_state_dict()
     m_two, m_one = group.update_actor(two), single.update_actor(one)
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "actor/num_tokens"):
         assert m_two[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
-    w_two, w_one = group.full_state_dict(), single.full_state_dict()
-    assert sorted(w_two) == sorted(w_one)
-    for name, tensor in w_one.items():
-        torch.testing.assert_close(w_two[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_updates(before, single.full_state_dict(), before, group.full_state_dict())
     assert group.get_weight_version() == single.get_weight_version() == 1
 
 
@@ -85,7 +94,7 @@ def test_local_shards_reassemble_the_full_tensors(group):
 def test_save_load_gives_identical_next_step(group, single, tmp_path):
     batch = with_training_fields(group, make_batch(num_groups=4, n=2, seed=8))
     group.save_checkpoint(tmp_path / "ckpt")
-    version = group.get_weight_version()
+    saved, version = group.full_state_dict(), group.get_weight_version()
     first = group.update_actor(batch)
     weights = group.full_state_dict()
     group.update_actor(batch)  # move on, then go back
@@ -99,10 +108,12 @@ def test_save_load_gives_identical_next_step(group, single, tmp_path):
     # The 2-rank checkpoint loads into 1 rank (DCP reshards) and continues identically too.
     single.load_checkpoint(tmp_path / "ckpt")
     assert single.get_weight_version() == version
+    loaded = single.full_state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
     resumed = single.update_actor(batch)
     assert resumed["actor/pg_loss"] == pytest.approx(first["actor/pg_loss"], rel=1e-5, abs=1e-6)
-    for name, tensor in single.full_state_dict().items():
-        torch.testing.assert_close(tensor, weights[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_updates(saved, weights, saved, single.full_state_dict())
 
 
 def test_actor_exception_reaches_caller(group):
