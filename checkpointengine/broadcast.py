@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointengine.bucket import dtype_from_name
+from common import net
 
 GROUP_BACKENDS = ("gloo", "nccl")
 
@@ -76,8 +77,7 @@ def create_sender_store(host: str = "127.0.0.1", port: int = 0, world_size: int 
                         timeout_s: float = 120.0) -> dist.Store:
     """The rendezvous store of a new group, served by the sender on ``host``:``port`` (0 = a free port;
     read it back from ``store.port``). Call before telling the rollers to join; it does not wait for them."""
-    return dist.TCPStore(host, port, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return net.tcp_store(host, port, world_size, True, timeout_s, wait_for_workers=False)
 
 
 def create_sender_group(store: dist.Store, world_size: int, group_name: str, backend: str = "gloo",

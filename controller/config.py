@@ -8,6 +8,7 @@ Unknown keys and bad values raise ``ValueError`` naming the key and what would b
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,16 +75,28 @@ class MetricsConfig:
 
 @dataclass
 class RayConfig:
-    """``address``: join an existing cluster (empty = start a local one on loopback); ``num_cpus``:
-    logical CPUs of a local cluster (0 = a safe default for small machines)."""
+    """``address``: join an existing cluster at ``host:port`` (its GCS, as ``ray start --head`` prints) or
+    ``auto`` (the cluster started on this machine); empty = start a local one on loopback. Ray's token
+    authentication is always on: a joined cluster's token must be in ``~/.ray/auth_token`` or
+    ``RAY_AUTH_TOKEN``. ``connect_timeout_s``: how long joining waits for ``address`` to answer.
+    ``num_cpus``: logical CPUs of a local cluster (0 = a safe default for small machines)."""
 
     address: str = ""
+    connect_timeout_s: float = 10.0
     num_cpus: int = 0
     object_store_bytes: int = 1024**3
 
     def __post_init__(self):
         if self.num_cpus < 0:
             raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
+        if not (math.isfinite(self.connect_timeout_s) and self.connect_timeout_s > 0):
+            raise ValueError(f"ray.connect_timeout_s must be a finite number of seconds > 0, "
+                             f"got {self.connect_timeout_s}")
+        if self.address and self.address != "auto":
+            host, _, port = self.address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"ray.address must be HOST:PORT (e.g. 127.0.0.1:6379), 'auto' or empty, "
+                                 f"got {self.address!r}")
 
 
 @dataclass

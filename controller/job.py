@@ -99,15 +99,16 @@ def _stop_on_sigterm():
 
 def run_job(cfg: HFlowConfig) -> int:
     """Run ``cfg`` to completion; returns the process exit code (see the module docstring)."""
+    from common.env import RayConnectError, init_ray, setup_process_env
+
+    setup_process_env(num_threads=1)  # before ray is imported: Ray reads its bind settings at import
     import ray
 
-    from common.env import init_ray, setup_process_env
     from controller.metrics import JobMetrics
     from controller.report import RunReport
     from controller.runtime import Runtime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_process_env(num_threads=1)
     run_dir = Path(cfg.run_dir)
     metrics = JobMetrics()
     rt = None
@@ -127,7 +128,11 @@ def run_job(cfg: HFlowConfig) -> int:
                                  f"metrics.port={cfg.metrics.port}: {exc}") from exc
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
             print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
-        init_ray(cfg.ray.address or None, cfg.ray.num_cpus or None, cfg.ray.object_store_bytes)
+        try:
+            init_ray(cfg.ray.address or None, cfg.ray.num_cpus or None, cfg.ray.object_store_bytes,
+                     cfg.ray.connect_timeout_s)
+        except RayConnectError as exc:
+            raise StartError(str(exc)) from exc
         _stop_on_sigterm()  # again: ray.init installs its own SIGTERM handler
         t0 = time.monotonic()
         try:

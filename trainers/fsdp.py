@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from common import models
+from common import models, net
 from trainers.losses import entropy_from_logits, log_probs_from_logits
 
 POLICY = "policy"
@@ -55,13 +55,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                 f"asked to be rank {rank} of {world_size}"
             )
         return
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    # Our own store: torch's tcp:// init method would listen on every interface (see common/net.py).
+    store = net.tcp_store(master_addr, master_port, world_size, rank == 0, timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:

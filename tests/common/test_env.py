@@ -1,14 +1,20 @@
 import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from common import env
+from common import env, net
+from tests.listening import listening_inodes
 
 
 def test_process_env_is_offline_and_loopback():
     env.setup_process_env()
     assert os.environ["HF_HUB_OFFLINE"] == "1"
-    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+    assert os.environ["RAY_AUTH_MODE"] == "token"
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert os.environ["HF_HOME"].startswith(str(env.cache_dir()))
 
@@ -32,4 +38,45 @@ def test_ray_cluster_on_loopback(ray_cluster):
     def remote_env():
         return os.environ.get("HF_HUB_OFFLINE"), os.environ.get("RAY_AUTH_MODE")
 
-    assert ray.get(remote_env.remote()) == ("1", "disabled")
+    assert ray.get(remote_env.remote()) == ("1", "token")
+
+
+def test_token_auth_cannot_be_switched_off(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    env.setup_process_env()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2],
+                          env={k: v for k, v in os.environ.items() if not k.startswith("RAY_")})
+
+
+def test_ray_imported_before_the_environment_is_refused():
+    # Ray reads its bind settings at import: imported first, a local cluster would listen on every interface.
+    out = _run("import ray\nfrom common import env\nenv.init_ray()")
+    assert out.returncode != 0 and "imported before common.env.setup_process_env" in out.stderr
+
+
+def test_unreachable_cluster_is_a_clear_error_not_a_hang():
+    start = time.monotonic()
+    with pytest.raises(env.RayConnectError, match=r"ray.address='127.0.0.1:1'"):
+        env.check_ray_address("127.0.0.1:1", timeout_s=5)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_tcp_store_listens_on_its_host_only(host):
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        store = net.tcp_store(host, 0, 2, True, timeout_s=10, wait_for_workers=False)
+    except OSError as exc:  # a machine without IPv6 loopback
+        pytest.skip(f"cannot bind {host}: {exc}")
+    client = net.tcp_store(host, store.port, 2, False, timeout_s=10)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    mine = [addr for addr in listening_inodes().values() if addr.endswith(f":{store.port}")]
+    assert mine == [f"{host}:{store.port}"], mine
+

@@ -27,6 +27,10 @@ def test_override_and_mode():
         ("checkpointengine.backend=pigeon", "shm"),
         ("model.path=/does/not/exist", "model.path"),
         ("rollout.n", "key.subkey=value"),
+        ("ray.address=nohost", "ray.address"),
+        ("ray.address=127.0.0.1:99999", "ray.address"),
+        ("ray.connect_timeout_s=nan", "ray.connect_timeout_s"),
+        ("ray.connect_timeout_s=0", "ray.connect_timeout_s"),
     ],
 )
 def test_bad_overrides_name_the_key(override, needle):
