@@ -126,7 +126,6 @@ class Stages:
         while len(metas) + skipped < num_groups:
             if self.exhausted and len(metas) >= self.outstanding:
                 break  # no prompt left to come: every group still outstanding is here
-
             meta = await self.rt.tq.aget_meta(TRAIN_FIELDS, self.n, "train", PARTITION, sampler="group_complete",
                                               options={"group_size": self.n}, timeout_s=POLL_S)
             if len(meta) == 0:
@@ -145,10 +144,10 @@ class Stages:
         if not metas:
             if skipped:
                 raise RolloutFailure(f"all {num_groups} groups of step {self.step + 1} failed")
-            raise RolloutFailure(
-                f"the prompt data ran out before step {self.step + 1} (data.epochs={self.cfg.data.epochs}); "
-                f"{self.num_zero_variance_groups} prompts went to replace zero-variance groups "
-                "(algorithm.dynamic_sampling): raise data.epochs or data.size")
+            refills = (f"; {self.num_zero_variance_groups} prompts went to replace zero-variance groups "
+                       "(algorithm.dynamic_sampling)" if self.cfg.algorithm.dynamic_sampling else "")
+            raise RolloutFailure(f"the prompt data ran out before step {self.step + 1} "
+                                 f"(data.epochs={self.cfg.data.epochs}){refills}: raise data.epochs or data.size")
         return BatchMeta.concat(metas)
 
     async def refill(self, meta) -> bool:

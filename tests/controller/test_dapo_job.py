@@ -9,7 +9,7 @@ import pytest
 from common.models import load_tokenizer
 from controller.config import load_config
 from controller.data import PromptDataset
-from controller.job import EXIT_OK
+from controller.job import EXIT_FAILED, EXIT_OK
 from tests.controller.test_job import HOOKS, run
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,18 +65,24 @@ def test_dynamic_sampling_replaces_zero_variance_groups(tmp_path, ray_cluster, m
         assert [s["dynamic_sampling/num_dropped_groups"] for s in steps] == [2, 0]
 
 
-def test_dynamic_sampling_pads_when_refill_rounds_run_out(tmp_path, ray_cluster):
-    code, steps, summary = run(tmp_path, "sync", *SMALL, "trainer.total_steps=1", "algorithm.dynamic_sampling=true",
-                               "algorithm.max_refill_rounds=1", f"rollout.reward={HOOKS}:constant")
-    assert code == EXIT_OK and len(steps) == 1
-    step = steps[0]
-    # Each slot: its group dropped once, the replacement zero-variance too, trained as it is (padded).
-    assert step["num_groups"] == B and step["frac_groups_reward_variance"] == 0.0
-    assert step["dynamic_sampling/refill_rounds"] == 1
-    assert step["dynamic_sampling/num_dropped_groups"] == B == summary["num_zero_variance_groups"]
-    assert step["dynamic_sampling/num_padded_groups"] == B
-    assert summary["num_groups_admitted"] == 2 * B
-    assert sorted(_position(u) for u in step["uids"]) == list(range(B, 2 * B))  # the replacements
+def test_dynamic_sampling_pads_when_rounds_or_data_run_out(tmp_path, ray_cluster, capsys):
+    # Every group has zero variance; 12 prompts = 3 batches of 4, one refill round allowed.
+    code, steps, _ = run(tmp_path, "sync", *SMALL, "data.size=12", "trainer.total_steps=3",
+                         "algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=1",
+                         f"rollout.reward={HOOKS}:constant")
+    assert len(steps) == 2 and all(s["num_groups"] == B and s["frac_groups_reward_variance"] == 0.0 for s in steps)
+    # Step 1: each slot's group dropped once, its replacement (prompts 4-7) zero-variance too: out of rounds.
+    assert sorted(_position(u) for u in steps[0]["uids"]) == list(range(B, 2 * B))
+    assert (steps[0]["dynamic_sampling/refill_rounds"], steps[0]["dynamic_sampling/num_dropped_groups"],
+            steps[0]["dynamic_sampling/num_padded_groups"]) == (1, B, B)
+    # Step 2: the last batch (prompts 8-11); no prompt left to replace them, so they train as they are.
+    assert sorted(_position(u) for u in steps[1]["uids"]) == list(range(2 * B, 3 * B))
+    assert (steps[1]["dynamic_sampling/refill_rounds"], steps[1]["dynamic_sampling/num_dropped_groups"],
+            steps[1]["dynamic_sampling/num_padded_groups"]) == (0, 0, B)
+    # Step 3 has no prompt at all: the run fails and says why.
+    assert code == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "prompt data ran out before step 3" in err and "4 prompts went to replace zero-variance groups" in err
 
 
 def test_overlong_penalty_reaches_the_step(tmp_path, ray_cluster):
