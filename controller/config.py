@@ -127,6 +127,18 @@ class HFlowConfig:
                 f"trainer.ppo_mini_batch_size={self.trainer.ppo_mini_batch_size} (prompts) exceeds "
                 f"data.train_batch_size={self.data.train_batch_size}"
             )
+        algo = self.algorithm
+        if algo.overlong_buffer_len > self.rollout.max_response_length:
+            raise ValueError(
+                f"algorithm.overlong_buffer_len={algo.overlong_buffer_len} exceeds "
+                f"rollout.max_response_length={self.rollout.max_response_length}: the buffer is the last "
+                "tokens before the limit (0 = off)"
+            )
+        if algo.dynamic_sampling and self.rollout.n < 2:
+            raise ValueError(
+                f"algorithm.dynamic_sampling=true needs rollout.n >= 2 (a group of one sample never has "
+                f"reward variance), got rollout.n={self.rollout.n}"
+            )
 
 
 def available_presets() -> list[str]:

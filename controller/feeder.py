@@ -29,8 +29,10 @@ class PromptFeeder:
     """Puts prompt groups into partition ``partition`` of the TransferQueue on request.
 
     ``num_batches``: prompt batches (of ``data.train_batch_size``) the run consumes; the feeder never
-    produces beyond them. Raises ValueError (from ``PromptDataset``) when the data cannot provide them,
-    naming the dataset size, ``data.train_batch_size``, ``data.epochs`` and the steps asked for.
+    produces beyond them — except with ``algorithm.dynamic_sampling``, whose refills draw further prompts
+    of the same stream (in order, so no prompt twice in an epoch), up to every batch of ``data.epochs``.
+    Raises ValueError (from ``PromptDataset``) when the data cannot provide them, naming the dataset size,
+    ``data.train_batch_size``, ``data.epochs`` and the steps asked for.
     """
 
     def __init__(self, cfg: HFlowConfig, tq_handle: dict, partition: str, num_batches: int):
@@ -47,6 +49,8 @@ class PromptFeeder:
         self.dataset = PromptDataset.from_config(cfg.data, tokenizer)
         self.dataset.check_total_steps(num_batches)
         self._pending: deque[tuple[str, int, Prompt]] = deque()
+        if cfg.algorithm.dynamic_sampling:  # refills may use every prompt the epochs provide
+            num_batches = self.dataset.num_available_steps()
         self._batches = self.dataset.batches(num_batches)
         self._by_uid: dict[str, tuple[int, Prompt]] = {}
         self._reissues: dict[str, int] = {}

@@ -15,6 +15,13 @@
                            → sync_weights every trigger_sync_steps, in-flight requests paused and
                              resumed (partial rollout)                                (≤ max_staleness)
 
+DAPO dynamic sampling (``algorithm.dynamic_sampling``, Yu et al. 2025 sec. 3.2) is one more stage inside
+``generate``, so all three schedules share it: ``refill`` drops a group whose reward tags all agree (no
+GRPO signal) and admits one fresh prompt in its place, up to ``algorithm.max_refill_rounds`` times per
+slot; a slot whose rounds (or the data) run out trains its last group as it is (a *padded* group). The
+step row reports ``dynamic_sampling/refill_rounds`` (deepest replacement among its groups),
+``num_dropped_groups`` (zero-variance groups its groups replaced) and ``num_padded_groups``.
+
 Rollers run their own loop (take a prompt group from the TransferQueue, generate ``rollout.n`` samples,
 score, put back); a schedule only decides when prompt groups are admitted, when the trainer takes a batch,
 and when weights move. ``v`` in the admission rule is the version the rollers hold.
@@ -29,12 +36,15 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from common import schema
 from controller.admission import Admission, staleness
 from controller.config import HFlowConfig
 from controller.metrics import JobMetrics
 from controller.report import RunReport, group_reward_stats
 from controller.runtime import PARTITION, Runtime
+from trainers.dapo import filter_zero_variance_groups
 from transferqueue.records import BatchMeta
 
 logger = logging.getLogger(__name__)
@@ -66,6 +76,8 @@ class Stages:
         self.num_syncs = 0
         self.num_failed_groups = 0
         self.num_dropped_groups = 0
+        self.num_zero_variance_groups = 0  # dropped by dynamic sampling (each replaced by a fresh prompt)
+        self.refill_depth: dict[str, int] = {}  # uid -> refill round that admitted it (absent = 0)
         self.exhausted = False    # the feeder has no more prompts
         self.finished = False     # the schedule is done: admit nothing more
         self.outstanding = 0      # groups admitted and not yet trained, dropped or failed
@@ -106,10 +118,14 @@ class Stages:
 
         Groups that failed (``rollers.on_failed_group=skip``) count toward ``num_groups`` and are not
         returned. With ``enforce_staleness``, a group whose staleness at ``train_version`` exceeds
-        ``algorithm.max_staleness`` follows ``algorithm.stale_policy``. Raises RolloutFailure.
+        ``algorithm.max_staleness`` follows ``algorithm.stale_policy``. With ``algorithm.dynamic_sampling``,
+        a zero-variance group is replaced (``refill``) and waited for. Returns fewer groups only when the
+        prompt data has run out. Raises RolloutFailure (also when there is no group at all).
         """
         metas, skipped = [], 0
         while len(metas) + skipped < num_groups:
+            if self.exhausted and len(metas) >= self.outstanding:
+                break  # no prompt left to come: every group still outstanding is here
             meta = await self.rt.tq.aget_meta(TRAIN_FIELDS, self.n, "train", PARTITION, sampler="group_complete",
                                               options={"group_size": self.n}, timeout_s=POLL_S)
             if len(meta) == 0:
@@ -122,10 +138,49 @@ class Stages:
                     continue
                 logger.warning("training group %s at staleness %d > max_staleness (stale_policy=keep)",
                                meta.tags[0][schema.UID], lag)
+            if self.cfg.algorithm.dynamic_sampling and await self.refill(meta):
+                continue
             metas.append(meta)
         if not metas:
-            raise RolloutFailure(f"all {num_groups} groups of step {self.step + 1} failed")
+            if skipped:
+                raise RolloutFailure(f"all {num_groups} groups of step {self.step + 1} failed")
+            refills = (f"; {self.num_zero_variance_groups} prompts went to replace zero-variance groups "
+                       "(algorithm.dynamic_sampling)" if self.cfg.algorithm.dynamic_sampling else "")
+            raise RolloutFailure(f"the prompt data ran out before step {self.step + 1} "
+                                 f"(data.epochs={self.cfg.data.epochs}){refills}: raise data.epochs or data.size")
         return BatchMeta.concat(metas)
+
+    async def refill(self, meta) -> bool:
+        """DAPO dynamic sampling (Yu et al. 2025, sec. 3.2, eq. 11) on one whole group: when its reward
+        tags all agree, clear it and admit one fresh prompt group in its place; True if it was replaced.
+
+        The replacement takes the dropped group's place within the admission bound (``started`` and
+        ``dropped`` both grow by one) and draws the next prompt of the data stream, so no prompt is used
+        twice in an epoch. A group ``algorithm.max_refill_rounds`` replacements deep, or met when the
+        data has run out, is kept and trained as it is (False): the step reports it as padded.
+        """
+        uid = meta.tags[0][schema.UID]
+        rewards = torch.tensor([float(t[REWARD_TAG]) for t in meta.tags], dtype=torch.float64)
+        if filter_zero_variance_groups([uid] * len(meta), rewards).kept_uids:
+            return False
+        depth = self.refill_depth.get(uid, 0)
+        fed = [] if depth >= self.cfg.algorithm.max_refill_rounds else await self.rt.feeder.feed.remote(1)
+        if not fed:
+            if depth < self.cfg.algorithm.max_refill_rounds:
+                self.exhausted = True
+            logger.warning("group %s has zero reward variance after %d refill rounds (%s); training it as it is",
+                           uid, depth, "the prompt data ran out" if self.exhausted else
+                           f"algorithm.max_refill_rounds={self.cfg.algorithm.max_refill_rounds}")
+            return False
+        await self.rt.tq.aclear(PARTITION, meta.sample_ids)
+        self.admission.drop(1)
+        self.admission.started += 1  # the replacement takes the dropped group's place within the bound
+        self.num_zero_variance_groups += 1
+        self.metrics.dropped.inc(len(meta))
+        self._forget(uid)
+        self.refill_depth[fed[0]["uid"]] = depth + 1
+        self._track(fed)
+        return True
 
     async def update(self, meta) -> dict:
         """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update."""
@@ -204,9 +259,17 @@ class Stages:
         self.admission.started += 1  # the re-issue takes the dropped group's place within the bound
         self.num_dropped_groups += 1
         self.metrics.dropped.inc(len(meta))
+        depth = self._forget(uid)
+        fed = await self.rt.feeder.reissue.remote([uid])
+        if depth:  # the re-issued prompt keeps its slot's refill round (dynamic sampling)
+            self.refill_depth[fed[0]["uid"]] = depth
+        self._track(fed)
+
+    def _forget(self, uid: str) -> int:
+        """Stop tracking dropped group ``uid``; returns its refill round."""
         self.admitted_at.pop(uid, None)
         self.outstanding -= 1
-        self._track(await self.rt.feeder.reissue.remote([uid]))
+        return self.refill_depth.pop(uid, 0)
 
     def _record(self, meta, train_metrics: dict, step_s: float) -> None:
         now = time.monotonic()
@@ -242,6 +305,7 @@ class Stages:
             "uids": sorted(by_uid),
             "responses_digest": _digest(tags),
             **group_reward_stats(by_uid),
+            **self._dynamic_sampling_stats(by_uid),
             **{k: v for k, v in train_metrics.items() if isinstance(v, int | float)},
         }
         self.metrics.consumed.inc(len(tags))
@@ -250,6 +314,18 @@ class Stages:
         self.metrics.weight_version.set(self.version)
         self.report.log_step(record)
         self._last_step_end = now
+
+    def _dynamic_sampling_stats(self, rewards_by_uid: dict[str, list[float]]) -> dict[str, int]:
+        """Per-step DAPO counts (only with ``algorithm.dynamic_sampling``): a group admitted in refill
+        round d replaced d zero-variance groups before it."""
+        if not self.cfg.algorithm.dynamic_sampling:
+            return {}
+        depths = [self.refill_depth.pop(uid, 0) for uid in rewards_by_uid]
+        return {
+            "dynamic_sampling/refill_rounds": max(depths, default=0),
+            "dynamic_sampling/num_dropped_groups": sum(depths),
+            "dynamic_sampling/num_padded_groups": sum(max(r) == min(r) for r in rewards_by_uid.values()),
+        }
 
     async def refresh_gauges(self) -> None:
         """Queue depth per task from the index, and roller throughput/busy ratio (metadata only)."""

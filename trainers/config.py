@@ -81,9 +81,16 @@ class AlgorithmConfig:
     KL (see ``trainers/kl.py``): ``kl_estimator`` for KL-as-loss, ``kl_in_reward_estimator`` for
     KL-in-reward, whose coefficient starts at ``kl_in_reward_coef`` and is ``kl_ctrl_type`` fixed or
     adaptive (towards ``kl_target`` nats per token over ``kl_horizon`` samples, Ziegler et al. 2019).
-    ``cliprange_value``: critic value clipping. DAPO (``trainers/dapo.py``): ``dynamic_sampling`` drops
-    zero-variance groups and regenerates up to ``max_refill_rounds`` times; ``overlong_buffer_len`` tokens
-    (0 = off) of soft overlong punishment scaled by ``overlong_penalty_factor``.
+    ``cliprange_value``: critic value clipping. DAPO (``trainers/dapo.py``, Yu et al. 2025):
+    ``dynamic_sampling`` drops every group whose samples' rewards (the rollers' ``reward`` tags, before
+    overlong shaping, like verl's ``filter_groups.metric=acc``) all agree and admits the next prompt of the
+    data stream in its place, up to ``max_refill_rounds`` replacements per slot of the batch; a slot whose
+    rounds run out trains its last group as it is (reported as padded; verl stops with an error instead).
+    Run by the controller's schedules (``controller/schedules.py``, stage ``refill``); replacements use
+    extra prompts, so the data must hold more than ``trainer.total_steps`` batches (``data.epochs``).
+    ``overlong_buffer_len`` tokens (0 = off, at most ``rollout.max_response_length``) of soft overlong
+    punishment (eq. 13) scaled by ``overlong_penalty_factor``, added by the trainer to the last valid token's
+    score before the advantages (``overlong/*`` metrics).
     """
 
     adv_estimator: str = "grpo"

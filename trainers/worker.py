@@ -36,6 +36,7 @@ from trainers import checkpoint, collectives, fsdp
 from trainers.advantages import compute_advantages as _estimate_advantages
 from trainers.batching import as_batch_dict, batch_size, local_mini_batch_sizes, select
 from trainers.config import AlgorithmConfig, TrainerConfig
+from trainers.dapo import apply_overlong_penalty
 from trainers.kl import apply_kl_in_reward, make_kl_controller
 from trainers.metrics import masked_stats
 from trainers.update import (
@@ -81,7 +82,8 @@ class TrainerWorker:
     ``max_response_length``: ``rollout.max_response_length``, the constant of ``seq-mean-token-sum-norm``.
     A critic is built when ``algorithm.adv_estimator == "gae"``; a reference model when
     ``trainer.use_reference`` (needed by ``algorithm.use_kl_loss`` / ``use_kl_in_reward``). Raises
-    RuntimeError if the process group is not initialised, ValueError for a KL option without reference.
+    RuntimeError if the process group is not initialised, ValueError for a KL option without reference
+    or for ``algorithm.overlong_buffer_len`` > 0 without a ``max_response_length`` at least that long.
     """
 
     def __init__(self, trainer: TrainerConfig, algorithm: AlgorithmConfig, model: ModelConfig, *,
@@ -90,6 +92,10 @@ class TrainerWorker:
             raise RuntimeError("TrainerWorker needs torch.distributed initialised (trainers.fsdp.init_distributed)")
         if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) and not trainer.use_reference:
             raise ValueError("algorithm.use_kl_loss / use_kl_in_reward need trainer.use_reference=true")
+        if algorithm.overlong_buffer_len > 0 and (max_response_length is None
+                                                  or algorithm.overlong_buffer_len > max_response_length):
+            raise ValueError(f"algorithm.overlong_buffer_len={algorithm.overlong_buffer_len} needs "
+                             f"rollout.max_response_length >= it, got {max_response_length}")
         self.trainer, self.algorithm, self.model_config = trainer, algorithm, model
         self.temperature = float(temperature)
         self.norm_length = max_response_length
@@ -171,8 +177,9 @@ class TrainerWorker:
         return {schema.VALUES: values}
 
     def compute_advantages(self, batch: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """``token_level_rewards`` (scores, minus the KL penalty with ``use_kl_in_reward``), ``advantages``
-        and ``returns`` ``(batch, response_len)`` for this rank's samples, and metrics.
+        """``token_level_rewards`` (scores, plus DAPO's overlong penalty with ``overlong_buffer_len`` > 0,
+        minus the KL penalty with ``use_kl_in_reward``), ``advantages`` and ``returns``
+        ``(batch, response_len)`` for this rank's samples, and metrics (``overlong/*`` with the penalty).
 
         Computed on the **global** batch (every rank's samples, gathered), so batch-level whitening
         (GAE, REINFORCE++) and ``uid`` groups do not depend on how the batch was sharded. Needs
@@ -192,6 +199,11 @@ class TrainerWorker:
         mask = every[schema.RESPONSE_MASK]
         metrics: dict[str, float] = {}
         rewards = every[schema.TOKEN_LEVEL_SCORES].float()
+        if algo.overlong_buffer_len > 0:  # DAPO eq. 13, on the sequence's last valid token
+            rewards, overlong_metrics = apply_overlong_penalty(
+                rewards, mask, max_response_length=self.norm_length, overlong_buffer_len=algo.overlong_buffer_len,
+                penalty_factor=algo.overlong_penalty_factor)
+            metrics.update(overlong_metrics)
         if algo.use_kl_in_reward:
             rewards, kl_metrics = apply_kl_in_reward(
                 rewards, every[schema.OLD_LOG_PROBS], every[schema.REF_LOG_PROB], mask,

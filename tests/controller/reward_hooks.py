@@ -5,6 +5,7 @@ relies on (one roller per test run).
 """
 
 import time
+import zlib
 
 from rollers.rewards import tiny_repeat_reward
 
@@ -25,3 +26,16 @@ def slow_first_c(response_text: str, ground_truth: dict) -> float:
         _seen.add("c")
         time.sleep(4.0)
     return tiny_repeat_reward(response_text, ground_truth)
+
+
+def constant_for_c(response_text: str, ground_truth: dict) -> float:
+    """0.5 for every sample of prompts whose answer is ``c`` (zero reward variance, always); otherwise a
+    value in [0, 1) from a hash of the response text, so a group varies unless its responses all agree."""
+    if ground_truth["answer"] == "c":
+        return 0.5
+    return (zlib.crc32(response_text.encode()) % 1000) / 1000
+
+
+def constant(response_text: str, ground_truth: dict) -> float:
+    """0.0 for every response: every group has zero reward variance."""
+    return 0.0

@@ -45,6 +45,16 @@ def test_cross_field_validation():
         load_config(overrides=["trainer.ppo_mini_batch_size=99"])
 
 
+def test_dapo_knobs_checked_against_the_rollout(capsys):
+    with pytest.raises(ValueError, match=r"algorithm\.overlong_buffer_len=5 exceeds rollout\.max_response_length=4"):
+        load_config(preset="tiny", overrides=["algorithm.overlong_buffer_len=5"])
+    assert load_config(preset="tiny", overrides=["algorithm.overlong_buffer_len=4"]).algorithm.overlong_buffer_len == 4
+    assert main(["show-config", "--preset", "tiny", "algorithm.overlong_buffer_len=5"]) == 2  # exit 2 naming the key
+    assert "algorithm.overlong_buffer_len" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"algorithm\.dynamic_sampling=true needs rollout\.n >= 2"):
+        load_config(preset="tiny", overrides=["algorithm.dynamic_sampling=true", "rollout.n=1"])
+
+
 def test_unknown_preset_and_file(tmp_path):
     with pytest.raises(ValueError, match="available presets"):
         load_config(preset="nope")

@@ -209,3 +209,26 @@ def test_lr_schedule():
     assert lr_factor(2, schedule="cosine", warmup_steps=2, total_steps=10) == 1.0
     assert lr_factor(6, schedule="cosine", warmup_steps=2, total_steps=10) == pytest.approx(0.5)
     assert lr_factor(10, schedule="cosine", warmup_steps=2, total_steps=10) == pytest.approx(0.0)
+
+
+def test_overlong_penalty_shapes_token_level_rewards():
+    # max_response_length=5, buffer 2: lengths <= 3 untouched, 4 -> -0.5, 5 -> -1 (times the factor 0.5).
+    algorithm = AlgorithmConfig(overlong_buffer_len=2, overlong_penalty_factor=0.5)
+    worker = make_worker(algorithm=algorithm)
+    batch = make_batch(seed=3)
+    fields, metrics = worker.compute_advantages(batch)
+    lengths = batch[schema.RESPONSE_MASK].sum(-1)
+    expected = (3.0 - lengths.float()).div(2).clamp(-1, 0) * 0.5
+    shift = fields[schema.TOKEN_LEVEL_REWARDS].sum(-1) - batch[schema.TOKEN_LEVEL_SCORES].sum(-1)
+    torch.testing.assert_close(shift, expected)
+    assert (expected < 0).any() and (expected == 0).any()  # the batch has lengths on both sides
+    assert metrics["overlong/penalty_mean"] == pytest.approx(expected.mean().item())
+    assert metrics["overlong/frac_penalised"] == pytest.approx((expected < 0).float().mean().item())
+    plain, plain_metrics = make_worker().compute_advantages(batch)
+    torch.testing.assert_close(plain[schema.TOKEN_LEVEL_REWARDS], batch[schema.TOKEN_LEVEL_SCORES])
+    assert not any(k.startswith("overlong/") for k in plain_metrics)
+
+
+def test_overlong_buffer_longer_than_responses_is_rejected():
+    with pytest.raises(ValueError, match="algorithm.overlong_buffer_len=6"):
+        make_worker(algorithm=AlgorithmConfig(overlong_buffer_len=6))
