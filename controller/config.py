@@ -128,6 +128,11 @@ class HFlowConfig:
                 f"data.train_batch_size={self.data.train_batch_size}"
             )
         algo = self.algorithm
+        if (algo.use_kl_loss or algo.use_kl_in_reward) and not self.trainer.use_reference:
+            raise ValueError(
+                f"algorithm.use_kl_loss={algo.use_kl_loss} / algorithm.use_kl_in_reward={algo.use_kl_in_reward} "
+                "need a reference policy: set trainer.use_reference=true"
+            )
         if algo.overlong_buffer_len > self.rollout.max_response_length:
             raise ValueError(
                 f"algorithm.overlong_buffer_len={algo.overlong_buffer_len} exceeds "

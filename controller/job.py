@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -71,16 +72,38 @@ def num_batches(cfg: HFlowConfig) -> int:
     return cfg.trainer.total_steps * (cfg.algorithm.require_batches if cfg.mode == "fully-async" else 1)
 
 
+def user_module_dirs(cfg: HFlowConfig) -> list[str]:
+    """Where a user's ``rollout.reward=module:function`` is imported from, besides the installed packages:
+    the current directory and the directory of a ``data.task`` file."""
+    dirs = [os.getcwd()]
+    task = Path(cfg.data.task)
+    if task.suffix == ".jsonl" and task.parent != Path():
+        dirs.append(str(task.resolve().parent))
+    return dirs
+
+
+def make_user_modules_importable(cfg: HFlowConfig) -> None:
+    """Put ``user_module_dirs`` on this process's ``sys.path`` and on ``PYTHONPATH``, which the Ray workers
+    of a local cluster inherit (call before the cluster starts)."""
+    dirs = [d for d in user_module_dirs(cfg) if d not in sys.path]
+    sys.path[:0] = dirs
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, *([old] if old else [])])
+
+
 def check_data(cfg: HFlowConfig) -> int:
-    """Load the dataset as the feeder will and check it provides the run's steps; returns its size.
-    Raises StartError naming the dataset size, ``data.train_batch_size``, ``data.epochs`` and
-    ``trainer.total_steps`` (or the offending row) before any pool starts."""
+    """Load the dataset as the feeder will, check it provides the run's steps, and load the reward the
+    rollers will use; returns the dataset size. Raises StartError naming the dataset size,
+    ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps`` (or the offending row), or
+    ``rollout.reward`` and why it cannot be loaded, before any pool starts."""
     from common.models import load_tokenizer
     from controller.data import PromptDataset
+    from rollers.rewards import build_reward_fn
 
     try:
         dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
         dataset.check_total_steps(num_batches(cfg))
+        build_reward_fn(cfg.rollout.reward, cfg.data.task)
     except ValueError as exc:
         raise StartError(str(exc)) from exc
     return len(dataset)
@@ -116,6 +139,7 @@ def run_job(cfg: HFlowConfig) -> int:
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
     previous_sigterm = _stop_on_sigterm()
     try:
+        make_user_modules_importable(cfg)
         check_data(cfg)
         if run_dir.exists() and not run_dir.is_dir():
             raise StartError(f"run_dir={str(run_dir)!r} exists and is not a directory")

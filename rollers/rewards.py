@@ -146,8 +146,9 @@ def load_user_reward(spec: str) -> RewardFn:
         raise ValueError(f"rollout.reward={spec!r}: a user reward must look like 'module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"rollout.reward={spec!r}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the user's module may fail to import in any way: a config error either way
+        raise ValueError(f"rollout.reward={spec!r}: cannot import {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"rollout.reward={spec!r}: {module_name!r} has no callable {attr!r}")
