@@ -94,6 +94,12 @@ class ModelConfig:
                 f"model.path={self.path!r} is neither a built-in model {list(BUILTIN_MODELS)} "
                 "nor an existing local directory"
             )
+        local = Path(self.path)
+        if (local / ".metadata").is_file() and not (local / "config.json").is_file():
+            raise ValueError(
+                f"model.path={self.path!r} is a trainer checkpoint (torch DCP shards), not a Hugging Face model "
+                "directory; write one from it with `hflow-async export RUN_DIR --step N` and use that"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,16 +2,20 @@
 
     hflow-async [--mode {sync,one-step-off,fully-async}] [--preset NAME | --config FILE.yaml] [a.b=c ...]
     hflow-async show-config [--mode M] [--preset NAME | --config FILE.yaml] [a.b=c ...]
+    hflow-async export RUN_DIR [--step N] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from pathlib import Path
 
 from controller.config import DEFAULT_PRESET, MODES, available_presets, load_config, to_yaml
 
 EXIT_CONFIG_ERROR = 2
+_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
             "admission control)."
         ),
         epilog=(
-            "Commands: (none) runs the job; 'show-config' prints the resolved config and exits. "
+            "Commands: (none) runs the job; 'show-config' prints the resolved config and exits; "
+            "'export RUN_DIR [--step N] [--out DIR]' writes a trainer checkpoint of a run as a Hugging Face "
+            "model directory (see 'hflow-async export --help'). "
             "Overrides are dotted keys, e.g. rollout.n=8 trainer.total_steps=20 run_dir=runs/x. "
             f"Presets: {', '.join(available_presets())} (default: {DEFAULT_PRESET})."
         ),
@@ -37,13 +43,62 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hflow-async export",
+        description=(
+            "Write the policy of a trainer checkpoint (RUN_DIR/checkpoints/step_N, kept every "
+            "trainer.save_every steps) as a Hugging Face model directory: safetensors, config, tokenizer and "
+            "chat template, loadable as model.path=DIR, by transformers and by an SGLang server. A run that "
+            "completes writes its final policy to RUN_DIR/model by itself."
+        ),
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--step", type=int, default=None, help="the checkpoint's trainer step (default: the latest)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="where to write (default: RUN_DIR/model_step_N)")
+    return parser
+
+
+def export(argv: list[str]) -> int:
+    """``hflow-async export``: 0 after writing the model directory; 2 (message on stderr) when the run
+    directory, its config, the checkpoint or the output directory is not as needed."""
+    args = _export_parser().parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        cfg = load_config(config_file=str(run_dir / "config.yaml"))
+        found = {int(m.group(1)): p for p in (run_dir / "checkpoints").glob("step_*")
+                 if (m := _STEP_DIR.fullmatch(p.name)) and (p / ".metadata").is_file()}
+        if not found:
+            raise ValueError(f"{run_dir} has no trainer checkpoint (checkpoints/step_N, written every "
+                             f"trainer.save_every steps; it was {cfg.trainer.save_every}); a completed run's "
+                             f"final policy is already in {run_dir / 'model'}")
+        step = max(found) if args.step is None else args.step
+        if step not in found:
+            raise ValueError(f"--step {step}: {run_dir} has checkpoints of steps {sorted(found)}")
+        out = Path(args.out) if args.out else run_dir / f"model_step_{step}"
+        if out.exists():
+            raise ValueError(f"{out} exists; name another directory with --out")
+    except ValueError as exc:
+        print(f"hflow-async export: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    from trainers.export import export_checkpoint
+
+    export_checkpoint(found[step], cfg.model, out)
+    print(f"hflow-async export: step {step} of {run_dir} written to {out} (use it as model.path={out})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export"]:
+        return export(argv[1:])
     args = _parser().parse_intermixed_args(argv)
     command, overrides = "run", list(args.args)
     if overrides and "=" not in overrides[0]:
         command = overrides.pop(0)
         if command not in ("run", "show-config"):
-            print(f"hflow-async: unknown command {command!r}; accepted: run, show-config", file=sys.stderr)
+            print(f"hflow-async: unknown command {command!r}; accepted: run, show-config, export",
+                  file=sys.stderr)
             return EXIT_CONFIG_ERROR
     try:
         cfg = load_config(mode=args.mode, preset=args.preset, config_file=args.config, overrides=overrides)

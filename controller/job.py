@@ -1,7 +1,12 @@
 """The main job: environment, Ray, pools, the chosen schedule, and what the run leaves behind.
 
-Exit codes: 0 after exactly ``trainer.total_steps`` steps; 1 when a pool fails (the original error is
-printed); 2 for a config or data error found at start (nothing was trained).
+Exit codes: 0 after exactly ``trainer.total_steps`` steps (the policy is then written as a Hugging Face
+model directory, ``RUN_DIR/model``); 1 when a pool fails (the original error is printed); 2 for a config
+or data error found at start (nothing was trained), an existing run directory included; 130 / 143 when
+stopped by SIGINT (Ctrl-C) / SIGTERM (one line, no traceback; pools stopped).
+
+Every run that created its directory leaves ``summary.json`` with the same keys (``report.SUMMARY_KEYS``,
+null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from controller.config import HFlowConfig, to_dict, to_yaml
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+EXIT_SIGNAL_BASE = 128  # a stop by signal N exits 128 + N: 130 for SIGINT, 143 for SIGTERM (shell convention)
 GAUGE_PERIOD_S = 2.0
+MODEL_DIR = "model"  # RUN_DIR/model: the trained policy as a Hugging Face model directory
 
 
 class StartError(ValueError):
@@ -43,10 +50,13 @@ async def _gauges(stages) -> None:
             logger.debug("gauge refresh failed: %s", exc)
 
 
-async def _run_schedule(cfg: HFlowConfig, rt, metrics, report) -> dict:
+async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> None:
+    """Run the schedule of ``cfg.mode``; fills ``counts`` with the run's counters however it ends (a stop
+    signal cancels this task: see ``_Stop``)."""
     from controller.report import group_reward_stats
     from controller.schedules import SCHEDULES, Stages
 
+    _STOP.attach(asyncio.current_task())
     stages = Stages(cfg, rt, metrics, report)
     gauges = asyncio.ensure_future(_gauges(stages))
     try:
@@ -55,16 +65,17 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report) -> dict:
     finally:
         gauges.cancel()
         await asyncio.gather(gauges, return_exceptions=True)
-    return {
-        "num_syncs": stages.num_syncs,
-        "num_groups_admitted": stages.admission.started,
-        "num_groups_generated": stages.num_groups_generated,
-        "num_failed_groups": stages.num_failed_groups,
-        "num_dropped_groups": stages.num_dropped_groups,
-        "num_zero_variance_groups": stages.num_zero_variance_groups,
-        "weight_version": stages.version,
-        **group_reward_stats(stages.rewards_by_uid),
-    }
+        counts.update({
+            "num_syncs": stages.num_syncs,
+            "num_groups_admitted": stages.admission.started,
+            "num_groups_generated": stages.num_groups_generated,  # as of the last gauge refresh
+            "num_failed_groups": stages.num_failed_groups,
+            "num_dropped_groups": stages.num_dropped_groups,
+            "num_zero_variance_groups": stages.num_zero_variance_groups,
+            "weight_version": stages.version,
+            **group_reward_stats(stages.rewards_by_uid),
+        })
+        _STOP.attach(None)
 
 
 def num_batches(cfg: HFlowConfig) -> int:
@@ -109,16 +120,85 @@ def check_data(cfg: HFlowConfig) -> int:
     return len(dataset)
 
 
-def _stop_on_sigterm():
-    """SIGTERM stops the job like Ctrl-C: pools shut down, servers stopped. Main thread only; returns the
-    previous handler (None elsewhere)."""
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a ``run_dir`` that is a file or already holds anything (a second run would mix its
+    ``metrics.jsonl`` with the first's and replace the rest): StartError naming the choices."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise StartError(f"run_dir={str(run_dir)!r} exists and is not a directory")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        held = sorted(p.name for p in run_dir.iterdir())
+        raise StartError(
+            f"run_dir={str(run_dir)!r} already holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "
+            "name a new directory (run_dir=runs/NAME, or no run_dir for runs/<timestamp>) or remove the old "
+            "one (resuming a run is not supported yet)")
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
 
-    if threading.current_thread() is threading.main_thread():
-        return signal.signal(signal.SIGTERM, interrupt)
-    return None
+class _Stop:
+    """How SIGINT and SIGTERM stop a job (handlers installed by ``_stop_on_sigterm``, main thread only).
+
+    The first signal during the schedule cancels the schedule's task: every stage unwinds through its
+    ``finally`` (no task is left holding a KeyboardInterrupt, so nothing prints a traceback). Outside the
+    schedule (start-up, export, teardown), and for a second signal, it raises KeyboardInterrupt where the
+    main thread is. ``signum``: the first stop signal of this run, or None.
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._task: asyncio.Task | None = None
+
+    def reset(self) -> None:
+        self.signum, self._task = None, None
+
+    def attach(self, task: asyncio.Task | None) -> None:
+        """The schedule's task (None: detach). Only a job on the main thread receives signals."""
+        if threading.current_thread() is threading.main_thread():
+            self._task = task
+
+    def handle(self, signum, frame) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        task = self._task
+        if first and task is not None and not task.done():
+            task.cancel()
+            task.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop (asyncio.Runner does the same)
+            return
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+_STOP = _Stop()
+
+
+def _stop_on_sigterm() -> dict:
+    """Install ``_STOP``'s handler for SIGINT and SIGTERM (Ctrl-C and SIGTERM stop the job alike). Main
+    thread only; returns the previous handlers to restore (empty elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _STOP.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _interrupted(summary: dict) -> int:
+    """Note a stop by signal in ``summary``; its exit code, 128 + the signal (SIGINT without a handler)."""
+    signum = _STOP.signum or signal.SIGINT
+    summary.update(status="interrupted", error=f"stopped by {signal.Signals(signum).name}")
+    return EXIT_SIGNAL_BASE + signum
+
+
+def _failed(summary: dict, exc: BaseException) -> int:
+    """Print the original error of a failed run and note it in ``summary``; EXIT_FAILED."""
+    cause = _unwrap(exc)
+    print(f"hflow-async: run failed: {type(cause).__name__}: {cause}", file=sys.stderr)
+    logger.debug("failure", exc_info=True)
+    summary.update(status="failed", error=f"{type(cause).__name__}: {cause}")
+    return EXIT_FAILED
+
+
+def _write_summary(report, summary: dict) -> None:
+    try:
+        report.finish(summary)
+    except Exception:  # noqa: BLE001 - never mask the run's own outcome
+        logger.warning("could not write the summary of the %s run", summary["status"], exc_info=True)
+    finally:
+        report.close()
 
 
 def run_job(cfg: HFlowConfig) -> int:
@@ -135,15 +215,17 @@ def run_job(cfg: HFlowConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.run_dir)
     metrics = JobMetrics()
-    rt = None
+    rt = report = None
+    summary = {"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task}
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
-    previous_sigterm = _stop_on_sigterm()
+    _STOP.reset()
+    previous_handlers = _stop_on_sigterm()
     try:
+        check_run_dir(run_dir)
         make_user_modules_importable(cfg)
         check_data(cfg)
-        if run_dir.exists() and not run_dir.is_dir():
-            raise StartError(f"run_dir={str(run_dir)!r} exists and is not a directory")
         run_dir.mkdir(parents=True, exist_ok=True)
+        report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.metrics.enabled:
             try:
@@ -169,40 +251,33 @@ def run_job(cfg: HFlowConfig) -> int:
             raise cause from None
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s; mode {cfg.mode}, "
               f"{cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
-        report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
-        about = {"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task}
-        status = "failed"
-        try:
-            extra = asyncio.run(_run_schedule(cfg, rt, metrics, report))
-            status = "completed"
-            report.finish({"status": status, **about, **extra, "config": to_dict(cfg)})
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        finally:
-            if status != "completed":  # the steps done so far still get their summary and plot
-                try:
-                    report.finish({"status": status, **about, "config": to_dict(cfg)})
-                except Exception:  # noqa: BLE001 - never mask the run's own error
-                    logger.warning("could not write the summary of the %s run", status, exc_info=True)
-            report.close()
-        return EXIT_OK
+        asyncio.run(_run_schedule(cfg, rt, metrics, report, summary))
+        rt.trainer.export_model(str(run_dir / MODEL_DIR))
+        summary.update(status="completed", model_dir=str(run_dir / MODEL_DIR))
+        print(f"hflow-async: trained model in {run_dir / MODEL_DIR} (a Hugging Face model directory: "
+              f"model.path={run_dir / MODEL_DIR} trains on from it)", flush=True)
+        code = EXIT_OK
     except StartError as exc:
         print(f"hflow-async: cannot start: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        summary.update(status="failed", error=f"cannot start: {exc}")
+        code = EXIT_CONFIG
     except KeyboardInterrupt:
-        print("hflow-async: interrupted; pools stopped", file=sys.stderr)
-        return EXIT_FAILED
+        code = _interrupted(summary)
+    except asyncio.CancelledError as exc:  # the schedule's task, cancelled by a stop signal (else a bug)
+        code = _interrupted(summary) if _STOP.signum is not None else _failed(summary, exc)
     except BaseException as exc:  # noqa: BLE001 - report the original error, exit non-zero
-        cause = _unwrap(exc)
-        print(f"hflow-async: run failed: {type(cause).__name__}: {cause}", file=sys.stderr)
-        logger.debug("failure", exc_info=True)
-        return EXIT_FAILED
+        code = _failed(summary, exc)
     finally:
+        if report is not None:  # this run created its directory: a summary, whatever the outcome
+            _write_summary(report, {**summary, "config": to_dict(cfg)})
         if rt is not None:
             rt.close()
         metrics.close()
         if owns_ray and ray.is_initialized():
             ray.shutdown()
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+    if summary["status"] == "interrupted":
+        done = f"after {len(report.steps)} of {cfg.trainer.total_steps} steps" if report else "during start-up"
+        print(f"hflow-async: {summary['error']} {done}; pools stopped", file=sys.stderr, flush=True)
+    return code

@@ -7,7 +7,6 @@ flat metrics dicts the trainers and rollers return.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,22 @@ from rich.console import Console
 REQUIRED_STEP_KEYS = ("step", "reward_mean", "weight_version", "staleness_mean", "staleness_max", "samples_per_s")
 
 
-def group_reward_stats(rewards_by_uid: dict[str, list[float]]) -> dict[str, float]:
-    """Fractions of prompt groups whose rewards vary, and that have any correct (reward > 0) sample."""
+# Run-level keys every summary.json carries, whatever the outcome (null where unknown): what the run is,
+# how it ended, and the schedule's counters (``controller/job.py``).
+ABOUT_KEYS = ("status", "error", "mode", "model", "task", "model_dir")
+COUNT_KEYS = ("num_syncs", "num_groups_admitted", "num_groups_generated", "num_failed_groups",
+              "num_dropped_groups", "num_zero_variance_groups", "weight_version", "frac_groups_reward_variance",
+              "frac_groups_any_correct")
+STEP_SUMMARY_KEYS = ("num_steps", "wall_s", "reward_first", "reward_last", "reward_mean", "staleness_max")
+SUMMARY_KEYS = STEP_SUMMARY_KEYS + ABOUT_KEYS + COUNT_KEYS
+
+
+def group_reward_stats(rewards_by_uid: dict[str, list[float]]) -> dict[str, float | None]:
+    """Fractions of prompt groups whose rewards vary, and that have any correct (reward > 0) sample;
+    ``None`` for both without any group."""
     groups = [g for g in rewards_by_uid.values() if g]
     if not groups:
-        return {"frac_groups_reward_variance": 0.0, "frac_groups_any_correct": 0.0}
+        return {"frac_groups_reward_variance": None, "frac_groups_any_correct": None}
     varied = sum(1 for g in groups if max(g) != min(g))
     correct = sum(1 for g in groups if max(g) > 0)
     return {"frac_groups_reward_variance": varied / len(groups), "frac_groups_any_correct": correct / len(groups)}
@@ -57,46 +67,70 @@ class RunReport:
             )
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Write ``summary.json`` (with run-level aggregates added) and ``plot.png``; returns the summary."""
+        """Write ``summary.json`` and ``plot.png``; returns the summary: every key of ``SUMMARY_KEYS``
+        (``None`` where neither the steps nor ``summary`` tell), then the rest of ``summary``."""
         rewards = [s["reward_mean"] for s in self.steps]
         summary = {
             "num_steps": len(self.steps),
             "wall_s": time.monotonic() - self._t0,
-            "reward_first": rewards[0] if rewards else math.nan,
-            "reward_last": rewards[-1] if rewards else math.nan,
-            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
-            "staleness_max": max((s["staleness_max"] for s in self.steps), default=0),
+            "reward_first": rewards[0] if rewards else None,
+            "reward_last": rewards[-1] if rewards else None,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "staleness_max": max((s["staleness_max"] for s in self.steps), default=None),
+            **dict.fromkeys(ABOUT_KEYS + COUNT_KEYS),
             **summary,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
         if self.steps:
-            self._plot()
+            fig = plot_steps(self.steps, summary, self.total_steps)
+            import matplotlib.pyplot as plt  # after plot_steps chose the Agg backend
+
+            fig.savefig(self.run_dir / "plot.png", dpi=100)
+            plt.close(fig)
         if self._console is not None:
             brief = {k: v for k, v in summary.items() if not isinstance(v, dict | list)}
             self._console.print("summary: " + json.dumps(brief, default=float))
         return summary
 
-    def _plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [s["step"] for s in self.steps]
-        fig, (ax_r, ax_s) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-        ax_r.plot(steps, [s["reward_mean"] for s in self.steps], marker="o", label="reward mean")
-        if all("accuracy" in s for s in self.steps):
-            ax_r.plot(steps, [s["accuracy"] for s in self.steps], marker=".", label="accuracy")
-        ax_r.set_ylabel("reward")
-        ax_r.legend()
-        ax_s.plot(steps, [s["staleness_mean"] for s in self.steps], marker="o", label="mean")
-        ax_s.plot(steps, [s["staleness_max"] for s in self.steps], marker="x", label="max")
-        ax_s.set_ylabel("staleness (versions)")
-        ax_s.set_xlabel("trainer step")
-        ax_s.legend()
-        fig.tight_layout()
-        fig.savefig(self.run_dir / "plot.png", dpi=100)
-        plt.close(fig)
-
     def close(self) -> None:
         self._jsonl.close()
+
+
+def plot_steps(steps: list[dict[str, Any]], summary: dict[str, Any], total_steps: int):
+    """The figure of ``plot.png`` (a matplotlib Figure; the caller saves and closes it): reward, accuracy
+    (when every step has it) and staleness per step, one panel each, titled with mode, model and task
+    from ``summary``. Reward and accuracy axes span at least [0, 1] (noise stays small), staleness axes
+    whole versions from 0, step ticks whole steps. ``steps``: step records (``REQUIRED_STEP_KEYS``), not empty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    x = [s["step"] for s in steps]
+    series = [("reward mean", [s["reward_mean"] for s in steps])]
+    if all("accuracy" in s for s in steps):
+        series.append(("accuracy (share correct)", [s["accuracy"] for s in steps]))
+    fig, axes = plt.subplots(len(series) + 1, 1, figsize=(8, 2.2 * (len(series) + 1) + 0.8), sharex=True)
+    for ax, (label, values) in zip(axes, series, strict=False):
+        ax.plot(x, values, marker="o", markersize=3)
+        low, high = min(0.0, min(values)), max(1.0, max(values))
+        pad = 0.05 * (high - low)
+        ax.set_ylim(low - pad, high + pad)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax_s = axes[-1]
+    ax_s.plot(x, [s["staleness_mean"] for s in steps], marker="o", markersize=3, label="mean")
+    ax_s.plot(x, [s["staleness_max"] for s in steps], marker="x", linestyle="--", label="max")
+    ax_s.set_ylim(-0.25, max(1, max(s["staleness_max"] for s in steps)) + 0.25)
+    ax_s.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_s.set_ylabel("staleness (versions)")
+    ax_s.set_xlabel("trainer step")
+    ax_s.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_s.legend(loc="best")
+    ax_s.grid(alpha=0.3)
+    about = " · ".join(str(summary[k]) for k in ("mode", "model", "task") if summary.get(k) is not None)
+    ended = f"{summary.get('status') or 'run'}: {len(steps)} of {total_steps} steps"
+    fig.suptitle(f"{about}\n{ended}" if about else ended, fontsize=10)
+    fig.tight_layout()
+    return fig

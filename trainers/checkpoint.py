@@ -8,6 +8,10 @@ One checkpoint directory holds, written by all ranks together (``dcp.save``)::
     trainer          weight_version, world size, the KL-in-reward coefficient
     rng.rank{r}      each rank's torch (and CUDA) RNG state
 
+``load_policy_weights`` reads only the policy's parameters into an unsharded model in one process (no
+process group): what ``hflow-async export RUN_DIR --step N`` turns into a Hugging Face model directory
+(``trainers/export.py``).
+
 The reference model is not saved: it is the frozen initial policy and is rebuilt from ``model.path``.
 Model and optimizer state go through ``get_state_dict``/``set_state_dict`` (FSDP2-aware, full parameter
 names), so a checkpoint saved with M ranks loads with any number of ranks; the per-rank RNG states are
@@ -21,6 +25,7 @@ model before reading its state, otherwise the optimizer state does not line up w
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,3 +128,22 @@ def load(path: str | Path, worker: TrainerWorker) -> None:
                        path, int(trainer["world_size"]), worker.world_size)
     worker.weight_version = int(trainer["weight_version"])
     worker.kl_controller.value = float(trainer["kl_coef"])
+
+
+def load_policy_weights(path: str | Path, model: torch.nn.Module) -> int:
+    """Read only the policy parameters of checkpoint ``path`` (written by :func:`save`, any number of
+    ranks) into ``model``, an unsharded model of the same architecture and dtype, in this process alone
+    (no process group, no optimizer state). Returns the checkpoint's ``weight_version``.
+
+    Raises FileNotFoundError when ``path`` holds no checkpoint; DCP raises when a parameter is missing.
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"no trainer checkpoint at {path} (missing {path / '.metadata'})")
+    # The same keys ModelOptimizerState and _trainer_state write ("actor.model.<name>", "trainer.*");
+    # DCP reads just these into the tensors of model.state_dict(), in place.
+    state = {"actor": {"model": model.state_dict()}, "trainer": {"weight_version": torch.tensor(0)}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*load in a single process", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return int(state["trainer"]["weight_version"])

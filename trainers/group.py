@@ -185,6 +185,11 @@ class TrainerGroup:
         """Restore a checkpoint (saved with any number of ranks). Raises FileNotFoundError without one."""
         self.call("load_checkpoint", str(path))
 
+    def export_model(self, path: str) -> None:
+        """Write the policy as a Hugging Face model directory (safetensors, config, tokenizer, chat template)
+        at ``path``, on rank 0's node (``trainers/export.py``). Raises FileExistsError if ``path`` exists."""
+        self.call("export_model", str(path))
+
     def shutdown(self) -> None:
         """Kill the rank actors and remove the placement group. Idempotent."""
         import ray

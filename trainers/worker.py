@@ -32,7 +32,7 @@ import torch.distributed as dist
 from common import schema
 from common.env import set_torch_threads
 from common.models import ModelConfig
-from trainers import checkpoint, collectives, fsdp
+from trainers import checkpoint, collectives, export, fsdp
 from trainers.advantages import compute_advantages as _estimate_advantages
 from trainers.batching import as_batch_dict, batch_size, local_mini_batch_sizes, select
 from trainers.config import AlgorithmConfig, TrainerConfig
@@ -337,6 +337,13 @@ class TrainerWorker:
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote (``trainers.checkpoint.load``). Collective."""
         checkpoint.load(path, self)
+
+    def export_model(self, path: str) -> None:
+        """Write the policy as a Hugging Face model directory at ``path`` (``trainers/export.py``): the full
+        weights are gathered on rank 0, which writes. Collective. Raises FileExistsError if ``path`` exists."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            export.export_state(state, self.model_config, path)
 
 
 class TrainerActor:

@@ -34,11 +34,14 @@ def test_meta_device_materialize_matches_eager(tiny_model_config):
     torch.testing.assert_close(model(ids).logits, eager(ids).logits)
 
 
-def test_model_config_validation():
+def test_model_config_validation(tmp_path):
     with pytest.raises(ValueError, match="model.dtype"):
         models.ModelConfig(path="tiny", dtype="float8")
     with pytest.raises(ValueError, match="model.path"):
         models.ModelConfig(path="/no/such/dir")
+    (tmp_path / ".metadata").write_bytes(b"")  # a DCP trainer checkpoint (trainer.save_every) is no model
+    with pytest.raises(ValueError, match="trainer checkpoint.*hflow-async export"):
+        models.ModelConfig(path=str(tmp_path))
 
 
 @pytest.mark.slow

@@ -7,9 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from controller.cli import main as cli_main
 from controller.config import load_config
-from controller.job import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, run_job
+from controller.job import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, MODEL_DIR, run_job
+from controller.report import SUMMARY_KEYS
 from rollers.tasks import tiny_repeat_records
 
 HOOKS = "tests.controller.reward_hooks"
@@ -45,7 +48,7 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     assert code == EXIT_OK
     assert [s["step"] for s in steps] == list(range(1, total_steps + 1))
     assert summary["num_syncs"] == total_steps and summary["weight_version"] == total_steps
-    assert summary["status"] == "completed"
+    assert summary["status"] == "completed" and set(summary) == {*SUMMARY_KEYS, "config"}
     # Nothing is generated beyond the last step (no 5th batch; with 3 steps no 4th batch to cancel).
     assert summary["num_groups_admitted"] == 8 * total_steps
     assert summary["num_groups_generated"] == 8 * total_steps
@@ -53,12 +56,70 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     assert max(s["staleness_max"] for s in steps) <= 1
 
 
-def test_partial_final_batch_is_a_step(tmp_path, ray_cluster):
-    code, steps, _ = run(tmp_path, "sync", "data.size=3", "data.epochs=1", "data.train_batch_size=4",
-                         "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", "trainer.save_every=1")
+def test_partial_final_batch_is_a_step(tmp_path, ray_cluster, capsys):
+    code, steps, summary = run(tmp_path, "sync", "data.size=3", "data.epochs=1", "data.train_batch_size=4",
+                               "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", "trainer.save_every=1")
     assert code == EXIT_OK
     assert len(steps) == 1 and steps[0]["num_groups"] == 3 and steps[0]["num_samples"] == 3 * 8
     assert any((tmp_path / "checkpoints" / "step_1").iterdir())  # trainer.save_every writes DCP checkpoints
+    # The end of the run wrote the policy as a HF model directory; `hflow-async export` turns the step-1
+    # checkpoint into the same weights (the run has one step).
+    from safetensors.torch import load_file
+
+    from common.models import ModelConfig, load_model, load_tokenizer
+
+    final = tmp_path / MODEL_DIR
+    assert summary["model_dir"] == str(final) and (final / "model.safetensors").is_file()
+    assert cli_main(["export", str(tmp_path)]) == 0  # the latest checkpoint: step 1
+    exported = load_file(tmp_path / "model_step_1" / "model.safetensors")
+    assert exported.keys() == load_file(final / "model.safetensors").keys()
+    assert all(torch.equal(t, exported[k]) for k, t in load_file(final / "model.safetensors").items())
+    as_path = ModelConfig(path=str(final))  # usable as model.path
+    assert load_tokenizer(as_path).chat_template == load_tokenizer(ModelConfig(path="tiny")).chat_template
+    assert load_model(as_path).config.num_hidden_layers == 2
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path), "--step", "1"]) == EXIT_CONFIG  # model_step_1 exists
+    assert cli_main(["export", str(tmp_path), "--step", "2", "--out", str(tmp_path / "x")]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "model_step_1 exists" in err and "checkpoints of steps [1]" in err
+
+
+def test_export_without_checkpoint_names_the_choices(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("model:\n  path: tiny\n")
+    assert cli_main(["export", str(tmp_path)]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "no trainer checkpoint" in err and "trainer.save_every" in err and str(tmp_path / "model") in err
+    assert cli_main(["export", str(tmp_path / "missing")]) == EXIT_CONFIG
+    assert "config.yaml" in capsys.readouterr().err
+
+
+def test_existing_run_dir_is_refused(tmp_path, capsys):
+    """A second run into a run directory would append to its metrics.jsonl and replace the rest."""
+    old = tmp_path / "old"
+    old.mkdir()
+    for name, text in (("metrics.jsonl", '{"step": 1}\n'), ("summary.json", "{}")):
+        (old / name).write_text(text)
+    code, steps, summary = run(old, "sync", "trainer.total_steps=1")
+    assert code == EXIT_CONFIG and steps == [{"step": 1}] and summary == {}  # untouched
+    assert sorted(p.name for p in old.iterdir()) == ["metrics.jsonl", "summary.json"]
+    err = capsys.readouterr().err
+    assert f"run_dir={str(old)!r} already holds a run (metrics.jsonl, summary.json)" in err
+    assert "name a new directory" in err and "remove the old one" in err
+
+
+def test_start_up_failure_leaves_a_full_summary(tmp_path):
+    """A run that created its directory and failed before any step still gets every summary key."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, steps, summary = run(tmp_path, "sync", "metrics.enabled=true", f"metrics.port={port}")
+    assert code == EXIT_CONFIG and steps == []
+    assert set(summary) == {*SUMMARY_KEYS, "config"}
+    assert summary["status"] == "failed" and f"metrics.port={port}" in summary["error"]
+    assert summary["num_steps"] == 0 and summary["num_syncs"] is None and summary["mode"] == "sync"
 
 
 def test_fully_async_max_staleness_zero_matches_sync(tmp_path, ray_cluster):
@@ -98,7 +159,10 @@ def test_failing_reward_fails_the_run(tmp_path, ray_cluster, capsys):
     assert code == EXIT_FAILED and steps == []
     assert "refusing to score answer c" in capsys.readouterr().err
     assert (tmp_path / "summary.json").exists()  # a failed (or interrupted) run still gets its summary
-    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "refusing to score answer c" in summary["error"]
+    assert set(summary) == {*SUMMARY_KEYS, "config"}  # the same keys as a completed run's, null where unknown
+    assert summary["num_syncs"] == 0 and summary["weight_version"] == 0 and summary["num_steps"] == 0
 
 
 def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):

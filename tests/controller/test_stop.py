@@ -1,0 +1,110 @@
+"""Stopping a job: a real ``hflow-async --preset tiny`` process (``python -m controller.cli``, the console
+script's entry point) gets SIGTERM or SIGINT once it has started steps, or while its pools start. It prints
+one line, no traceback, exits 128 + the signal, and leaves a summary with every key."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from controller.report import SUMMARY_KEYS
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 240  # Ray, the TransferQueue servers and the pools start on a loaded 2-core machine
+STOP_TIMEOUT_S = 120
+STEP_LINE = re.compile(r"^step +\d+/", re.MULTILINE)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + STOP_TIMEOUT_S + 60)]
+
+
+def run_and_stop(run_dir: Path, mode: str, sig: signal.Signals, ready: Callable[[int, str, str], bool]):
+    """Start the tiny preset in ``mode``, send ``sig`` to it once ``ready(pid, stdout, stderr)``; returns
+    (exit code, stdout, stderr). The process and everything it started are killed if it does not end."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", "tiny", f"run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=stream, b=buf: b.extend(iter(s.readline, "")), daemon=True)
+               for stream, buf in ((proc.stdout, out), (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready(proc.pid, "".join(out), "".join(err)):
+            assert proc.poll() is None, f"ended before the signal (rc {proc.returncode}):\n{''.join(err)[-3000:]}"
+            assert time.monotonic() < deadline, f"not ready within {START_TIMEOUT_S}s:\n{''.join(err)[-3000:]}"
+            time.sleep(0.2)
+        proc.send_signal(sig)  # to the job's process only, as `kill PID` does
+        code = proc.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        for reader in readers:
+            reader.join(timeout=10)
+    return code, "".join(out), "".join(err)
+
+
+def steps_started(pid: int, out: str, err: str) -> bool:
+    return STEP_LINE.search(out) is not None
+
+
+def pools_starting(pid: int, out: str, err: str) -> bool:
+    """The job has started its TransferQueue servers: Ray is up, the pools are starting, no step yet."""
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((child / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"transferqueue.launch" in (child / "cmdline").read_bytes():
+                return True
+        except (OSError, ValueError, IndexError):  # a process that ended while we looked
+            continue
+    return False
+
+
+def check_stopped(run_dir: Path, code: int, out: str, err: str, sig: signal.Signals) -> dict:
+    """Exit code 128 + sig, one stop line and no traceback; the run's summary (all keys, interrupted)."""
+    assert code == 128 + sig, (code, err[-3000:])
+    for noise in ("Traceback", "Task exception was never retrieved", "KeyboardInterrupt", "run failed"):
+        assert noise not in out + err, (noise, err[-3000:])
+    stops = [line for line in err.splitlines() if line.startswith("hflow-async:")]
+    assert len(stops) == 1 and stops[0].startswith(f"hflow-async: stopped by {sig.name} "), stops
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary) == {*SUMMARY_KEYS, "config"}
+    assert summary["status"] == "interrupted" and summary["error"] == f"stopped by {sig.name}"
+    assert summary["model_dir"] is None and not (run_dir / "model").exists()  # only a completed run exports
+    return summary
+
+
+@pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async"])
+def test_sigterm_during_steps_is_a_clean_stop(tmp_path, mode):
+    code, out, err = run_and_stop(tmp_path / "run", mode, signal.SIGTERM, steps_started)
+    summary = check_stopped(tmp_path / "run", code, out, err, signal.SIGTERM)
+    steps = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert summary["num_steps"] == len(steps) >= 1
+    assert summary["weight_version"] >= summary["num_steps"] and summary["num_syncs"] >= summary["num_steps"] - 1
+    assert summary["num_groups_admitted"] >= 16 and 0 <= summary["frac_groups_any_correct"] <= 1
+    assert f"after {len(steps)} of 250 steps; pools stopped" in err
+
+
+def test_sigint_is_a_clean_stop_with_exit_130(tmp_path):
+    code, out, err = run_and_stop(tmp_path / "run", "one-step-off", signal.SIGINT, steps_started)
+    assert check_stopped(tmp_path / "run", code, out, err, signal.SIGINT)["num_steps"] >= 1
+
+
+def test_sigterm_while_pools_start_leaves_a_summary(tmp_path):
+    code, out, err = run_and_stop(tmp_path / "run", "one-step-off", signal.SIGTERM, pools_starting)
+    summary = check_stopped(tmp_path / "run", code, out, err, signal.SIGTERM)
+    assert summary["num_steps"] == 0 and summary["reward_mean"] is None
