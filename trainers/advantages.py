@@ -161,6 +161,12 @@ def _broadcast(seq_values: torch.Tensor, response_mask: torch.Tensor, dtype: tor
     return torch.where(response_mask.bool(), out, torch.zeros((), dtype=dtype, device=out.device))
 
 
+def _outcome(adv: torch.Tensor, response_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample advantages ``(batch,)`` on every valid token, as ``(advantages, returns)`` (equal)."""
+    advantages = _broadcast(adv, response_mask, dtype)
+    return advantages, advantages.clone()
+
+
 def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0):
     """``G_t = r_t + gamma * G_{t+1}`` over valid tokens (padding neither adds reward nor breaks the chain);
     0 on padding. ``(batch, response_len)`` in and out."""
@@ -246,8 +252,7 @@ def grpo_advantages(
     adv = scores.to(torch.float64) - mean
     if norm_adv_by_std:
         adv = adv / (std + epsilon)
-    advantages = _broadcast(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
 @register_adv_estimator("drgrpo", input_fields=(schema.UID,))
@@ -271,8 +276,7 @@ def rloo_advantages(
     scores = _scores(token_level_rewards.detach(), response_mask).to(torch.float64)
     mean, _, count = _group_mean_std(scores, uid)
     adv = torch.where(count > 1, (scores - mean) * count / (count - 1).clamp(min=1), torch.zeros_like(scores))
-    advantages = _broadcast(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
 @register_adv_estimator("reinforce_plus_plus")
@@ -352,8 +356,7 @@ def grpo_passk_advantages(
         best = members[top.indices[0]]
         gap = top.values[0] - top.values[1]
         adv[best] = gap / (std[best] + epsilon) if norm_adv_by_std else gap
-    advantages = _broadcast(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
 @register_adv_estimator("opo", input_fields=(schema.UID,))
@@ -374,8 +377,7 @@ def opo_advantages(
     count = torch.zeros_like(weighted).index_add_(0, index, torch.ones_like(scores))
     baseline = (weighted / total.clamp(min=1))[index]
     adv = torch.where(count[index] > 1, scores - baseline, torch.zeros_like(scores))
-    advantages = _broadcast(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
 @register_adv_estimator("gpg", input_fields=(schema.UID,))
@@ -392,8 +394,7 @@ def gpg_advantages(
     mean, _, count = _group_mean_std(scores, uid)
     alpha = scores.shape[0] / max(int(torch.count_nonzero(scores).item()), 1)
     adv = torch.where(count > 1, alpha * (scores - mean), torch.zeros_like(scores))
-    advantages = _broadcast(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from trainers.losses import LOSS_AGG_MODES
 from trainers.policy_losses import POLICY_LOSSES, PolicyLossParams
 
 logger = logging.getLogger(__name__)
+_LOSS = PolicyLossParams()  # the defaults of the policy-loss knobs
 
 STALE_CORRECTIONS = ("none", "decoupled", "tis")
 STALE_POLICIES = ("drop", "keep")
@@ -114,19 +115,20 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    dual_clip_c: float = 0.0
     loss_agg_mode: str = "token-mean"
     policy_loss: str = "vanilla"
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    kl_cov_coef: float = 0.1
-    dppo_ratio_cap: float = 20.0
+    # The policy losses' knobs; their defaults live in PolicyLossParams (one place).
+    clip_ratio_low: float = _LOSS.clip_ratio_low
+    clip_ratio_high: float = _LOSS.clip_ratio_high
+    dual_clip_c: float = _LOSS.dual_clip_c
+    sapo_tau_pos: float = _LOSS.sapo_tau_pos
+    sapo_tau_neg: float = _LOSS.sapo_tau_neg
+    clip_cov_ratio: float = _LOSS.clip_cov_ratio
+    clip_cov_lb: float = _LOSS.clip_cov_lb
+    clip_cov_ub: float = _LOSS.clip_cov_ub
+    kl_cov_ratio: float = _LOSS.kl_cov_ratio
+    kl_cov_coef: float = _LOSS.kl_cov_coef
+    dppo_ratio_cap: float = _LOSS.dppo_ratio_cap
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -209,9 +211,8 @@ class AlgorithmConfig:
         if not self.clip_cov_lb < self.clip_cov_ub:
             raise ValueError(f"algorithm.clip_cov_lb={self.clip_cov_lb} must be < algorithm.clip_cov_ub="
                              f"{self.clip_cov_ub}")
-        defaults = PolicyLossParams()
         for f in dataclasses.fields(PolicyLossParams):
-            if getattr(self, f.name) != getattr(defaults, f.name) and f.name not in loss.reads:
+            if getattr(self, f.name) != getattr(_LOSS, f.name) and f.name not in loss.reads:
                 users = [n for n in POLICY_LOSSES if f.name in POLICY_LOSSES.get(n).reads]
                 raise ValueError(f"algorithm.{f.name}={getattr(self, f.name)} is not used by algorithm.policy_loss="
                                  f"{self.policy_loss!r} (it reads {list(loss.reads)}); it is used by {users}")

@@ -69,6 +69,40 @@ def test_k3_as_loss_gives_forward_kl_gradient(estimator):
     assert torch.allclose(grad, logits.grad, atol=1e-12)
 
 
+def test_verl_names_kl_and_abs_hand_computed():
+    # log pi - log pi_ref per token: ln(0.5/0.9) = -0.587787, ln(0.5/0.1) = +1.609438.
+    log_pi = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))
+    log_ref = torch.log(torch.tensor(PI_REF, dtype=torch.float64))
+    assert torch.allclose(kl_penalty(log_pi, log_ref, "kl"), torch.tensor([-0.587787, 1.609438], dtype=torch.float64),
+                          atol=1e-6)
+    assert torch.allclose(kl_penalty(log_pi, log_ref, "abs"), torch.tensor([0.587787, 1.609438], dtype=torch.float64),
+                          atol=1e-6)
+
+
+def test_k3_is_verls_clamped_k3_and_k3_unclamped_is_not():
+    log_probs, ref = torch.tensor([0.0, -1.0]), torch.tensor([-30.0, -1.5])
+    # log_r = log ref - log pi = -30 (clamped to -20) and -0.5: k3 = e^-0.5 - 1 + 0.5 = 0.106531.
+    expected = torch.tensor([math.exp(-20) - 1 + 20, math.exp(-0.5) - 1 + 0.5]).clamp(max=10.0)
+    assert torch.allclose(kl_penalty(log_probs, ref, "k3"), expected, atol=1e-6)
+    assert torch.equal(kl_penalty(log_probs, ref, "k3"), kl_penalty(log_probs, ref, "low_var_kl"))
+    assert kl_penalty(log_probs, ref, "k3_unclamped")[0].item() == pytest.approx(math.exp(-30) - 1 + 30)
+
+
+@pytest.mark.parametrize("base", ["k1", "kl", "abs", "k3", "low_var_kl", "k3_unclamped"])
+def test_straight_through_plus_variants_keep_the_value_and_take_k2s_gradient(base):
+    value, grad = expected_value_and_gradient(f"{base}+")
+    assert value == pytest.approx(expected_value_and_gradient(base)[0], abs=1e-12)
+    # k2's expected gradient: grad KL(pi || pi_ref) = [-0.549, 0.549] (test_k2_as_loss_gives_reverse_kl_gradient)
+    assert torch.allclose(grad, expected_value_and_gradient("k2")[1], atol=1e-12)
+    assert torch.allclose(grad, torch.tensor([-0.549, 0.549], dtype=torch.float64), atol=5e-4)
+
+
+def test_kl_in_reward_estimator_is_validated_under_its_own_key():
+    with pytest.raises(ValueError, match=r"algorithm\.kl_in_reward_estimator='k4' is not one of \[.*'abs'"):
+        AlgorithmConfig(kl_in_reward_estimator="k4")
+    assert AlgorithmConfig(kl_estimator="k3+", kl_in_reward_estimator="kl").kl_estimator == "k3+"
+
+
 @pytest.mark.parametrize("estimator", [n for n in KL_ESTIMATORS if n != "abs"])  # |x|: no gradient at 0
 def test_identical_policies_give_zero_value_and_zero_gradient(estimator):
     value, grad = expected_value_and_gradient(estimator, pi=[0.3, 0.7], pi_ref=[0.3, 0.7])

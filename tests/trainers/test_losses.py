@@ -37,7 +37,7 @@ def two_sequences():
 
 
 EXPECTED = {"token-mean": 0.1, "seq-mean-token-mean": 0.5, "seq-mean-token-sum": 5.0,
-            "seq-mean-token-sum-norm": 10.0 / (2 * 100)}
+            "seq-mean-token-sum-norm": 10.0 / (2 * 100), "token-sum": 10.0}
 
 
 @pytest.mark.parametrize("mode", sorted(EXPECTED))
