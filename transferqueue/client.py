@@ -16,6 +16,7 @@ two round trips each (unit, index); ``reserve`` of fresh ids happens once per ``
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 import uuid
@@ -372,10 +373,14 @@ class TQClient:
             received = [[] for _ in routes]
         else:
             replies, received = yield from self._get_p2p(routes, calls)
-        batch = Batch(meta, {n: self._assemble(j, n, len(meta), routes, replies, received)
-                             for j, n in enumerate(names)})
-        self.shm.check_leases(replies)
-        return batch
+        try:
+            filled = [self._assemble(j, n, len(meta), routes, replies, received) for j, n in enumerate(names)]
+            self.shm.check_leases(replies)  # before decoding: a raced block may hold another put's bytes
+            values = [wire.decode_column(desc, out) for desc, out in filled]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, struct.error) as exc:
+            # a reply that does not add up: only the project's typed errors leave the client
+            raise RemoteError(f"get_data: malformed reply from a storage unit: {type(exc).__name__}: {exc}") from exc
+        return Batch(meta, dict(zip(names, values, strict=True)))
 
     def _get_p2p(self, routes, calls: list[Call]) -> Flow:
         """Send the gets with this client's links, then receive every ``p2p`` run of the replies in order."""
@@ -403,7 +408,8 @@ class TQClient:
             for link in links:
                 link.lock.release()
 
-    def _assemble(self, j: int, name: str, count: int, routes, replies, received) -> Any:
+    def _assemble(self, j: int, name: str, count: int, routes, replies, received) -> tuple[dict, Any]:
+        """Copy field ``name`` of the replies into one new buffer: ``(descriptor, buffer)``, not decoded yet."""
         def alloc(nbytes: int, dtype: str):
             if self.device is not None and dtype != wire.OBJECT_DTYPE:
                 return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

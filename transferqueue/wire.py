@@ -221,13 +221,18 @@ def encode_column(name: str, value: Any, count: int) -> tuple[dict, list]:
 
 
 def decode_column(desc: dict, out: np.ndarray) -> Any:
-    """Turn a filled uint8 buffer ``out`` of a column into the user-facing value (see ``Batch``)."""
+    """Turn a filled uint8 buffer ``out`` of a column into the user-facing value (see ``Batch``). Raises
+    WireError when an ``object`` row is not exactly one msgpack value."""
     rows = row_nbytes(desc)
     if desc["dtype"] == OBJECT_DTYPE:
         res, pos = [], 0
         raw = out.tobytes()
-        for n in rows:
-            res.append(msgpack.unpackb(raw[pos:pos + n], raw=False, strict_map_key=False))
+        for i, n in enumerate(rows):
+            try:
+                res.append(msgpack.unpackb(raw[pos:pos + n], raw=False, strict_map_key=False))
+            except Exception as exc:  # msgpack raises several unrelated types (ExtraData, ValueError, ...)
+                raise WireError(f"field {desc['name']!r}: row {i} is not one msgpack value: "
+                                f"{type(exc).__name__}: {exc}") from None
             pos += n
         return res
     dtype = DTYPES[desc["dtype"]]
