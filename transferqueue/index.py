@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections.abc import Hashable
 from operator import attrgetter
 
+from transferqueue.config import TransferQueueConfig
 from transferqueue.records import BatchMeta, FieldSchema
 from transferqueue.samplers import get_sampler
 from transferqueue.table import NO_TAGS, Partition, Sample, Subscription
-from transferqueue.wire import OBJECT_DTYPE, id_range, row_nbytes
+from transferqueue.wire import OBJECT_DTYPE, check_id_count, id_range, row_nbytes
 
 _NBYTES = attrgetter("nbytes")
 _DICT, _UID_TYPES = frozenset({dict}), frozenset({str, int})
+MIN_RESERVATION_CHARGE = 64  # ids a reservation counts against the bounds at least (its bookkeeping)
 
 
 def _row_bytes(columns: list[dict], count: int) -> tuple[int, list[int] | None]:
@@ -54,14 +57,22 @@ def _set_lengths(samples: list[Sample], lengths: list[tuple[str, list[int]]]) ->
 
 class MetadataIndex:
     """The table itself. All methods raise ValueError for bad input (unknown/cleared ids, fields already
-    written, unknown sampler...); the server turns those into error replies."""
+    written, unknown sampler, a request past one of ``limits``' bounds...); the server turns those into
+    error replies. ``limits``: the ``transferqueue`` config whose ``max_*`` and ``reservation_lease_s``
+    bounds apply (defaults when None)."""
 
-    def __init__(self):
+    def __init__(self, limits: TransferQueueConfig | None = None):
+        self.limits = limits or TransferQueueConfig()
+        self.max_request_ids = self.limits.max_request_ids  # read on every notify
+        self.max_fields = self.limits.max_fields
         self.partitions: dict[str, Partition] = {}
         self.next_id = 0
         self.produced = 0
         self.reserved: dict[int, bytearray] = {}  # start -> one byte per id: 0 free, 1 used
-        self.reserved_starts: list[int] = []
+        self.reserved_starts: list[int] = []  # in reservation order, so also in order of expiry
+        self.leases: dict[int, tuple[float, bytes, int]] = {}  # start -> (expires at, owner, ids charged)
+        self.reserved_by: dict[bytes, int] = {}  # owner (client connection) -> ids charged
+        self.reserved_total = 0
         self.task_bits: dict[str, int] = {}
         self.consumed: dict[str, int] = {}
         self.cleared = 0
@@ -71,8 +82,22 @@ class MetadataIndex:
         if not isinstance(task, str) or not task:
             raise ValueError(f"task must be a non-empty string, got {task!r}")
         if task not in self.task_bits:
+            if len(self.task_bits) >= self.limits.max_tasks:
+                raise ValueError(f"task {task!r:.100} would be task number {len(self.task_bits) + 1}: past "
+                                 f"transferqueue.max_tasks={self.limits.max_tasks}")
             self.task_bits[task] = 1 << len(self.task_bits)
         return self.task_bits[task]
+
+    def _check_count(self, what: str, n: int) -> None:
+        check_id_count(what, n, self.max_request_ids)
+
+    def _check_new_fields(self, part: Partition, columns: list[dict]) -> None:
+        """ValueError (before anything changes) when ``columns`` would take ``part`` past ``max_fields``."""
+        if len(part.bits) + len(columns) > self.max_fields:  # usually false: no per-column work
+            new = len({c["name"] for c in columns if c["name"] not in part.bits})
+            if len(part.bits) + new > self.max_fields:
+                raise ValueError(f"partition {part.name!r}: {new} new fields would make {len(part.bits) + new}, "
+                                 f"past transferqueue.max_fields={self.max_fields}")
 
     def _partition(self, name: str, create: bool = False) -> Partition:
         if not isinstance(name, str) or not name:
@@ -91,12 +116,14 @@ class MetadataIndex:
         if sample_ids is None:
             if not isinstance(count, int) or count < 0:
                 raise ValueError(f"count must be a non-negative int, got {count!r}")
+            self._check_count("prepare_put", count)
             ids = list(range(self.next_id, self.next_id + count))
             self.next_id += count
             self.produced += count
             for sid in ids:
                 part.samples[sid] = Sample(sid)
             return ids
+        self._check_count("prepare_put", len(sample_ids))
         mask = part.field_mask(fields, create=False) or 0
         for sid in sample_ids:
             s = part.samples.get(sid)
@@ -110,16 +137,54 @@ class MetadataIndex:
             raise ValueError("sample_ids contain duplicates")
         return list(sample_ids)
 
-    def reserve(self, count: int) -> int:
-        """Reserve ``count`` fresh ids for one client, which creates samples with them at ``notify(new=True)``
-        without a round trip per put; returns the first id. Raises ValueError for ``count < 1``."""
-        if not isinstance(count, int) or not 1 <= count <= 1 << 24:
-            raise ValueError(f"reserve count must be an int in [1, 2**24], got {count!r}")
+    def reserve(self, count: int, owner: bytes = b"") -> int:
+        """Reserve ``count`` fresh ids for client ``owner`` (its connection's identity), which creates samples
+        with them at ``notify(new=True)`` without a round trip per put; returns the first id. The reservation
+        lapses ``reservation_lease_s`` from now (``expire_reservations``). Raises ValueError for
+        ``count < 1`` or past ``max_request_ids``, ``max_client_reserved_ids`` or ``max_reserved_ids``."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"reserve count must be a positive int, got {count!r}")
+        self._check_count("reserve", count)
+        lim, charge = self.limits, max(count, MIN_RESERVATION_CHARGE)
+        held = self.reserved_by.get(owner, 0)
+        if held + charge > lim.max_client_reserved_ids:
+            raise ValueError(f"reserve: this client holds {held} reserved ids; {charge} more would pass "
+                             f"transferqueue.max_client_reserved_ids={lim.max_client_reserved_ids}")
+        if self.reserved_total + charge > lim.max_reserved_ids:
+            raise ValueError(f"reserve: clients hold {self.reserved_total} reserved ids; {charge} more would "
+                             f"pass transferqueue.max_reserved_ids={lim.max_reserved_ids}")
         start = self.next_id
         self.next_id += count
         self.reserved[start] = bytearray(count)
         self.reserved_starts.append(start)
+        self.leases[start] = (time.monotonic() + lim.reservation_lease_s, owner, charge)
+        self.reserved_by[owner] = held + charge
+        self.reserved_total += charge
         return start
+
+    def _end_lease(self, start: int) -> None:
+        """Forget reservation ``start`` (used up or lapsed): its charge goes back to its owner's bounds."""
+        del self.reserved[start]
+        _, owner, charge = self.leases.pop(start)
+        self.reserved_total -= charge
+        left = self.reserved_by[owner] - charge
+        if left:
+            self.reserved_by[owner] = left
+        else:
+            del self.reserved_by[owner]
+
+    def expire_reservations(self, now: float | None = None) -> int:
+        """Drop the reservations whose lease ended by ``now`` (monotonic; default: now); returns how many.
+        Their unused ids are never handed out: a notify naming one is refused. Reservations end in the
+        order they were made, so this costs O(expired)."""
+        now = time.monotonic() if now is None else now
+        starts = self.reserved_starts
+        k = 0
+        while k < len(starts) and self.leases[starts[k]][0] <= now:
+            self._end_lease(starts[k])
+            k += 1
+        del starts[:k]
+        return k
 
     def _claim(self, sample_ids: list[int]) -> None:
         """Mark reserved ids used; ValueError (nothing marked) if one was not reserved or is used/cleared.
@@ -136,7 +201,7 @@ class MetadataIndex:
             if off + n <= len(used) and used.find(1, off, off + n) < 0 and id_range(sample_ids) == first:
                 used[off:off + n] = b"\x01" * n
                 if 0 not in used:
-                    del self.reserved[start]
+                    self._end_lease(start)
                     self.reserved_starts.remove(start)
                 return
         self._claim_each(sample_ids)
@@ -148,7 +213,9 @@ class MetadataIndex:
             start = self.reserved_starts[i] if i >= 0 else None
             used = self.reserved.get(start) if start is not None else None
             if used is None or sid - start >= len(used) or used[sid - start]:
-                raise ValueError(f"sample id {sid!r} was not reserved, or was already used or cleared")
+                raise ValueError(f"sample id {sid!r} was not reserved, or was already used or cleared, or "
+                                 f"its reservation lapsed (transferqueue.reservation_lease_s="
+                                 f"{self.limits.reservation_lease_s})")
             slots.append((start, sid - start))
         if len(set(slots)) != len(slots):
             raise ValueError("sample_ids contain duplicates")
@@ -156,7 +223,7 @@ class MetadataIndex:
             self.reserved[start][off] = 1
         for start in {start for start, _ in slots}:
             if 0 not in self.reserved[start]:
-                del self.reserved[start]
+                self._end_lease(start)
                 self.reserved_starts.remove(start)
 
     def notify(self, partition: str, sample_ids: list[int], columns: list[dict], tags: list[dict] | None,
@@ -169,6 +236,9 @@ class MetadataIndex:
         part = self._partition(partition, create=new)
         if tags is not None and len(tags) != len(sample_ids):
             raise ValueError(f"{len(tags)} tag dicts for {len(sample_ids)} samples")
+        if len(sample_ids) > self.max_request_ids:  # the fast path pays one comparison
+            self._check_count("notify", len(sample_ids))
+        self._check_new_fields(part, columns)
         if new:
             uids = self._check_new(part, columns, tags)
             self._claim(sample_ids)
@@ -308,15 +378,21 @@ class MetadataIndex:
 
     # ------------------------------------------------------------------------------------- get_meta
     def subscription(self, part: Partition, task: str, fields: list[str]) -> Subscription | None:
-        """The subscription of (task, fields), built with one scan on first use; None for unknown fields."""
+        """The subscription of (task, fields), built with one scan on first use; None for unknown fields.
+        ``part.subs`` is kept in least-recently-used order; past ``max_subscriptions`` the first one goes
+        (it is a cache: rebuilt by one scan when asked for again)."""
         mask = part.field_mask(fields, create=False)
         if mask is None:
             return None
         bit = self._task_bit(task)
-        sub = part.subs.get((bit, mask))
+        subs, key = part.subs, (bit, mask)
+        sub = subs.pop(key, None)
         if sub is None:
-            sub = part.subs[(bit, mask)] = Subscription(part, bit, mask, list(fields))
+            if len(subs) >= self.limits.max_subscriptions:
+                del subs[next(iter(subs))]
+            sub = Subscription(part, bit, mask, list(fields))
             sub.add_many(part.samples.values())
+        subs[key] = sub
         return sub
 
     def get_meta(self, partition: str, fields: list[str], batch_size: int, task: str, sampler: str = "sequential",
@@ -328,6 +404,7 @@ class MetadataIndex:
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self._check_count("get_meta batch_size", batch_size)
         if not fields or not all(isinstance(f, str) for f in fields):
             raise ValueError(f"fields must be a non-empty list of names, got {fields!r}")
         chooser = get_sampler(sampler)
@@ -401,6 +478,7 @@ class MetadataIndex:
     def sample_info(self, partition: str, sample_ids: list[int] | None, limit: int) -> list[dict]:
         """``{"id", "fields", "tags", "consumed_by"}`` for up to ``limit`` samples (metadata only)."""
         part = self._partition(partition)
+        self._check_count("sample_info", limit if sample_ids is None else len(sample_ids))
         ids = list(itertools.islice(part.samples, limit)) if sample_ids is None else sample_ids
         names = {bit: n for n, bit in part.bits.items()}
         tasks = {bit: n for n, bit in self.task_bits.items()}

@@ -100,8 +100,10 @@ class StorageUnit(RouterServer):
     """Serves ``alloc``, ``put``, ``get``, ``clear``, ``stats`` and ``ping``; everything else is rejected."""
 
     def __init__(self, address: str, capacity_bytes: int, curve: CurveKeys | None = None,
-                 lease_s: float = 60.0, p2p: dict | None = None, local_address: str = ""):
+                 lease_s: float = 60.0, p2p: dict | None = None, local_address: str = "",
+                 max_request_ids: int = 1 << 17):
         super().__init__(address, curve, local_address=local_address)
+        self.max_request_ids = max_request_ids  # ids one put or get may name (``transferqueue.max_request_ids``)
         self.p2p = None
         if p2p:
             from transferqueue.p2p import UnitP2P
@@ -251,6 +253,8 @@ class StorageUnit(RouterServer):
         lo = id_range(raw_ids)  # consecutive ids: no per-id work below
         ids = as_ids(raw_ids) if lo is None else np.arange(lo, lo + len(raw_ids), dtype=np.int64)
         n = len(ids)
+        if n > self.max_request_ids:  # the fast path pays one comparison
+            wire.check_id_count("put", n, self.max_request_ids)
         cols = header.get("columns")
         if not isinstance(cols, list) or not cols:
             raise wire.WireError("put: columns must be a non-empty list")
@@ -359,6 +363,7 @@ class StorageUnit(RouterServer):
         raw_ids = header.get("ids")
         lo = id_range(raw_ids)
         ids = as_ids(raw_ids) if lo is None else np.arange(lo, lo + len(raw_ids), dtype=np.int64)
+        wire.check_id_count("get", len(ids), self.max_request_ids)
         names = header.get("fields")
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise wire.WireError("get: fields must be a non-empty list of names")

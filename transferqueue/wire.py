@@ -270,3 +270,11 @@ def as_ids(value, what: str = "ids") -> np.ndarray:
     if not isinstance(value, list) or not all(type(v) is int and 0 <= v <= MAX_ID for v in value):
         raise WireError(f"{what} must be a list of non-negative ints (below 2**63)")
     return np.asarray(value, dtype=np.int64) if value else np.zeros(0, dtype=np.int64)
+
+
+def check_id_count(what: str, n: int, limit: int) -> None:
+    """Raise ValueError, naming the bound, when one request names or allocates more than ``limit`` ids
+    (``transferqueue.max_request_ids``)."""
+    if n > limit:
+        raise ValueError(f"{what}: {n} ids in one request, past transferqueue.max_request_ids={limit} "
+                         "(split the request)")

@@ -1,0 +1,214 @@
+"""Bounds on what requests may make the servers hold (``transferqueue.max_*``, ``reservation_lease_s``),
+against a real index process over real sockets: a request past a bound gets an error reply naming the
+bound and its value, the server keeps serving, and nothing it had accepted is lost."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from transferqueue import TQClient, wire
+from transferqueue.config import TransferQueueConfig
+from transferqueue.index import MetadataIndex
+from transferqueue.launch import start_transferqueue
+
+REQ = 4096  # the smallest max_request_ids allowed
+
+
+@pytest.fixture(scope="module")
+def tight_tq():
+    """One unit; an index with small bounds: 4096 ids a request, 8192 a client, 12288 in all, 2 parked
+    long-polls, a 3 s reservation lease."""
+    cfg = TransferQueueConfig(num_storage_units=1, request_timeout_s=10.0, max_request_ids=REQ,
+                              max_client_reserved_ids=2 * REQ, max_reserved_ids=3 * REQ, max_parked=2,
+                              reservation_lease_s=3.0, sampler_modules=["tests.transferqueue.sampler_plugin"])
+    servers = start_transferqueue(cfg)
+    yield servers
+    servers.shutdown()
+
+
+@pytest.fixture
+def sockets(tight_tq):
+    """``connect()``: a new DEALER socket to the index (a new client connection, as the index sees it)."""
+    ctx = zmq.Context()
+
+    def connect() -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(tight_tq.handle.index_address)
+        return s
+
+    yield connect
+    ctx.destroy(linger=0)
+
+
+def ask(sock: zmq.Socket, header: dict, wait_ms: int = 10_000) -> dict | None:
+    sock.send(wire.pack(header))
+    return msgpack.unpackb(sock.recv(), raw=False) if sock.poll(wait_ms) else None
+
+
+def wait_for_lapse(client: TQClient, lease_s: float = 3.0) -> None:
+    """Until the index holds no reservation (it drops lapsed ones every lease / 4)."""
+    deadline = time.monotonic() + 3 * lease_s
+    while client.status().reserved_ids and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.status().reserved_ids == 0
+
+
+def test_one_request_cannot_allocate_past_max_request_ids(tight_tq, sockets):
+    """A 60-byte ``reserve`` or ``prepare_put`` asking for 300000 ids is refused with the bound named; the
+    index allocates nothing, keeps serving, and data put before reads back."""
+    with TQClient(tight_tq.handle) as client:
+        kept = client.put({"x": torch.arange(8).view(8, 1)}, partition="limits-a")
+        before = client.status()
+        sock = sockets()
+        for header in ({"op": "reserve", "count": 300_000}, {"op": "prepare_put", "partition": "limits-a",
+                                                            "ids": None, "count": 300_000}):
+            reply = ask(sock, header)
+            assert reply["ok"] is False and f"max_request_ids={REQ}" in reply["error"]
+        for header in ({"op": "notify", "partition": "limits-a", "ids": list(range(REQ + 1)), "columns": []},
+                       {"op": "get_meta", "partition": "limits-a", "fields": ["x"], "batch_size": REQ + 1,
+                        "task": "t"}):
+            assert f"max_request_ids={REQ}" in ask(sock, header)["error"]
+        after = client.status()
+        assert (after.produced, after.num_samples, after.reserved_ids) == (before.produced, before.num_samples,
+                                                                          before.reserved_ids)
+        assert ask(sock, {"op": "ping", "rid": 3}) == {"ok": True, "rid": 3}
+        assert torch.equal(client.get_data(kept)["x"], torch.arange(8).view(8, 1))
+        assert client.get_meta(["x"], 8, "t", "limits-a").sample_ids == kept.sample_ids
+        client.clear("limits-a")
+
+
+def test_a_storage_unit_refuses_a_put_naming_more_ids_than_max_request_ids(tight_tq, sockets):
+    sock = sockets()
+    sock.connect(tight_tq.handle.unit_addresses[0])
+    sock.disconnect(tight_tq.handle.index_address)
+    col = {"name": "z", "dtype": "uint8", "shape": [0], "nbytes": 0}
+    reply = ask(sock, {"op": "put", "ids": list(range(0, 2 * (REQ + 1), 2)), "columns": [col]})
+    assert reply["ok"] is False and f"max_request_ids={REQ}" in reply["error"]
+
+
+def test_reserved_ids_are_bounded_per_client_and_in_all_then_lapse_when_clients_go_away(tight_tq, sockets):
+    """Client A reserves up to its bound and is refused past it (the error names the bound); client B may
+    reserve until the total bound. Both go away: after the lease the index has dropped their
+    reservations, a notify naming one of their ids is refused, and a new client reserves in full."""
+    with TQClient(tight_tq.handle) as client:
+        wait_for_lapse(client)
+        a, b = sockets(), sockets()
+        starts = [ask(a, {"op": "reserve", "count": REQ})["start"] for _ in range(2)]
+        refused = ask(a, {"op": "reserve", "count": 1})
+        assert refused["ok"] is False and f"max_client_reserved_ids={2 * REQ}" in refused["error"]
+        assert ask(b, {"op": "reserve", "count": REQ})["ok"] is True
+        refused = ask(b, {"op": "reserve", "count": 64})
+        assert refused["ok"] is False and f"max_reserved_ids={3 * REQ}" in refused["error"]
+        assert client.status().reserved_ids == 3 * REQ
+        a.close()
+        b.close()
+        wait_for_lapse(client)
+        c = sockets()
+        col = {"name": "x", "dtype": "int64", "shape": [], "nbytes": 8}
+        late = ask(c, {"op": "notify", "partition": "limits-b", "ids": [starts[0]], "columns": [col], "new": True})
+        assert late["ok"] is False and "reservation lapsed" in late["error"]
+        assert all(ask(c, {"op": "reserve", "count": REQ})["ok"] for _ in range(2))
+
+
+def test_a_client_keeps_putting_across_reservation_lapses(tight_tq):
+    """A client reuses its reserved range while a put can finish before the range lapses, reserves anew
+    when it could not, and never names a lapsed id: puts before, near and after the lease all succeed."""
+    handle = dataclasses.replace(tight_tq.handle, request_timeout_s=0.5)
+    with TQClient(handle) as client:
+        wait_for_lapse(client)  # the test before holds every reservation the bounds allow
+        reserves = lambda: client.status().requests.get("reserve", [0])[0]  # noqa: E731
+        first = client.put({"x": torch.zeros(2, 1)}, partition="limits-c", timeout_s=0.5)
+        n = reserves()
+        second = client.put({"x": torch.ones(2, 1)}, partition="limits-c", timeout_s=0.5)
+        assert second.sample_ids == [first.sample_ids[-1] + 1, first.sample_ids[-1] + 2] and reserves() == n
+        time.sleep(2.2)  # the put (up to 1 s) could outlast the range's 3 s lease now
+        third = client.put({"x": torch.ones(2, 1)}, partition="limits-c", timeout_s=0.5)
+        assert reserves() == n + 1 and third.sample_ids[0] > second.sample_ids[-1] + 1
+        wait_for_lapse(client)
+        fourth = client.put({"x": torch.ones(2, 1)}, partition="limits-c", timeout_s=0.5)
+        assert len(client.get_data(fourth)["x"]) == 2
+        assert client.clear("limits-c") == 8
+
+
+def test_long_polls_past_max_parked_are_refused_and_the_parked_ones_still_answered(tight_tq, sockets):
+    waiting = [sockets(), sockets()]
+    ask_meta = {"op": "get_meta", "partition": "limits-d", "fields": ["x"], "batch_size": 1, "task": "t",
+                "timeout_s": 20.0}
+    for i, s in enumerate(waiting):
+        s.send(wire.pack(dict(ask_meta, rid=i)))
+    time.sleep(0.3)
+    refused = ask(sockets(), dict(ask_meta, rid=9))
+    assert refused["ok"] is False and "max_parked=2" in refused["error"]
+    with TQClient(tight_tq.handle) as client:
+        client.put({"x": torch.zeros(1, 1)}, partition="limits-d")
+        client.put({"x": torch.zeros(1, 1)}, partition="limits-d")
+        got = [msgpack.unpackb(s.recv(), raw=False) if s.poll(10_000) else None for s in waiting]
+        assert [len(g["meta"]["sample_ids"]) for g in got] == [1, 1]
+        client.clear("limits-d")
+
+
+def test_a_sampler_failing_while_its_request_waits_gets_an_error_reply_not_a_dead_index(tight_tq, sockets):
+    """A custom sampler that raises when a parked request expires: the old loop let the exception out of
+    ``tick`` and the index process died; now the request gets an error reply and the index keeps serving."""
+    sock = sockets()
+    reply = ask(sock, {"op": "get_meta", "partition": "limits-e", "fields": ["x"], "batch_size": 1, "task": "t",
+                       "sampler": "fails_when_retried", "timeout_s": 0.3, "rid": 1})
+    with TQClient(tight_tq.handle) as client:
+        client.put({"x": torch.zeros(1, 1)}, partition="limits-e")  # the partition exists: samplers run
+    reply = ask(sock, {"op": "get_meta", "partition": "limits-e", "fields": ["x"], "batch_size": 2, "task": "t",
+                       "sampler": "fails_when_retried", "timeout_s": 0.3, "rid": 2})
+    assert reply is not None and reply["ok"] is False and "failing on purpose" in reply["error"]
+    assert ask(sock, {"op": "ping", "rid": 3}) == {"ok": True, "rid": 3}
+    assert tight_tq.alive()
+
+
+# ---------------------------------------------------------------------------------- in-process bounds
+
+
+def _col(name: str, n: int) -> dict:
+    return {"name": name, "dtype": "int64", "shape": [], "nbytes": 8 * n, "count": n, "split": False}
+
+
+def test_fields_per_partition_and_tasks_are_bounded_and_a_refused_notify_changes_nothing():
+    ix = MetadataIndex(TransferQueueConfig(max_fields=3, max_tasks=2))
+    start = ix.reserve(4)
+    ix.notify("p", [start, start + 1], [_col("a", 2), _col("b", 2)], None, new=True)
+    with pytest.raises(ValueError, match="max_fields=3"):
+        ix.notify("p", [start + 2, start + 3], [_col("c", 2), _col("d", 2)], None, new=True)
+    assert ix.reserved[start] == bytearray([1, 1, 0, 0]) and sorted(ix.partitions["p"].bits) == ["a", "b"]
+    ix.notify("p", [start + 2, start + 3], [_col("a", 2), _col("c", 2)], None, new=True)  # 3 fields: fine
+    ix.get_meta("p", ["a"], 1, "t1")
+    ix.get_meta("p", ["a"], 1, "t2")
+    with pytest.raises(ValueError, match="max_tasks=2"):
+        ix.get_meta("p", ["a"], 1, "t3")
+    assert ix.get_meta("p", ["a"], 1, "t1").sample_ids == [start + 1]  # known tasks still served
+
+
+def test_subscriptions_are_a_bounded_cache_that_evicts_the_least_recently_used():
+    """Past ``max_subscriptions`` a new (task, field set) evicts the least recently used view; an evicted
+    view is rebuilt on its next get_meta with the same answer (consumption lives in the samples)."""
+    ix = MetadataIndex(TransferQueueConfig(max_subscriptions=2))
+    start = ix.reserve(6)
+    ix.notify("p", list(range(start, start + 6)), [_col("a", 6), _col("b", 6), _col("c", 6)], None, new=True)
+    assert ix.get_meta("p", ["a"], 2, "t").sample_ids == [start, start + 1]
+    ix.get_meta("p", ["b"], 1, "u")
+    ix.get_meta("p", ["a"], 1, "u")  # (t, a) is now the least recently used
+    ix.get_meta("p", ["c"], 1, "v")
+    part = ix.partitions["p"]
+    assert len(part.subs) == 2 and (ix.task_bits["t"], part.bits["a"]) not in part.subs
+    assert ix.get_meta("p", ["a"], 2, "t").sample_ids == [start + 2, start + 3]
+
+
+@pytest.mark.parametrize("key,value", [("max_request_ids", 100), ("max_request_ids", 0), ("max_fields", -1),
+                                       ("max_client_reserved_ids", 5000), ("max_reserved_ids", 1 << 19),
+                                       ("reservation_lease_s", 0), ("max_parked", 1.5), ("max_tasks", True)])
+def test_bounds_are_validated(key, value):
+    with pytest.raises(ValueError, match=f"transferqueue.{key}"):
+        TransferQueueConfig(**{key: value})
