@@ -31,7 +31,8 @@ class TransferQueueConfig:
       never handed out (ids are never reused). That is how the index forgets clients that went away;
       a client takes ids from a reservation only while its put can finish before the lease ends.
     * ``max_fields`` per partition and ``max_tasks`` (consumer tasks, over all partitions): each adds a bit
-      to every sample's field/consumption mask.
+      to every sample's field/consumption mask. ``max_partitions``: partitions the index holds at once.
+      ``max_name_chars``: length of a partition, field or task name.
     * ``max_subscriptions``: cached (task, field set) views per partition; past it the least recently
       used one is dropped (rebuilt by one scan on its next ``get_meta``), never an error.
     * ``max_parked``, ``max_parked_bytes``: long-poll ``get_meta`` requests waiting at the index, and the
@@ -56,6 +57,8 @@ class TransferQueueConfig:
     reservation_lease_s: float = 600.0
     max_fields: int = 256
     max_tasks: int = 256
+    max_partitions: int = 1 << 16
+    max_name_chars: int = 1024
     max_subscriptions: int = 64
     max_parked: int = 10_000
     max_parked_bytes: int = 64 * 1024**2
@@ -86,8 +89,9 @@ class TransferQueueConfig:
     def _check_bounds(self) -> None:
         """ValueError naming the key for a bound that is not a positive int (a positive number for the
         lease) or that contradicts another (the reserved-ids bounds must hold two full-size reservations)."""
-        for key in ("max_request_ids", "max_client_reserved_ids", "max_reserved_ids", "max_fields", "max_tasks",
-                    "max_subscriptions", "max_parked", "max_parked_bytes"):
+        for key in LIMIT_KEYS:
+            if key == "reservation_lease_s":
+                continue
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"transferqueue.{key} must be a positive int, got {value!r}")
@@ -110,4 +114,4 @@ class TransferQueueConfig:
 
 MIN_REQUEST_IDS = 4096
 LIMIT_KEYS = ("max_request_ids", "max_client_reserved_ids", "max_reserved_ids", "reservation_lease_s", "max_fields",
-              "max_tasks", "max_subscriptions", "max_parked", "max_parked_bytes")
+              "max_tasks", "max_partitions", "max_name_chars", "max_subscriptions", "max_parked", "max_parked_bytes")

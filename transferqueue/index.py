@@ -82,11 +82,17 @@ class MetadataIndex:
         if not isinstance(task, str) or not task:
             raise ValueError(f"task must be a non-empty string, got {task!r}")
         if task not in self.task_bits:
+            self._check_name("task", task)
             if len(self.task_bits) >= self.limits.max_tasks:
                 raise ValueError(f"task {task!r:.100} would be task number {len(self.task_bits) + 1}: past "
                                  f"transferqueue.max_tasks={self.limits.max_tasks}")
             self.task_bits[task] = 1 << len(self.task_bits)
         return self.task_bits[task]
+
+    def _check_name(self, what: str, name: str) -> None:
+        if len(name) > self.limits.max_name_chars:
+            raise ValueError(f"{what} {name:.64}...: a name of {len(name)} characters, past "
+                             f"transferqueue.max_name_chars={self.limits.max_name_chars}")
 
     def _check_count(self, what: str, n: int) -> None:
         check_id_count(what, n, self.max_request_ids)
@@ -101,10 +107,15 @@ class MetadataIndex:
 
     def _partition(self, name: str, create: bool = False) -> Partition:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"partition must be a non-empty string, got {name!r}")
+            raise ValueError(f"partition must be a non-empty string, got {name!r:.100}")
         if name not in self.partitions:
             if not create:
-                raise ValueError(f"unknown partition {name!r}")
+                raise ValueError(f"unknown partition {name!r:.100}")
+            lim = self.limits
+            self._check_name("partition", name)
+            if len(self.partitions) >= lim.max_partitions:
+                raise ValueError(f"partition {name!r:.100} would be partition number {len(self.partitions) + 1}: "
+                                 f"past transferqueue.max_partitions={lim.max_partitions}")
             self.partitions[name] = Partition(name)
         return self.partitions[name]
 
@@ -243,7 +254,7 @@ class MetadataIndex:
             uids = self._check_new(part, columns, tags)
             self._claim(sample_ids)
         else:
-            samples = self._existing(part, sample_ids, tags)
+            samples = self._existing(part, sample_ids, tags, columns)
             self._check_dtypes(part, columns)
         mask = part.field_mask([c["name"] for c in columns], create=True)
         lengths = []
@@ -289,12 +300,21 @@ class MetadataIndex:
                 raise ValueError(f"tags must be maps whose uid is a str or int, got {t!r:.100}")
         return [t.get("uid") for t in tags]
 
-    def _existing(self, part: Partition, sample_ids: list[int], tags) -> list[Sample]:
-        """The samples of ``sample_ids``; ValueError for an unknown/cleared id or a bad tag dict or uid."""
+    def _existing(self, part: Partition, sample_ids: list[int], tags, columns: list[dict]) -> list[Sample]:
+        """The samples of ``sample_ids``; ValueError for an unknown/cleared id, a field of ``columns`` some
+        sample has already (fields are write-once: so no notify can merge tags into a sample without
+        adding a field, and a sample's tags grow at most ``max_fields`` times), or a bad tag dict or uid."""
         samples = list(map(part.samples.get, sample_ids))
         if None in samples:
             sid = sample_ids[samples.index(None)]
             raise ValueError(f"sample id {sid!r} is unknown or cleared in partition {part.name!r}")
+        written = 0
+        for col in columns:
+            written |= part.bits.get(col["name"], 0)
+        if written and any(s.mask & written for s in samples):
+            s = next(s for s in samples if s.mask & written)
+            taken = [c["name"] for c in columns if s.mask & part.bits.get(c["name"], 0)]
+            raise ValueError(f"sample {s.sid}: fields {taken} already written (fields are write-once)")
         for s, t in zip(samples, tags or (), strict=False):
             if not isinstance(t, dict):
                 raise ValueError(f"sample {s.sid}: tags must be a map, got {type(t).__name__}")

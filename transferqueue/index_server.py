@@ -59,9 +59,10 @@ class IndexServer(RouterServer):
         if op == "notify":
             ids = _ids_or_none(header.get("ids"), "ids") or []
             cols = header.get("columns")
-            if not isinstance(cols, list):
-                raise wire.WireError("notify: columns must be a list")
-            ix.notify(header.get("partition"), ids, [wire.validate_column(c, len(ids)) for c in cols],
+            if not isinstance(cols, list) or not cols:
+                raise wire.WireError("notify: columns must be a non-empty list")
+            ix.notify(header.get("partition"), ids,
+                      [wire.validate_column(c, len(ids), self.limits.max_name_chars) for c in cols],
                       header.get("tags"), new=bool(header.get("new")))
             self._retry(header.get("partition"))
             return {}, []

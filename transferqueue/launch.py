@@ -46,7 +46,7 @@ def build_server(spec: dict):
 
         return StorageUnit(spec["address"], spec["capacity_bytes"], curve, lease_s=spec.get("lease_s", 60.0),
                            p2p=spec.get("p2p"), local_address=spec.get("local_address", ""),
-                           max_request_ids=limits.max_request_ids)
+                           max_request_ids=limits.max_request_ids, max_name_chars=limits.max_name_chars)
     raise ValueError(f"unknown server role {spec['role']!r}")
 
 

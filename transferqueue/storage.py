@@ -101,9 +101,10 @@ class StorageUnit(RouterServer):
 
     def __init__(self, address: str, capacity_bytes: int, curve: CurveKeys | None = None,
                  lease_s: float = 60.0, p2p: dict | None = None, local_address: str = "",
-                 max_request_ids: int = 1 << 17):
+                 max_request_ids: int = 1 << 17, max_name_chars: int = 1024):
         super().__init__(address, curve, local_address=local_address)
         self.max_request_ids = max_request_ids  # ids one put or get may name (``transferqueue.max_request_ids``)
+        self.max_name_chars = max_name_chars  # ``transferqueue.max_name_chars``
         self.p2p = None
         if p2p:
             from transferqueue.p2p import UnitP2P
@@ -258,7 +259,7 @@ class StorageUnit(RouterServer):
         cols = header.get("columns")
         if not isinstance(cols, list) or not cols:
             raise wire.WireError("put: columns must be a non-empty list")
-        cols = [wire.validate_column(c, n) for c in cols]
+        cols = [wire.validate_column(c, n, self.max_name_chars) for c in cols]
         if len({c["name"] for c in cols}) != len(cols):
             raise wire.WireError("put: duplicate column names")
         if lo is None and len(set(ids.tolist())) != n:
@@ -376,7 +377,7 @@ class StorageUnit(RouterServer):
         for name in names:
             table = self.tables.get(name)
             if table is None:
-                raise ValueError(f"get: field {name!r} is not stored on this unit")
+                raise ValueError(f"get: field {name!r} is not stored on this unit (never put, or cleared)")
             ch = table.covering(lo, lo + n) if lo is not None else None
             if ch is not None:  # the common case: consecutive ids put together
                 segments = [(ch, lo - ch.start, lo + n - ch.start)]
@@ -463,6 +464,8 @@ class StorageUnit(RouterServer):
                     removed += table.chunks[c].kill(rows[cidx == c])  # ids are unique, so rows are too
             for ch in table.drop_dead():
                 self._release(ch.holder)
+        for name in [name for name, table in self.tables.items() if not table.chunks]:
+            del self.tables[name]  # a field name is not kept once nothing of it is stored
         return {"removed": removed}, []
 
     def close(self) -> None:

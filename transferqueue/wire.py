@@ -129,15 +129,19 @@ def row_nbytes(desc: dict) -> list[int]:
     return [math.prod(s) * item for s in desc["shapes"]]
 
 
-def validate_column(desc: Any, count: int) -> dict:
+def validate_column(desc: Any, count: int, max_name_chars: int = 1024) -> dict:
     """Check one column descriptor for ``count`` samples; returns it normalised (``count`` added).
 
-    Raises WireError naming the field for: non-map descriptor, missing/unknown dtype, bad shape(s), a
-    shapes list whose length is not ``count``, or ``nbytes`` that disagrees with dtype and shapes.
+    Raises WireError naming the field for: non-map descriptor, a name longer than ``max_name_chars``
+    (``transferqueue.max_name_chars``), missing/unknown dtype, bad shape(s), a shapes list whose length
+    is not ``count``, or ``nbytes`` that disagrees with dtype and shapes.
     """
     if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
         raise WireError(f"column descriptor must be a map with a string name, got {desc!r:.200}")
     name, dtype = desc["name"], desc.get("dtype")
+    if len(name) > max_name_chars:
+        raise WireError(f"field {name:.64}...: a name of {len(name)} characters, past "
+                        f"transferqueue.max_name_chars={max_name_chars}")
     if dtype != OBJECT_DTYPE and dtype not in ITEMSIZE:
         raise WireError(f"field {name!r}: unknown dtype {dtype!r}")
     if ("shape" in desc) == ("shapes" in desc):

@@ -16,31 +16,34 @@ from transferqueue import TQClient, wire
 from transferqueue.config import TransferQueueConfig
 from transferqueue.index import MetadataIndex
 from transferqueue.launch import start_transferqueue
+from transferqueue.storage import StorageUnit
 
 REQ = 4096  # the smallest max_request_ids allowed
 
 
+TIGHT = dict(num_storage_units=1, request_timeout_s=10.0, max_request_ids=REQ, max_parked=2, reservation_lease_s=3.0,
+             sampler_modules=["tests.transferqueue.sampler_plugin"])
+
+
 @pytest.fixture(scope="module")
 def tight_tq():
-    """One unit; an index with small bounds: 4096 ids a request, 8192 a client, 12288 in all, 2 parked
-    long-polls, a 3 s reservation lease."""
-    cfg = TransferQueueConfig(num_storage_units=1, request_timeout_s=10.0, max_request_ids=REQ,
-                              max_client_reserved_ids=2 * REQ, max_reserved_ids=3 * REQ, max_parked=2,
-                              reservation_lease_s=3.0, sampler_modules=["tests.transferqueue.sampler_plugin"])
-    servers = start_transferqueue(cfg)
+    """One unit; an index with small bounds: 4096 ids a request, 2 parked long-polls, a 3 s reservation
+    lease."""
+    servers = start_transferqueue(TransferQueueConfig(**TIGHT))
     yield servers
     servers.shutdown()
 
 
 @pytest.fixture
 def sockets(tight_tq):
-    """``connect()``: a new DEALER socket to the index (a new client connection, as the index sees it)."""
+    """``connect(servers=tight_tq)``: a new DEALER socket to the index of ``servers`` (a new client
+    connection, as the index sees it)."""
     ctx = zmq.Context()
 
-    def connect() -> zmq.Socket:
+    def connect(servers=tight_tq) -> zmq.Socket:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.connect(tight_tq.handle.index_address)
+        s.connect(servers.handle.index_address)
         return s
 
     yield connect
@@ -71,7 +74,8 @@ def test_one_request_cannot_allocate_past_max_request_ids(tight_tq, sockets):
                                                             "ids": None, "count": 300_000}):
             reply = ask(sock, header)
             assert reply["ok"] is False and f"max_request_ids={REQ}" in reply["error"]
-        for header in ({"op": "notify", "partition": "limits-a", "ids": list(range(REQ + 1)), "columns": []},
+        col = {"name": "y", "dtype": "uint8", "shape": [], "nbytes": REQ + 1}
+        for header in ({"op": "notify", "partition": "limits-a", "ids": list(range(REQ + 1)), "columns": [col]},
                        {"op": "get_meta", "partition": "limits-a", "fields": ["x"], "batch_size": REQ + 1,
                         "task": "t"}):
             assert f"max_request_ids={REQ}" in ask(sock, header)["error"]
@@ -93,13 +97,13 @@ def test_a_storage_unit_refuses_a_put_naming_more_ids_than_max_request_ids(tight
     assert reply["ok"] is False and f"max_request_ids={REQ}" in reply["error"]
 
 
-def test_reserved_ids_are_bounded_per_client_and_in_all_then_lapse_when_clients_go_away(tight_tq, sockets):
-    """Client A reserves up to its bound and is refused past it (the error names the bound); client B may
-    reserve until the total bound. Both go away: after the lease the index has dropped their
+def test_reserved_ids_are_bounded_per_client_and_in_all_then_lapse_when_clients_go_away(sockets):
+    """Client A reserves up to its bound (8192) and is refused past it (the error names the bound); client
+    B may reserve until the total bound (12288). Both go away: after the lease the index has dropped their
     reservations, a notify naming one of their ids is refused, and a new client reserves in full."""
-    with TQClient(tight_tq.handle) as client:
-        wait_for_lapse(client)
-        a, b = sockets(), sockets()
+    cfg = TransferQueueConfig(**TIGHT, max_client_reserved_ids=2 * REQ, max_reserved_ids=3 * REQ)
+    with start_transferqueue(cfg) as servers, TQClient(servers.handle) as client:
+        a, b = sockets(servers), sockets(servers)
         starts = [ask(a, {"op": "reserve", "count": REQ})["start"] for _ in range(2)]
         refused = ask(a, {"op": "reserve", "count": 1})
         assert refused["ok"] is False and f"max_client_reserved_ids={2 * REQ}" in refused["error"]
@@ -110,7 +114,7 @@ def test_reserved_ids_are_bounded_per_client_and_in_all_then_lapse_when_clients_
         a.close()
         b.close()
         wait_for_lapse(client)
-        c = sockets()
+        c = sockets(servers)
         col = {"name": "x", "dtype": "int64", "shape": [], "nbytes": 8}
         late = ask(c, {"op": "notify", "partition": "limits-b", "ids": [starts[0]], "columns": [col], "new": True})
         assert late["ok"] is False and "reservation lapsed" in late["error"]
@@ -122,7 +126,6 @@ def test_a_client_keeps_putting_across_reservation_lapses(tight_tq):
     when it could not, and never names a lapsed id: puts before, near and after the lease all succeed."""
     handle = dataclasses.replace(tight_tq.handle, request_timeout_s=0.5)
     with TQClient(handle) as client:
-        wait_for_lapse(client)  # the test before holds every reservation the bounds allow
         reserves = lambda: client.status().requests.get("reserve", [0])[0]  # noqa: E731
         first = client.put({"x": torch.zeros(2, 1)}, partition="limits-c", timeout_s=0.5)
         n = reserves()
@@ -169,7 +172,67 @@ def test_a_sampler_failing_while_its_request_waits_gets_an_error_reply_not_a_dea
     assert tight_tq.alive()
 
 
+def test_long_names_are_refused_by_the_index_and_the_units(tight_tq, sockets):
+    """A partition, task or field name of 2000 characters is refused with the bound named (a name is kept
+    for as long as its partition, task or field lives)."""
+    long = "n" * 2000
+    col = {"name": "x", "dtype": "uint8", "shape": [], "nbytes": 1}
+    sock = sockets()
+    for header in ({"op": "prepare_put", "partition": long, "ids": None, "count": 1},
+                   {"op": "notify", "partition": "limits-f", "ids": [0], "columns": [dict(col, name=long)]},
+                   {"op": "get_meta", "partition": "limits-f", "fields": ["x"], "batch_size": 1, "task": long}):
+        reply = ask(sock, header)
+        assert reply["ok"] is False and "max_name_chars=1024" in reply["error"], header["op"]
+    unit = sockets()
+    unit.connect(tight_tq.handle.unit_addresses[0])
+    unit.disconnect(tight_tq.handle.index_address)
+    unit.send_multipart([wire.pack({"op": "put", "ids": [0], "columns": [dict(col, name=long)]}), b"\0"])
+    assert unit.poll(10_000)
+    reply = msgpack.unpackb(unit.recv(), raw=False)
+    assert reply["ok"] is False and "max_name_chars=1024" in reply["error"]
+
+
+def test_a_notify_cannot_rewrite_a_field_or_merge_tags_without_adding_one(tight_tq, sockets):
+    """Fields are write-once in ``notify`` too (not only in ``prepare_put``, which a client may skip): a
+    notify naming a field the samples have, or no field at all, is refused, so repeating one cannot grow
+    a sample's tags without bound; the samples keep their tags."""
+    with TQClient(tight_tq.handle) as client:
+        meta = client.put({"x": torch.zeros(2, 1)}, partition="limits-g", tags=[{"uid": "a"}, {"uid": "a"}])
+        sock = sockets()
+        col = {"name": "x", "dtype": "float32", "shape": [1], "nbytes": 8}
+        tags = [{"uid": "a", "pad": "p" * 1000}] * 2
+        for cols, why in (([col], "write-once"), ([], "non-empty")):
+            reply = ask(sock, {"op": "notify", "partition": "limits-g", "ids": meta.sample_ids, "columns": cols,
+                               "tags": tags})
+            assert reply["ok"] is False and why in reply["error"]
+        assert [s["tags"] for s in client.sample_info("limits-g")] == [{"uid": "a"}, {"uid": "a"}]
+        client.clear("limits-g")
+
+
 # ---------------------------------------------------------------------------------- in-process bounds
+
+
+def test_partitions_are_bounded():
+    ix = MetadataIndex(TransferQueueConfig(max_partitions=2))
+    ix.prepare_put("a", None, 1, [])
+    ix.prepare_put("b", None, 1, [])
+    with pytest.raises(ValueError, match="max_partitions=2"):
+        ix.prepare_put("c", None, 1, [])
+    ix.clear("a")
+    ix.prepare_put("c", None, 1, [])  # a cleared partition makes room
+
+
+def test_a_storage_unit_forgets_a_field_once_nothing_of_it_is_stored():
+    """Every put may bring new field names: a unit drops a field's table when its last rows are cleared."""
+    unit = StorageUnit("tcp://127.0.0.1:0", 1 << 20)
+    try:
+        for i in range(3):
+            col = {"name": f"f{i}", "dtype": "uint8", "shape": [4], "nbytes": 8}
+            unit.handle(b"A", {"op": "put", "ids": [2 * i, 2 * i + 1], "columns": [col]}, [zmq.Frame(bytes(8))])
+            unit.handle(b"A", {"op": "clear", "ids": [2 * i, 2 * i + 1]}, [])
+        assert unit.tables == {} and unit.stored_bytes == 0
+    finally:
+        unit.close()
 
 
 def _col(name: str, n: int) -> dict:
