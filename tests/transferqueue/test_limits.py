@@ -275,3 +275,26 @@ def test_subscriptions_are_a_bounded_cache_that_evicts_the_least_recently_used()
 def test_bounds_are_validated(key, value):
     with pytest.raises(ValueError, match=f"transferqueue.{key}"):
         TransferQueueConfig(**{key: value})
+
+
+def test_zero_byte_rows_count_their_bookkeeping_against_the_units_capacity():
+    """Rows of zero bytes take no buffer but do take chunks: puts of them are answered ``full`` once their
+    bookkeeping would pass ``capacity_bytes`` (before, they grew a unit's memory without bound), and
+    clearing them gives the room back."""
+    from transferqueue.storage import CHUNK_COST, FullError
+
+    unit = StorageUnit("tcp://127.0.0.1:0", 64 * CHUNK_COST)
+    scattered = list(range(0, 64, 2))  # 32 runs: one chunk each
+    col = {"name": "f0", "dtype": "uint8", "shape": [0], "nbytes": 0}
+    try:
+        unit.handle(b"A", {"op": "put", "ids": scattered, "columns": [col]}, [zmq.Frame(b"")])
+        unit.handle(b"A", {"op": "put", "ids": scattered, "columns": [dict(col, name="f1")]}, [zmq.Frame(b"")])
+        with pytest.raises(FullError, match="bookkeeping"):
+            unit.handle(b"A", {"op": "put", "ids": scattered, "columns": [dict(col, name="f2")]}, [zmq.Frame(b"")])
+        assert unit.meta_bytes == 64 * CHUNK_COST and unit.used_bytes == 0
+        unit.handle(b"A", {"op": "clear", "ids": scattered, "fields": ["f0"]}, [])
+        unit.handle(b"A", {"op": "put", "ids": scattered, "columns": [dict(col, name="f2")]}, [zmq.Frame(b"")])
+        unit.handle(b"A", {"op": "clear", "ids": scattered}, [])
+        assert unit.meta_bytes == 0 and unit.tables == {}
+    finally:
+        unit.close()
