@@ -37,6 +37,8 @@ class TransferQueueConfig:
       used one is dropped (rebuilt by one scan on its next ``get_meta``), never an error.
     * ``max_parked``, ``max_parked_bytes``: long-poll ``get_meta`` requests waiting at the index, and the
       bytes of their headers.
+    * ``max_p2p_links``: device-path links (one process group each) a storage unit holds; a client's link
+      lives as long as the unit.
     """
 
     num_storage_units: int = 2
@@ -62,6 +64,7 @@ class TransferQueueConfig:
     max_subscriptions: int = 64
     max_parked: int = 10_000
     max_parked_bytes: int = 64 * 1024**2
+    max_p2p_links: int = 1024
 
     def __post_init__(self):
         if self.num_storage_units < 1:
@@ -114,4 +117,4 @@ class TransferQueueConfig:
 
 MIN_REQUEST_IDS = 4096
 LIMIT_KEYS = ("max_request_ids", "max_client_reserved_ids", "max_reserved_ids", "reservation_lease_s", "max_fields",
-              "max_tasks", "max_partitions", "max_name_chars", "max_subscriptions", "max_parked", "max_parked_bytes")
+              "max_tasks", "max_partitions", "max_name_chars", "max_subscriptions", "max_parked", "max_parked_bytes", "max_p2p_links")

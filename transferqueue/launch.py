@@ -108,7 +108,8 @@ def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None) -> list[dict]:
     for i in range(cfg.num_storage_units):
         p2p = None
         if cfg.p2p_backend:
-            p2p = {"backend": cfg.p2p_backend, "device": "cpu" if cfg.p2p_device == "cpu" else f"cuda:{i}"}
+            p2p = {"backend": cfg.p2p_backend, "device": "cpu" if cfg.p2p_device == "cpu" else f"cuda:{i}",
+                   "max_links": cfg.max_p2p_links}
         specs.append(dict(base, role="unit", capacity_bytes=cfg.capacity_bytes, p2p=p2p))
     return specs
 

@@ -114,7 +114,8 @@ class StorageUnit(RouterServer):
             from transferqueue.p2p import UnitP2P
 
             host = address.split("//")[-1].rsplit(":", 1)[0] if address.startswith("tcp://") else "127.0.0.1"
-            self.p2p = UnitP2P(p2p["backend"], p2p.get("device", "cpu"), host, lease_s)
+            self.p2p = UnitP2P(p2p["backend"], p2p.get("device", "cpu"), host, lease_s,
+                               max_links=p2p.get("max_links", 1024), max_name_chars=max_name_chars)
         self.capacity_bytes = capacity_bytes
         self.lease_s = lease_s
         self.tables: dict[str, FieldTable] = {}

@@ -298,3 +298,34 @@ def test_zero_byte_rows_count_their_bookkeeping_against_the_units_capacity():
         assert unit.meta_bytes == 0 and unit.tables == {}
     finally:
         unit.close()
+
+
+def test_seqlen_balanced_work_is_bound_by_the_batch_not_by_num_ranks():
+    """``num_ranks`` past the batch size (here 2**40) gives the order it gives at the batch size, at once
+    (it used to build lists of ``num_ranks`` entries inside the index)."""
+    ix = MetadataIndex()
+    start = ix.reserve(4)
+    ids = list(range(start, start + 4))
+    ix.notify("p", ids, [{"name": "x", "dtype": "int64", "shapes": [[5], [1], [7], [2]], "nbytes": 120,
+                          "count": 4, "split": False}], None, new=True)
+    view = ix.subscription(ix.partitions["p"], "t", ["x"])
+    from transferqueue.samplers import SAMPLERS
+
+    sampler = SAMPLERS["seqlen_balanced"]
+    assert sampler.select(view, 4, {"num_ranks": 2**40}) == sampler.select(view, 4, {"num_ranks": 4})
+
+
+def test_p2p_links_per_unit_are_bounded():
+    from transferqueue.p2p import UnitP2P
+
+    p2p = UnitP2P("gloo", "cpu", "127.0.0.1", 5.0, max_links=1)
+    try:
+        p2p.links["held"] = None  # one link held already
+        header = {"link": "next", "backend": "gloo", "node": "elsewhere"}
+        with pytest.raises(ValueError, match="max_p2p_links=1"):
+            p2p.connect(header, "here")
+        with pytest.raises(ValueError, match="max_name_chars=1024"):
+            p2p.connect(dict(header, link="l" * 2000), "here")
+    finally:
+        p2p.links.clear()
+        p2p.close()
