@@ -16,21 +16,19 @@ O(samples indexed). Only ids, names, schemas, tags, byte counts and shapes ever 
 
 from __future__ import annotations
 
-import bisect
 import itertools
-import time
 from collections.abc import Hashable
 from operator import attrgetter
 
 from transferqueue.config import TransferQueueConfig
 from transferqueue.records import BatchMeta, FieldSchema
+from transferqueue.reservations import Reservations
 from transferqueue.samplers import get_sampler
 from transferqueue.table import NO_TAGS, Partition, Sample, Subscription
-from transferqueue.wire import OBJECT_DTYPE, check_id_count, id_range, row_nbytes
+from transferqueue.wire import OBJECT_DTYPE, check_id_count, row_nbytes
 
 _NBYTES = attrgetter("nbytes")
 _DICT, _UID_TYPES = frozenset({dict}), frozenset({str, int})
-MIN_RESERVATION_CHARGE = 64  # ids a reservation counts against the bounds at least (its bookkeeping)
 
 
 def _row_bytes(columns: list[dict], count: int) -> tuple[int, list[int] | None]:
@@ -68,11 +66,7 @@ class MetadataIndex:
         self.partitions: dict[str, Partition] = {}
         self.next_id = 0
         self.produced = 0
-        self.reserved: dict[int, bytearray] = {}  # start -> one byte per id: 0 free, 1 used
-        self.reserved_starts: list[int] = []  # in reservation order, so also in order of expiry
-        self.leases: dict[int, tuple[float, bytes, int]] = {}  # start -> (expires at, owner, ids charged)
-        self.reserved_by: dict[bytes, int] = {}  # owner (client connection) -> ids charged
-        self.reserved_total = 0
+        self.reservations = Reservations(self.limits)
         self.task_bits: dict[str, int] = {}
         self.consumed: dict[str, int] = {}
         self.cleared = 0
@@ -150,92 +144,11 @@ class MetadataIndex:
 
     def reserve(self, count: int, owner: bytes = b"") -> int:
         """Reserve ``count`` fresh ids for client ``owner`` (its connection's identity), which creates samples
-        with them at ``notify(new=True)`` without a round trip per put; returns the first id. The reservation
-        lapses ``reservation_lease_s`` from now (``expire_reservations``). Raises ValueError for
-        ``count < 1`` or past ``max_request_ids``, ``max_client_reserved_ids`` or ``max_reserved_ids``."""
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise ValueError(f"reserve count must be a positive int, got {count!r}")
-        self._check_count("reserve", count)
-        lim, charge = self.limits, max(count, MIN_RESERVATION_CHARGE)
-        held = self.reserved_by.get(owner, 0)
-        if held + charge > lim.max_client_reserved_ids:
-            raise ValueError(f"reserve: this client holds {held} reserved ids; {charge} more would pass "
-                             f"transferqueue.max_client_reserved_ids={lim.max_client_reserved_ids}")
-        if self.reserved_total + charge > lim.max_reserved_ids:
-            raise ValueError(f"reserve: clients hold {self.reserved_total} reserved ids; {charge} more would "
-                             f"pass transferqueue.max_reserved_ids={lim.max_reserved_ids}")
-        start = self.next_id
+        with them at ``notify(new=True)`` without a round trip per put; returns the first id. See
+        ``Reservations.reserve`` for the bounds and the lease."""
+        self.reservations.reserve(self.next_id, count, owner)
         self.next_id += count
-        self.reserved[start] = bytearray(count)
-        self.reserved_starts.append(start)
-        self.leases[start] = (time.monotonic() + lim.reservation_lease_s, owner, charge)
-        self.reserved_by[owner] = held + charge
-        self.reserved_total += charge
-        return start
-
-    def _end_lease(self, start: int) -> None:
-        """Forget reservation ``start`` (used up or lapsed): its charge goes back to its owner's bounds."""
-        del self.reserved[start]
-        _, owner, charge = self.leases.pop(start)
-        self.reserved_total -= charge
-        left = self.reserved_by[owner] - charge
-        if left:
-            self.reserved_by[owner] = left
-        else:
-            del self.reserved_by[owner]
-
-    def expire_reservations(self, now: float | None = None) -> int:
-        """Drop the reservations whose lease ended by ``now`` (monotonic; default: now); returns how many.
-        Their unused ids are never handed out: a notify naming one is refused. Reservations end in the
-        order they were made, so this costs O(expired)."""
-        now = time.monotonic() if now is None else now
-        starts = self.reserved_starts
-        k = 0
-        while k < len(starts) and self.leases[starts[k]][0] <= now:
-            self._end_lease(starts[k])
-            k += 1
-        del starts[:k]
-        return k
-
-    def _claim(self, sample_ids: list[int]) -> None:
-        """Mark reserved ids used; ValueError (nothing marked) if one was not reserved or is used/cleared.
-
-        The usual put claims ids ``a, a+1, ..., a+n-1`` inside one reserved range: that costs one bisect,
-        one list comparison and a byte-slice search. Anything else (ids spanning ranges, out of order,
-        not plain ints, a used or unreserved id) takes the per-id path, which also picks the error."""
-        n = len(sample_ids)
-        first = sample_ids[0] if n else None
-        i = bisect.bisect_right(self.reserved_starts, first) - 1 if isinstance(first, int) else -1
-        if i >= 0:
-            start = self.reserved_starts[i]
-            used, off = self.reserved[start], first - start
-            if off + n <= len(used) and used.find(1, off, off + n) < 0 and id_range(sample_ids) == first:
-                used[off:off + n] = b"\x01" * n
-                if 0 not in used:
-                    self._end_lease(start)
-                    self.reserved_starts.remove(start)
-                return
-        self._claim_each(sample_ids)
-
-    def _claim_each(self, sample_ids: list[int]) -> None:
-        slots = []
-        for sid in sample_ids:
-            i = bisect.bisect_right(self.reserved_starts, sid) - 1 if isinstance(sid, int) else -1
-            start = self.reserved_starts[i] if i >= 0 else None
-            used = self.reserved.get(start) if start is not None else None
-            if used is None or sid - start >= len(used) or used[sid - start]:
-                raise ValueError(f"sample id {sid!r} was not reserved, or was already used or cleared, or "
-                                 f"its reservation lapsed (transferqueue.reservation_lease_s="
-                                 f"{self.limits.reservation_lease_s})")
-            slots.append((start, sid - start))
-        if len(set(slots)) != len(slots):
-            raise ValueError("sample_ids contain duplicates")
-        for start, off in slots:
-            self.reserved[start][off] = 1
-        for start in {start for start, _ in slots}:
-            if 0 not in self.reserved[start]:
-                self._end_lease(start)
-                self.reserved_starts.remove(start)
+        return self.next_id - count
 
     def notify(self, partition: str, sample_ids: list[int], columns: list[dict], tags: list[dict] | None,
                new: bool = False) -> None:
@@ -252,7 +165,7 @@ class MetadataIndex:
         self._check_new_fields(part, columns)
         if new:
             uids = self._check_new(part, columns, tags)
-            self._claim(sample_ids)
+            self.reservations.claim(sample_ids)
         else:
             samples = self._existing(part, sample_ids, tags, columns)
             self._check_dtypes(part, columns)

@@ -144,7 +144,7 @@ class IndexServer(RouterServer):
         self.parked = [e for e in self.parked if e[0] > now or not self._answer(e, True)]
 
     def timer(self, now: float) -> None:
-        self.index.expire_reservations(now)
+        self.index.reservations.expire(now)
 
     def stats(self) -> IndexStats:
         ix = self.index
@@ -153,4 +153,4 @@ class IndexServer(RouterServer):
             produced=ix.produced, consumed=dict(ix.consumed), cleared=ix.cleared, bytes_stored=ix.bytes_stored,
             ready=ix.ready_counts(), partitions={n: len(p.samples) for n, p in ix.partitions.items()},
             requests={k: list(v) for k, v in self.requests.items()}, waiting=len(self.parked),
-            reserved_ids=ix.reserved_total)
+            reserved_ids=ix.reservations.total)

@@ -245,7 +245,7 @@ def test_fields_per_partition_and_tasks_are_bounded_and_a_refused_notify_changes
     ix.notify("p", [start, start + 1], [_col("a", 2), _col("b", 2)], None, new=True)
     with pytest.raises(ValueError, match="max_fields=3"):
         ix.notify("p", [start + 2, start + 3], [_col("c", 2), _col("d", 2)], None, new=True)
-    assert ix.reserved[start] == bytearray([1, 1, 0, 0]) and sorted(ix.partitions["p"].bits) == ["a", "b"]
+    assert ix.reservations.used[start] == bytearray([1, 1, 0, 0]) and sorted(ix.partitions["p"].bits) == ["a", "b"]
     ix.notify("p", [start + 2, start + 3], [_col("a", 2), _col("c", 2)], None, new=True)  # 3 fields: fine
     ix.get_meta("p", ["a"], 1, "t1")
     ix.get_meta("p", ["a"], 1, "t2")
