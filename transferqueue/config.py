@@ -20,10 +20,10 @@ class TransferQueueConfig:
     key and its value; the server keeps serving and keeps everything it had accepted). The defaults are
     far above what a training job uses:
 
-    * ``max_request_ids``: sample ids one request may name or allocate (``put``/``get``/``clear`` ids on
-      a unit or the index, a ``reserve`` or new-sample ``prepare_put`` count, ``get_meta`` batch size,
-      ``sample_info`` limit). A bigger ``put`` must be split. At least 4096 (a client reserves fresh ids
-      4096 at a time).
+    * ``max_request_ids``: sample ids one request may name or allocate (``put``/``get`` ids on a unit,
+      ``notify``/``prepare_put`` ids on the index, a ``reserve`` or new-sample ``prepare_put`` count,
+      ``get_meta`` batch size, ``sample_info`` limit; not ``clear``, which only frees). A bigger ``put``
+      must be split. At least 4096 (a client reserves fresh ids 4096 at a time).
     * ``max_client_reserved_ids``: ids one client connection may hold reserved (fresh ids it has not put
       yet; each reservation counts as at least 64 ids, its bookkeeping); ``max_reserved_ids``: the same,
       summed over every client.
@@ -117,4 +117,5 @@ class TransferQueueConfig:
 
 MIN_REQUEST_IDS = 4096
 LIMIT_KEYS = ("max_request_ids", "max_client_reserved_ids", "max_reserved_ids", "reservation_lease_s", "max_fields",
-              "max_tasks", "max_partitions", "max_name_chars", "max_subscriptions", "max_parked", "max_parked_bytes", "max_p2p_links")
+              "max_tasks", "max_partitions", "max_name_chars", "max_subscriptions", "max_parked", "max_parked_bytes",
+              "max_p2p_links")
