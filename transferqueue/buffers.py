@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import re
 import struct
 import threading
 import weakref
@@ -18,9 +17,7 @@ import torch
 from transferqueue import wire
 from transferqueue.chunks import contiguous_runs
 from transferqueue.records import RemoteError
-from transferqueue.storage import SHM_DIR, size_class
-
-_SHM_NAME = re.compile(r"hflow-tq-\d+-[0-9a-f]{12}")
+from transferqueue.shm_layout import BLOCK_NAME, SHM_DIR, size_class
 
 
 class ShmCache:
@@ -40,7 +37,7 @@ class ShmCache:
         if hit is not None:
             self.maps.move_to_end(name)
             return hit[1]
-        if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
+        if not isinstance(name, str) or not BLOCK_NAME.fullmatch(name):
             raise RemoteError(f"storage unit named an invalid shared-memory block {name!r}")
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:

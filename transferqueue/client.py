@@ -30,8 +30,7 @@ from transferqueue import wire
 from transferqueue.buffers import BufferPool, ShmCache, assemble_field
 from transferqueue.config import MIN_REQUEST_IDS
 from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQError, TQHandle
-from transferqueue.server import node_id
-from transferqueue.storage import ALIGN, HEADER
+from transferqueue.shm_layout import HEADER, aligned, node_id
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
 
 FULL_RETRY_S = 0.01
@@ -63,10 +62,6 @@ def _rows(value: Any, pos: np.ndarray) -> Any:
     if isinstance(value, torch.Tensor):
         return value.index_select(0, torch.from_numpy(pos))
     return [value[i] for i in pos.tolist()]
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 class TQClient:
@@ -189,7 +184,7 @@ class TQClient:
                 calls.append(Call(unit, {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded]},
                                   [b for _, bufs in encoded for b in bufs]))
                 continue
-            need = HEADER + sum(_aligned(d["nbytes"]) for d, _ in encoded)
+            need = HEADER + sum(aligned(d["nbytes"]) for d, _ in encoded)
             block = self._take_spare(unit, need)
             if block is not None:
                 try:
@@ -273,7 +268,7 @@ class TQClient:
         for desc, _ in encoded:
             offsets.append(off)
             desc["split"] = False
-            off += _aligned(desc["nbytes"])
+            off += aligned(desc["nbytes"])
 
         def copy() -> None:
             try:

@@ -58,7 +58,7 @@ def local_address(directory: str, i: int) -> str:
 
 
 def _info(server) -> dict[str, Any]:
-    from transferqueue.server import node_id
+    from transferqueue.shm_layout import node_id
 
     return {"endpoint": server.endpoint, "local_endpoint": server.local_endpoint, "node": node_id(),
             "pid": os.getpid()}

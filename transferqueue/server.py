@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import socket
 import time
 from typing import Any
 
@@ -25,16 +24,6 @@ from transferqueue import wire
 from transferqueue.records import CurveKeys
 
 logger = logging.getLogger(__name__)
-
-
-def node_id() -> str:
-    """This machine's identity for the shared-memory decision: hostname plus kernel boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
 
 
 Reply = tuple[dict, list]

@@ -44,11 +44,9 @@ from transferqueue.chunks import (
 )
 from transferqueue.records import CurveKeys
 from transferqueue.server import Reply, RouterServer
+from transferqueue.shm_layout import HEADER, SHM_DIR, node_id, size_class
 from transferqueue.wire import as_ids, id_range
 
-SHM_DIR = "/dev/shm"
-ALIGN = 64
-HEADER = ALIGN  # bytes at the start of every block the unit owns: the lease number (uint64, little-endian)
 CHUNK_COST = 512  # bookkeeping bytes a chunk is counted as (a Chunk object and its table entry)
 ROW_COST = 128  # ... and each row of a chunk that keeps per-row offsets, sizes and shapes
 
@@ -91,13 +89,6 @@ class ShmBlock:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
             pass
-
-
-def size_class(nbytes: int) -> int:
-    """Block size for ``nbytes``: rounded up to 1/8 of its power of two (<= 12.5% waste), min 64 KiB."""
-    n = max(nbytes, 64 * 1024)
-    step = 1 << max(n.bit_length() - 4, 0)
-    return -(-n // step) * step
 
 
 class StorageUnit(RouterServer):
@@ -226,8 +217,6 @@ class StorageUnit(RouterServer):
         if op == "p2p_connect":
             if self.p2p is None:
                 raise ValueError("this storage unit has no p2p device path (transferqueue.p2p_backend)")
-            from transferqueue.server import node_id
-
             reply, self.after_reply = self.p2p.connect(header, node_id())
             return reply, []
         raise wire.WireError(f"unknown op {op!r} for a storage unit")

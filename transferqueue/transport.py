@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from transferqueue import wire
 from transferqueue.records import Closed, Full, RemoteError, Timeout, TQError, TQHandle
+from transferqueue.shm_layout import node_id
 
 INDEX = -1
 CLEANUP_GRACE_S = 5.0  # extra time a failed flow gets for its clean-up requests
@@ -66,8 +67,6 @@ def _setup(sock: zmq.Socket, handle: TQHandle, address: str) -> None:
 def server_addresses(handle: TQHandle) -> dict[int, str]:
     """Where this process reaches each server (INDEX or unit number): its ``ipc://`` endpoint when the
     server runs on this node and has one, else its TCP endpoint."""
-    from transferqueue.server import node_id
-
     here = node_id()
     local_units = handle.unit_local_addresses or [""] * len(handle.unit_addresses)
     out = {INDEX: handle.index_local_address if handle.index_local_address and handle.index_node == here

@@ -22,7 +22,8 @@ from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
 from transferqueue.records import Timeout
 from transferqueue.security import make_job_keys
-from transferqueue.storage import HEADER, StorageUnit
+from transferqueue.shm_layout import HEADER
+from transferqueue.storage import StorageUnit
 
 KiB = 1024
 

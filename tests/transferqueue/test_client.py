@@ -213,3 +213,16 @@ def test_large_gets_never_share_memory_while_alive(client):
     c = client.get_data(meta)["x"]  # may reuse a's pages
     c.fill_(-2)
     assert torch.equal(b, src) and torch.equal(client.get_data(meta)["x"], src)
+
+
+def test_client_side_loads_no_server_module():
+    """The shared-memory layout lives in ``shm_layout``: importing the client, its buffers and its p2p path
+    loads neither the storage unit nor the server loop (the old ``storage → p2p → buffers → storage`` cycle)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, transferqueue.client, transferqueue.buffers, transferqueue.p2p; "
+            "print(sorted(m for m in ('transferqueue.storage', 'transferqueue.server', 'transferqueue.index') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -12,7 +12,7 @@ import torch
 from transferqueue import RemoteError, TQClient
 from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
-from transferqueue.storage import HEADER
+from transferqueue.shm_layout import HEADER
 from transferqueue.transport import INDEX, server_addresses
 from transferqueue.wire import id_range
 
