@@ -1,11 +1,13 @@
 """Trainer checkpoints with ``torch.distributed.checkpoint`` (DCP): sharded, resumable, reshardable.
 
-One checkpoint directory holds, written by all ranks together (``dcp.save``)::
+``save(path, state, rank)``/``load(path, state, rank)`` take the parts as DCP ``Stateful`` objects
+(``TrainerWorker.checkpoint_state()``); this module knows nothing of the worker. One checkpoint directory
+holds, written by all ranks together (``dcp.save``)::
 
     actor            policy parameters + AdamW state  (sharded: each rank writes its Shard(0) rows)
     actor_scheduler  LambdaLR state
     critic, critic_scheduler                          (when the worker has a critic)
-    trainer          weight_version, world size, the KL-in-reward coefficient
+    trainer          weight_version, world size, the KL-in-reward coefficient (``TrainerWorker.state_dict``)
     rng.rank{r}      each rank's torch (and CUDA) RNG state
 
 ``load_policy_weights`` reads only the policy's parameters into an unsharded model in one process (no
@@ -27,7 +29,6 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,9 +37,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainers import fsdp
-
-if TYPE_CHECKING:
-    from trainers.worker import TrainerWorker
 
 logger = logging.getLogger(__name__)
 
@@ -74,61 +72,40 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(state_dict["cuda"])
 
 
-def _trainer_state(worker: TrainerWorker) -> dict:
-    return {
-        "weight_version": torch.tensor(worker.weight_version, dtype=torch.long),
-        "world_size": torch.tensor(worker.world_size, dtype=torch.long),
-        "kl_coef": torch.tensor(worker.kl_controller.value, dtype=torch.float64),
-    }
-
-
-def _app_state(worker: TrainerWorker, include_rng: bool) -> dict:
-    state: dict = {
-        "actor": ModelOptimizerState(worker.policy, worker.actor_optimizer),
-        "actor_scheduler": worker.actor_scheduler,
-        "trainer": _trainer_state(worker),
-    }
-    if worker.critic is not None:
-        state["critic"] = ModelOptimizerState(worker.critic, worker.critic_optimizer)
-        state["critic_scheduler"] = worker.critic_scheduler
-    if include_rng:
-        state[f"rng.rank{worker.rank}"] = RNGState()
-    return state
-
-
-def save(path: str | Path, worker: TrainerWorker) -> None:
-    """Write ``worker``'s resumable state to directory ``path`` (created). Collective: every rank calls it."""
+def save(path: str | Path, state: dict[str, Stateful], rank: int) -> None:
+    """Write ``state`` (part name → ``Stateful``, e.g. ``TrainerWorker.checkpoint_state()``) plus this rank's
+    RNG state to directory ``path`` (created by rank 0). Collective: every rank calls it."""
     path = Path(path)
-    if worker.rank == 0:
+    if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(_app_state(worker, include_rng=True), checkpoint_id=str(path))
+    dcp.save(state | {f"rng.rank{rank}": RNGState()}, checkpoint_id=str(path))
     dist.barrier()
 
 
-def load(path: str | Path, worker: TrainerWorker) -> None:
-    """Restore ``worker`` from a checkpoint directory written by :func:`save` (any number of ranks).
+def load(path: str | Path, state: dict[str, Stateful], rank: int) -> bool:
+    """Restore every part of ``state`` from a checkpoint directory written by :func:`save` (any number of
+    ranks): DCP loads into each part's ``state_dict()`` and hands the result to its ``load_state_dict``.
+    This rank's RNG state is restored when the checkpoint has one; returns whether it had.
 
-    Raises FileNotFoundError when ``path`` holds no checkpoint, ValueError when the checkpoint lacks a
-    part this worker has (e.g. a critic). Collective: every rank calls it.
+    Raises FileNotFoundError when ``path`` holds no checkpoint, ValueError naming the parts of ``state``
+    the checkpoint lacks (e.g. a critic). Collective: every rank calls it.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no trainer checkpoint at {path} (missing {path / '.metadata'})")
     saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved_parts = {key.split(".")[0] for key in saved_keys}
-    if worker.critic is not None and "critic" not in saved_parts:
-        raise ValueError(f"checkpoint {path} has no critic, but algorithm.adv_estimator="
-                         f"{worker.algorithm.adv_estimator!r} needs one")
-    has_rng = any(key.startswith(f"rng.rank{worker.rank}.") for key in saved_keys)
-    state = _app_state(worker, include_rng=has_rng)
-    dcp.load(state, checkpoint_id=str(path))
-    trainer = state["trainer"]
-    if not has_rng or int(trainer["world_size"]) != worker.world_size:
-        logger.warning("checkpoint %s was saved with %d ranks, loading with %d: RNG states not restored",
-                       path, int(trainer["world_size"]), worker.world_size)
-    worker.weight_version = int(trainer["weight_version"])
-    worker.kl_controller.value = float(trainer["kl_coef"])
+    missing = [part for part in state if part not in saved_parts]
+    if missing:
+        raise ValueError(f"checkpoint {path} has no {', '.join(missing)} (it holds {sorted(saved_parts)}); "
+                         "a critic exists only when algorithm.adv_estimator needs one")
+    rng_key = f"rng.rank{rank}"
+    has_rng = any(key.startswith(f"{rng_key}.") for key in saved_keys)
+    dcp.load(state | ({rng_key: RNGState()} if has_rng else {}), checkpoint_id=str(path))
+    if not has_rng:
+        logger.warning("checkpoint %s has no RNG state for rank %d: RNG state not restored", path, rank)
+    return has_rng
 
 
 def load_policy_weights(path: str | Path, model: torch.nn.Module) -> int:
@@ -141,7 +118,7 @@ def load_policy_weights(path: str | Path, model: torch.nn.Module) -> int:
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no trainer checkpoint at {path} (missing {path / '.metadata'})")
-    # The same keys ModelOptimizerState and _trainer_state write ("actor.model.<name>", "trainer.*");
+    # The same keys ModelOptimizerState and TrainerWorker.state_dict write ("actor.model.<name>", "trainer.*");
     # DCP reads just these into the tensors of model.state_dict(), in place.
     state = {"actor": {"model": model.state_dict()}, "trainer": {"weight_version": torch.tensor(0)}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is

@@ -21,6 +21,7 @@ The LR schedule steps once per ``update_actor`` / ``update_critic`` call (one tr
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -50,6 +51,8 @@ from trainers.update import (
     require_fields,
     synced_micro_batches,
 )
+
+logger = logging.getLogger(__name__)
 
 FORWARD_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES)
 ADVANTAGE_FIELDS = (schema.TOKEN_LEVEL_SCORES, schema.RESPONSE_MASK, schema.UID)
@@ -333,13 +336,47 @@ class TrainerWorker:
         """All full policy tensors on CPU on rank 0 (``{}`` elsewhere). For small models and tests."""
         return {name: t.cpu().clone() for name, t in self.named_full_tensors()}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The parts of a resumable checkpoint as DCP ``Stateful`` objects: ``actor`` (policy + AdamW),
+        ``actor_scheduler``, ``critic``/``critic_scheduler`` when there is a critic, and ``trainer`` (this
+        worker's own counters, :meth:`state_dict`)."""
+        state: dict[str, Any] = {
+            "actor": checkpoint.ModelOptimizerState(self.policy, self.actor_optimizer),
+            "actor_scheduler": self.actor_scheduler,
+            "trainer": self,
+        }
+        if self.critic is not None:
+            state["critic"] = checkpoint.ModelOptimizerState(self.critic, self.critic_optimizer)
+            state["critic_scheduler"] = self.critic_scheduler
+        return state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This worker's counters (the ``trainer`` part of a checkpoint; models and optimizers are their
+        own parts): ``weight_version`` and ``world_size`` int64 scalars, ``kl_coef`` fp64 scalar."""
+        return {
+            "weight_version": torch.tensor(self.weight_version, dtype=torch.long),
+            "world_size": torch.tensor(self.world_size, dtype=torch.long),
+            "kl_coef": torch.tensor(self.kl_controller.value, dtype=torch.float64),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Restore the counters :meth:`state_dict` returned (a different saved ``world_size`` is logged:
+        the RNG states of the ranks then do not line up with the saved ones)."""
+        saved_world_size = int(state_dict["world_size"])
+        if saved_world_size != self.world_size:
+            logger.warning("checkpoint was saved with %d ranks, loading with %d: RNG states do not carry over",
+                           saved_world_size, self.world_size)
+        self.weight_version = int(state_dict["weight_version"])
+        self.kl_controller.value = float(state_dict["kl_coef"])
+
     def save_checkpoint(self, path: str) -> None:
-        """Save everything needed to resume (``trainers.checkpoint.save``). Collective."""
-        checkpoint.save(path, self)
+        """Save everything needed to resume (``trainers.checkpoint.save`` of ``checkpoint_state``). Collective."""
+        checkpoint.save(path, self.checkpoint_state(), self.rank)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what ``save_checkpoint`` wrote (``trainers.checkpoint.load``). Collective."""
-        checkpoint.load(path, self)
+        """Restore what ``save_checkpoint`` wrote (``trainers.checkpoint.load``). Collective. Raises
+        FileNotFoundError without a checkpoint, ValueError when it lacks a part this worker has."""
+        checkpoint.load(path, self.checkpoint_state(), self.rank)
 
     def export_model(self, path: str) -> None:
         """Write the policy as a Hugging Face model directory at ``path`` (``trainers/export.py``): the full

@@ -84,3 +84,37 @@ def test_load_errors(tmp_path):
     with pytest.raises(ValueError, match="no critic"):
         make_worker(GAE_KL).load_checkpoint(tmp_path / "no_critic")
     assert schema.OLD_LOG_PROBS in plain.compute_log_prob(make_batch(num_groups=1, n=2))
+
+
+class _Counter:
+    """A minimal DCP ``Stateful`` that is not a trainer worker."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.value = int(state_dict["value"])
+
+
+def test_checkpoint_module_takes_stateful_parts_not_a_worker(tmp_path):
+    """``trainers.checkpoint`` saves and loads any ``Stateful`` parts (it does not reach into a worker's
+    fields); a missing part is named; the worker's counters go through its own ``state_dict``."""
+    import sys
+
+    from trainers import checkpoint
+
+    checkpoint.save(tmp_path / "ckpt", {"counter": _Counter(7)}, rank=0)
+    restored = _Counter(0)
+    assert checkpoint.load(tmp_path / "ckpt", {"counter": restored}, rank=0) is True
+    assert restored.value == 7
+    with pytest.raises(ValueError, match="no other"):
+        checkpoint.load(tmp_path / "ckpt", {"counter": _Counter(0), "other": _Counter(0)}, rank=0)
+    assert "TrainerWorker" not in vars(sys.modules["trainers.checkpoint"])
+    worker = make_worker(AlgorithmConfig(), use_reference=False)
+    worker.weight_version = 3
+    assert int(worker.state_dict()["weight_version"]) == 3
+    worker.load_state_dict(worker.state_dict() | {"weight_version": torch.tensor(5)})
+    assert worker.get_weight_version() == 5
