@@ -27,8 +27,8 @@ import torch
 
 from common.env import setup_process_env
 from common.models import ModelConfig, apply_chat_template, load_model, load_tokenizer
+from controller.tasks import reasoning_gym_records
 from rollers.rewards import extract_answer, reasoning_gym_reward
-from rollers.tasks import reasoning_gym_records
 
 
 @dataclass

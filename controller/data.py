@@ -1,6 +1,6 @@
 """The dataset side of the prompt feeder: load a task, template and tokenize it, and count the steps.
 
-``PromptDataset.from_config(data_cfg, tokenizer)`` loads ``data.task`` (``rollers.tasks``), applies the
+``PromptDataset.from_config(data_cfg, tokenizer)`` loads ``data.task`` (``controller.tasks``), applies the
 chat template (``common.models.apply_chat_template``, with ``data.system_prompt`` as a system turn when
 set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row index and
 length, or, with ``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
@@ -32,9 +32,10 @@ from typing import Any
 import torch
 
 from common import schema
+from common.ground_truth import encode_ground_truth
 from common.models import apply_chat_template
 from controller.config import DataConfig
-from rollers.tasks import TaskRecord, encode_ground_truth, load_task_records
+from controller.tasks import TaskRecord, load_task_records
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ def prompt_fields(
     Returns ``(data, tags)`` ready for ``TQClient.put(data, partition, tags=tags)`` (what
     ``rollers.roller.TQGroupChannel`` reads), with batch = ``len(prompts) * n``: ``data`` holds
     ``input_ids`` (batch, prompt_len) int64 left-padded with ``pad_token_id``, ``attention_mask``
-    (batch, prompt_len) int64 and ``ground_truth`` (batch JSON str, ``rollers.tasks.encode_ground_truth``);
+    (batch, prompt_len) int64 and ``ground_truth`` (batch JSON str, ``common.ground_truth.encode_ground_truth``);
     ``tags[j]`` is ``{"uid": uids[j // n]}``. Raises ValueError when ``uids`` and ``prompts`` differ in
     length, ``prompts`` is empty or ``n`` < 1.
     """

@@ -109,12 +109,13 @@ def check_data(cfg: HFlowConfig) -> int:
     ``rollout.reward`` and why it cannot be loaded, before any pool starts."""
     from common.models import load_tokenizer
     from controller.data import PromptDataset
+    from controller.tasks import resolve_reward
     from rollers.rewards import build_reward_fn
 
     try:
         dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
         dataset.check_total_steps(num_batches(cfg))
-        build_reward_fn(cfg.rollout.reward, cfg.data.task)
+        build_reward_fn(resolve_reward(cfg.rollout.reward, cfg.data.task))
     except ValueError as exc:
         raise StartError(str(exc)) from exc
     return len(dataset)

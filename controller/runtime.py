@@ -26,15 +26,6 @@ logger = logging.getLogger(__name__)
 PARTITION = "train"
 
 
-def _tq_channel(handle: dict, partition: str, n: int):
-    """Built inside each roller process: its view of the TransferQueue (Ray ships this by reference)."""
-    from rollers.roller import TQGroupChannel
-    from transferqueue.client import TQClient
-    from transferqueue.records import TQHandle
-
-    return TQGroupChannel(TQClient(TQHandle.from_dict(handle)), partition, n)
-
-
 class Runtime:
     """Starts every pool of ``cfg`` (Ray must be initialised); ``close()`` stops them all, idempotently.
 
@@ -47,7 +38,9 @@ class Runtime:
         from checkpointengine import trainer_hooks
         from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
+        from controller.tasks import resolve_reward
         from rollers.actor import remote_roller
+        from rollers.roller import TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
         from transferqueue.client import TQClient
@@ -70,10 +63,11 @@ class Runtime:
                                         max_response_length=cfg.rollout.max_response_length, tq_handle=handle)
             roller_cls = remote_roller(num_cpus=0.5)
             roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
-            channel = functools.partial(_tq_channel, handle, PARTITION, cfg.rollout.n)
+            channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n)
+            reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
             self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
             self.rollers = [
-                roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, cfg.data.task, channel, admission="open",
+                roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, reward, channel, admission="open",
                                   remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
                 for name in self.roller_names
             ]

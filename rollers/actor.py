@@ -18,12 +18,13 @@ from rollers.roller import FailedGroup, OpenAdmission, PermitAdmission, Roller
 
 
 class RollerActor:
-    """One roller (see the module docstring). ``channel_factory()`` is called inside the actor and must be
-    serialisable by Ray; ``admission``: ``permits`` (the controller calls ``grant``) or ``open`` (the
+    """One roller (see the module docstring). ``reward``: ``rollout.reward`` with ``auto`` resolved by the
+    controller (``rollers.rewards.build_reward_fn``). ``channel_factory()`` is called inside the actor and
+    must be serialisable by Ray (runs pass ``TQGroupChannel.from_handle`` bound to the TransferQueue handle); ``admission``: ``permits`` (the controller calls ``grant``) or ``open`` (the
     feeder puts only admitted groups). Use ``remote_roller(num_cpus)`` to get the Ray class.
     Raises ValueError for an unknown admission mode."""
 
-    def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, task: str, channel_factory,
+    def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, reward: str, channel_factory,
                  *, admission: str = "permits", remax_baseline: bool = False, roller_id: str = "roller0"):
         from common.env import set_torch_threads
         from common.models import load_tokenizer
@@ -35,7 +36,7 @@ class RollerActor:
         self.model_cfg, self.rollout_cfg, self.rollers_cfg = model_cfg, rollout_cfg, rollers_cfg
         self.roller_id = roller_id
         self.tokenizer = load_tokenizer(model_cfg)
-        self.reward_fn = build_reward_fn(rollout_cfg.reward, task)
+        self.reward_fn = build_reward_fn(reward)
         self.channel_factory = channel_factory
         self.admission = PermitAdmission() if admission == "permits" else OpenAdmission()
         self.remax_baseline = remax_baseline

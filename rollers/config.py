@@ -16,7 +16,8 @@ class RolloutConfig:
 
     ``n``: samples per prompt (``rollout.n``); ``top_k`` -1 disables it; ``seed`` is the base of the
     per-sample seeds (sampling is independent of batch composition).
-    ``reward``: auto (by ``data.task``) | reasoning_gym | tiny_repeat | math_verify | ``module:function``
+    ``reward``: auto (the reward ``data.task`` names, resolved by the controller:
+    ``controller.tasks.resolve_reward``) | reasoning_gym | tiny_repeat | math_verify | ``module:function``
     (``rollers.rewards.build_reward_fn``); ``reward_timeout_s`` bounds one group's scoring (a group that
     exceeds it is marked failed); ``max_resubmits``: how many times one sample may be aborted (pause in
     ``abort`` mode) and resubmitted with its partial output before it is marked failed.

@@ -1,10 +1,11 @@
 """Reward functions: answer extraction, reasoning-gym scorers, a math-verify numeric checker, user functions.
 
 Every reward function has the signature ``fn(response_text: str, ground_truth: dict) -> float``; the
-ground truth is the small JSON-able object a task attaches to each prompt (``rollers.tasks``).
-``build_reward_fn(spec, task)`` picks one: ``auto`` (by task: reasoning-gym → that task's
-``score_answer``, ``tiny-repeat`` → first-word match, a file → math-verify), ``reasoning_gym``,
-``tiny_repeat``, ``math_verify``, or a user function ``module:function``.
+ground truth is the small JSON-able object a task attaches to each prompt (``controller.tasks``).
+``build_reward_fn(spec)`` picks one: ``reasoning_gym`` (that task's ``score_answer``), ``tiny_repeat``
+(first-word match), ``math_verify``, or a user function ``module:function``. ``rollout.reward=auto`` is
+resolved by the controller, which knows ``data.task`` (``controller.tasks.resolve_reward``: each task
+names its reward), before the rollers see it.
 
 ``score_responses`` calls a reward function on many responses and never lets one failure pass for a
 score: a function that raises or returns NaN/inf (or a non-number) yields a failed ``RewardResult``
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 RewardFn = Callable[[str, dict], float]
-REWARD_KINDS = ("auto", "reasoning_gym", "tiny_repeat", "math_verify")
+REWARD_KINDS = ("reasoning_gym", "tiny_repeat", "math_verify")
 
 # A number: optional sign glued to it (ASCII, unicode minus, en dash), optional $, thousands groups, decimals.
 _NUM = r"[-+\u2212\u2013]?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
@@ -95,7 +96,7 @@ def reasoning_gym_reward(response_text: str, ground_truth: dict) -> float:
     """reasoning-gym: ``extract_answer`` then the task's own ``score_answer(answer, entry)`` (in [0, 1]).
 
     ``ground_truth`` is ``{"task": name, "answer": ..., "metadata": {...}}`` as built by
-    ``rollers.tasks``. Raises KeyError when ``task`` is missing, ValueError for an unknown task.
+    ``controller.tasks``. Raises KeyError when ``task`` is missing, ValueError for an unknown task.
     """
     entry = {"answer": ground_truth["answer"], "metadata": ground_truth.get("metadata", {})}
     return float(_rg_scorer(ground_truth["task"])(extract_answer(response_text), entry))
@@ -155,17 +156,9 @@ def load_user_reward(spec: str) -> RewardFn:
     return fn
 
 
-def build_reward_fn(spec: str, task: str) -> RewardFn:
-    """The reward function for ``spec`` (``rollout.reward``) and ``task`` (``data.task``).
-
-    ``auto`` picks by task kind (see the module docstring). Raises ValueError for an unknown spec.
-    """
-    from rollers.tasks import task_kind
-
-    if spec == "auto":
-        spec = {"reasoning_gym": "reasoning_gym", "tiny_repeat": "tiny_repeat", "file": "math_verify"}[
-            task_kind(task)
-        ]
+def build_reward_fn(spec: str) -> RewardFn:
+    """The reward function for ``spec`` (``rollout.reward`` with ``auto`` already resolved by the controller,
+    ``controller.tasks.resolve_reward``). Raises ValueError for ``auto`` or an unknown spec."""
     builtin = {
         "reasoning_gym": reasoning_gym_reward,
         "tiny_repeat": tiny_repeat_reward,
@@ -175,7 +168,10 @@ def build_reward_fn(spec: str, task: str) -> RewardFn:
         return builtin[spec]
     if ":" in spec:
         return load_user_reward(spec)
-    raise ValueError(f"rollout.reward={spec!r} is not one of {list(REWARD_KINDS)} nor 'module:function'")
+    if spec == "auto":
+        raise ValueError("rollout.reward='auto' must be resolved from data.task by the controller "
+                         "(controller.tasks.resolve_reward) before it reaches the rollers")
+    raise ValueError(f"rollout.reward={spec!r} is not one of {['auto', *REWARD_KINDS]} nor 'module:function'")
 
 
 # ------------------------------------------------------------------------------------------- scoring

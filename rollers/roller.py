@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from common import schema
+from common.ground_truth import decode_ground_truth
 from rollers.config import RolloutConfig
 from rollers.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
 from rollers.rewards import RewardFn, RewardResult, score_responses
@@ -139,9 +140,17 @@ class TQGroupChannel:
         self.client, self.partition, self.n, self.task = client, partition, n, task
         self.put_timeout_s = put_timeout_s
 
-    async def take_group(self, timeout_s: float) -> PromptGroup | None:
-        from rollers.tasks import decode_ground_truth
+    @classmethod
+    def from_handle(cls, handle: dict, partition: str, n: int) -> TQGroupChannel:
+        """A channel with its own ``TQClient`` of the TransferQueue ``handle`` (``TQHandle.to_dict()``), for
+        ``partition`` and groups of ``n``: what each roller process builds (bind the arguments with
+        ``functools.partial`` to get a ``channel_factory``; Ray ships it by reference)."""
+        from transferqueue.client import TQClient
+        from transferqueue.records import TQHandle
 
+        return cls(TQClient(TQHandle.from_dict(handle)), partition, n)
+
+    async def take_group(self, timeout_s: float) -> PromptGroup | None:
         meta = await self.client.aget_meta(list(self.PROMPT_FIELDS), self.n, self.task, self.partition,
                                            sampler="group_complete", options={"group_size": self.n},
                                            timeout_s=timeout_s)

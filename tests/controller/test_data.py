@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from common.ground_truth import decode_ground_truth
 from common.models import apply_chat_template, build_tiny_tokenizer
 from controller.config import DataConfig
 from controller.data import (
@@ -14,7 +15,7 @@ from controller.data import (
     num_available_steps,
     prompt_fields,
 )
-from rollers.tasks import TaskRecord, decode_ground_truth
+from controller.tasks import TaskRecord
 
 
 @pytest.fixture(scope="module")

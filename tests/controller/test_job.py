@@ -13,7 +13,7 @@ from controller.cli import main as cli_main
 from controller.config import load_config
 from controller.job import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, MODEL_DIR, run_job
 from controller.report import SUMMARY_KEYS
-from rollers.tasks import tiny_repeat_records
+from controller.tasks import tiny_repeat_records
 
 HOOKS = "tests.controller.reward_hooks"
 # Whole jobs (Ray actors, FSDP2, TransferQueue processes): more room than the suite's 120 s default, so a

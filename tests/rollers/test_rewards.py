@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from controller.tasks import reasoning_gym_records
 from rollers.rewards import (
     build_reward_fn,
     extract_answer,
@@ -18,7 +19,6 @@ from rollers.rewards import (
     score_responses,
     tiny_repeat_reward,
 )
-from rollers.tasks import reasoning_gym_records
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,7 @@ def _install_user_module(monkeypatch):
 
 def test_user_reward_module_function(monkeypatch):
     _install_user_module(monkeypatch)
-    fn = build_reward_fn("my_user_rewards:length_reward", "tiny-repeat")
+    fn = build_reward_fn("my_user_rewards:length_reward")
     assert fn("abc", {"n": 3}) == 1.0 and fn("ab", {"n": 3}) == 0.0
 
 
@@ -129,11 +129,18 @@ def test_user_reward_errors_name_the_spec(monkeypatch, spec, match):
 
 
 def test_build_reward_fn_auto_by_task(tmp_path):
-    assert build_reward_fn("auto", "chain_sum") is reasoning_gym_reward
-    assert build_reward_fn("auto", "tiny-repeat") is tiny_repeat_reward
-    assert build_reward_fn("auto", str(tmp_path / "d.jsonl")) is math_verify_reward
+    """``auto`` is resolved by the controller from the task (``controller.tasks.resolve_reward``); the
+    rollers get the resolved name and refuse an unresolved ``auto``."""
+    from controller.tasks import resolve_reward
+
+    assert build_reward_fn(resolve_reward("auto", "chain_sum")) is reasoning_gym_reward
+    assert build_reward_fn(resolve_reward("auto", "tiny-repeat")) is tiny_repeat_reward
+    assert build_reward_fn(resolve_reward("auto", str(tmp_path / "d.jsonl"))) is math_verify_reward
+    assert resolve_reward("math_verify", "tiny-repeat") == "math_verify"
     with pytest.raises(ValueError, match="rollout.reward='bogus'"):
-        build_reward_fn("bogus", "chain_sum")
+        build_reward_fn(resolve_reward("bogus", "chain_sum"))
+    with pytest.raises(ValueError, match="resolved from data.task"):
+        build_reward_fn("auto")
 
 
 def _raises(text, gt):

@@ -489,6 +489,11 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
             await engine.shutdown()
             roller.close()
             assert await channel.take_group(0.1) is None  # every group consumed by the rollout task
+            own = TQGroupChannel.from_handle(tq_servers.handle.to_dict(), "step0", n=N)  # as a roller builds it
+            try:
+                assert await own.take_group(0.1) is None
+            finally:
+                own.client.close()
             train = await client.aget_meta(response_fields + [schema.INPUT_IDS], 3 * N, "train", "step0",
                                            sampler="group_complete", options={"group_size": N}, timeout_s=10)
             batch = await client.aget_data(train)

@@ -1,4 +1,4 @@
-"""The task registry: reasoning-gym, tiny-repeat and file datasets."""
+"""The task registry: reasoning-gym, tiny-repeat, file datasets and user task plug-ins."""
 
 from __future__ import annotations
 
@@ -7,14 +7,10 @@ from collections import Counter
 
 import pytest
 
+from common.ground_truth import decode_ground_truth, encode_ground_truth
 from common.models import build_tiny_tokenizer
+from controller.tasks import load_task_records, resolve_task
 from rollers.rewards import tiny_repeat_reward
-from rollers.tasks import (
-    decode_ground_truth,
-    encode_ground_truth,
-    load_task_records,
-    task_kind,
-)
 
 
 def test_reasoning_gym_records_are_json_and_scorable_after_a_round_trip():
@@ -36,9 +32,9 @@ def test_reasoning_gym_bad_kwargs_and_names():
     with pytest.raises(ValueError, match="data.task_kwargs"):
         load_task_records("chain_sum", size=2, task_kwargs={"no_such_option": 1})
     with pytest.raises(ValueError, match="data.task='chain_summ'"):
-        task_kind("chain_summ")
+        resolve_task("chain_summ")
     with pytest.raises(ValueError, match=".jsonl"):
-        task_kind("data/prompts.csv")
+        resolve_task("data/prompts.csv")
 
 
 def test_tiny_repeat_prompts_fit_the_tiny_vocabulary():
@@ -100,3 +96,48 @@ def test_file_errors(tmp_path):
 def test_decode_ground_truth_rejects_non_dicts():
     with pytest.raises(ValueError, match="dict"):
         decode_ground_truth("[1, 2]")
+
+
+def test_unknown_task_lists_the_registered_ones():
+    with pytest.raises(ValueError, match=r"data.task='tiny_repeat' is not a registered task \[.*'tiny-repeat'"):
+        resolve_task("tiny_repeat")
+    with pytest.raises(ValueError, match="data.task='no_such_module_xyz:t'.*cannot import"):
+        resolve_task("no_such_module_xyz:t")
+
+
+def test_user_task_plugin_module_name(monkeypatch):
+    """``data.task=module:name``: importing the module registers the task (with its reward for ``auto``);
+    it loads like a built-in, its kwargs and records are checked."""
+    import sys
+    import types
+
+    from controller.tasks import TASKS, TaskRecord, register_task, resolve_reward
+
+    module = types.ModuleType("my_user_tasks")
+
+    def install():
+        @register_task("squares", reward="math_verify")
+        def squares(size, seed, offset=0):
+            return [TaskRecord(f"{i + offset} squared?", {"answer": (i + offset) ** 2}) for i in range(size)]
+
+        @register_task("broken", reward="tiny_repeat")
+        def broken(size, seed):
+            return ["not a record"]
+
+    module.install = install
+    monkeypatch.setitem(sys.modules, "my_user_tasks", module)
+    monkeypatch.setattr(TASKS, "_items", dict(TASKS._items))  # the test's registrations do not leak
+    with pytest.raises(ValueError, match="registered no task named 'squares'"):
+        resolve_task("my_user_tasks:squares")
+    install()
+    records = load_task_records("my_user_tasks:squares", size=3, seed=0, task_kwargs={"offset": 2})
+    assert [(r.prompt, r.ground_truth) for r in records] == [("2 squared?", {"answer": 4}),
+                                                            ("3 squared?", {"answer": 9}),
+                                                            ("4 squared?", {"answer": 16})]
+    assert resolve_reward("auto", "squares") == "math_verify"
+    with pytest.raises(ValueError, match="data.task_kwargs"):
+        load_task_records("squares", size=1, task_kwargs={"bogus": 1})
+    with pytest.raises(ValueError, match="not a TaskRecord"):
+        load_task_records("broken", size=1)
+    with pytest.raises(ValueError, match="already registered"):
+        register_task("squares", reward="math_verify")(lambda size, seed: [])
