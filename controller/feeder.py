@@ -11,18 +11,9 @@ A re-issued prompt (``stale_policy=drop``) gets ``uid`` + ``.r<k>``.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from controller.config import HFlowConfig
 from controller.data import Prompt, PromptDataset, prompt_fields
-
-
-@dataclass(frozen=True)
-class FedGroup:
-    """What the controller learns about a started group: its ``uid`` and ``global_step`` of origin."""
-
-    uid: str
-    global_step: int
 
 
 class PromptFeeder:

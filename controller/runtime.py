@@ -67,7 +67,7 @@ class Runtime:
             reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
             self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
             self.rollers = [
-                roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, reward, channel, admission="open",
+                roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, reward, channel,
                                   remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
                 for name in self.roller_names
             ]

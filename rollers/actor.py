@@ -14,31 +14,27 @@ import asyncio
 import torch
 
 from rollers.config import RolloutConfig
-from rollers.roller import FailedGroup, OpenAdmission, PermitAdmission, Roller
+from rollers.roller import FailedGroup, Roller
 
 
 class RollerActor:
     """One roller (see the module docstring). ``reward``: ``rollout.reward`` with ``auto`` resolved by the
     controller (``rollers.rewards.build_reward_fn``). ``channel_factory()`` is called inside the actor and
-    must be serialisable by Ray (runs pass ``TQGroupChannel.from_handle`` bound to the TransferQueue handle); ``admission``: ``permits`` (the controller calls ``grant``) or ``open`` (the
-    feeder puts only admitted groups). Use ``remote_roller(num_cpus)`` to get the Ray class.
-    Raises ValueError for an unknown admission mode."""
+    must be serialisable by Ray (runs pass ``TQGroupChannel.from_handle`` bound to the TransferQueue
+    handle; the feeder puts only admitted groups). Use ``remote_roller(num_cpus)`` to get the Ray class."""
 
     def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, reward: str, channel_factory,
-                 *, admission: str = "permits", remax_baseline: bool = False, roller_id: str = "roller0"):
+                 *, remax_baseline: bool = False, roller_id: str = "roller0"):
         from common.env import set_torch_threads
         from common.models import load_tokenizer
         from rollers.rewards import build_reward_fn
 
         set_torch_threads(rollers_cfg.num_threads)
-        if admission not in ("permits", "open"):
-            raise ValueError(f"admission={admission!r} is not one of ['permits', 'open']")
         self.model_cfg, self.rollout_cfg, self.rollers_cfg = model_cfg, rollout_cfg, rollers_cfg
         self.roller_id = roller_id
         self.tokenizer = load_tokenizer(model_cfg)
         self.reward_fn = build_reward_fn(reward)
         self.channel_factory = channel_factory
-        self.admission = PermitAdmission() if admission == "permits" else OpenAdmission()
         self.remax_baseline = remax_baseline
         self.engine = None
         self.roller: Roller | None = None
@@ -58,7 +54,6 @@ class RollerActor:
         self.engine = engine
         self.roller = Roller(
             engine, self.tokenizer, self.reward_fn, self.rollout_cfg, self.channel_factory(),
-            admission=self.admission,
             max_groups_in_flight=max(1, self.rollers_cfg.max_batch_slots // self.rollout_cfg.n),
             remax_baseline=self.remax_baseline, roller_id=self.roller_id,
         )
@@ -82,9 +77,6 @@ class RollerActor:
             raise RuntimeError("the roller was never started")
         done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
         return self._run_task.result() if done else None
-
-    async def grant(self, num_groups: int) -> None:
-        self.roller.grant(num_groups)
 
     async def stats(self) -> dict[str, float]:
         stats = self.roller.stats() if self.roller is not None else {}

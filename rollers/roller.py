@@ -2,8 +2,6 @@
 
 ::
 
-    controller ──grant(k)──> admission permits ─┐
-                                                 ▼
     channel.take_group() ──> PromptGroup ──> n requests (per-sample seeds) ──> engine (continuous batching)
                                                  │   finish_reason=abort (pause for a weight update)?
                                                  │   → resubmit prompt + partial output after resume
@@ -13,16 +11,14 @@
                                                  ▼
                                  FailedGroup (counted in stats(), drained by the controller)
 
-**Admission.** The roller starts a group only when its ``Admission`` says so. ``PermitAdmission``: the
-controller calls ``grant(k)`` to allow ``k`` more groups (its staleness rule decides ``k``); each started
-group spends one permit, a poll that finds no group gives it back. ``OpenAdmission``: the prompt feeder
-already puts only admitted groups, so the roller takes whatever is there. Either way at most
-``max_groups_in_flight`` groups are generated at once (enough to fill the engine's batch slots).
+**Admission** is the controller's: its prompt feeder puts only the groups its staleness rule admits
+(``controller.admission``), so the roller takes whatever is there, at most ``max_groups_in_flight`` groups
+generated at once (enough to fill the engine's batch slots).
 
 **Channel.** ``GroupChannel`` is the roller's only view of the data plane: ``take_group`` (one whole
 ``uid`` group of the ``rollout`` task, or ``None`` on timeout) and ``put_group`` (response fields into
-the same sample ids). ``TQGroupChannel`` is the TransferQueue one; ``LocalGroupChannel`` an in-process
-one (tests, single-process runs).
+the same sample ids). ``TQGroupChannel`` is the TransferQueue one (what runs use); ``LocalGroupChannel`` an
+in-process one (tests).
 
 **Failures.** A reward that raises, returns NaN/inf or times out (``rollout.reward_timeout_s``) fails its
 whole group, and so does a request the engine rejects (ValueError, e.g. too long) or a sample aborted
@@ -177,58 +173,6 @@ class TQGroupChannel:
                                timeout_s=self.put_timeout_s)
 
 
-# ------------------------------------------------------------------------------------------ admission
-
-
-class OpenAdmission:
-    """Every poll may start a group (the prompt feeder puts only admitted groups)."""
-
-    async def acquire(self, timeout_s: float) -> bool:
-        return True
-
-    def give_back(self) -> None:
-        pass
-
-
-class PermitAdmission:
-    """Counted permits: ``grant(k)`` allows ``k`` more groups; ``acquire`` waits up to ``timeout_s``."""
-
-    def __init__(self, permits: int = 0):
-        if permits < 0:
-            raise ValueError(f"permits must be >= 0, got {permits}")
-        self._permits = permits
-        self._changed = asyncio.Event()
-
-    @property
-    def permits(self) -> int:
-        return self._permits
-
-    def grant(self, num_groups: int) -> None:
-        """Allow ``num_groups`` (>= 0, else ValueError) more groups to start."""
-        if num_groups < 0:
-            raise ValueError(f"grant needs num_groups >= 0, got {num_groups}")
-        self._permits += num_groups
-        self._changed.set()
-
-    async def acquire(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self._permits == 0:
-            self._changed.clear()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                return False
-        self._permits -= 1
-        return True
-
-    def give_back(self) -> None:
-        self._permits += 1
-        self._changed.set()
-
-
 # ------------------------------------------------------------------------------ outputs → schema
 
 
@@ -329,8 +273,8 @@ class Roller:
 
     ``engine``: a started ``Engine``; ``tokenizer``: decodes responses for the reward and gives the pad
     id; ``reward_fn``: ``(response_text, ground_truth) -> float``; ``rollout``: sampling config;
-    ``channel``: a ``GroupChannel``; ``admission``: ``PermitAdmission`` (default, starts with 0 permits)
-    or ``OpenAdmission``; ``max_groups_in_flight``: groups generated concurrently; ``remax_baseline``:
+    ``channel``: a ``GroupChannel`` (it decides which groups exist to take: the feeder puts only admitted
+    ones); ``max_groups_in_flight``: groups generated concurrently; ``remax_baseline``:
     also generate one greedy response per group and put its reward as ``reward_baselines`` (ReMax,
     Li et al. 2023); ``pad_to_max_length``: pad responses to ``rollout.max_response_length`` instead of
     the group's longest; ``roller_id``: prefix of request ids.
@@ -344,7 +288,6 @@ class Roller:
         rollout: RolloutConfig,
         channel: GroupChannel,
         *,
-        admission: PermitAdmission | OpenAdmission | None = None,
         max_groups_in_flight: int = 4,
         remax_baseline: bool = False,
         pad_to_max_length: bool = False,
@@ -355,7 +298,6 @@ class Roller:
             raise ValueError(f"max_groups_in_flight must be >= 1, got {max_groups_in_flight}")
         self.engine, self.tokenizer, self.reward_fn = engine, tokenizer, reward_fn
         self.rollout, self.channel = rollout, channel
-        self.admission = admission if admission is not None else PermitAdmission()
         self.max_groups_in_flight = max_groups_in_flight
         self.remax_baseline = remax_baseline
         self.pad_to_max_length = pad_to_max_length
@@ -370,12 +312,6 @@ class Roller:
         self._reward_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{roller_id}-reward")
 
     # ------------------------------------------------------------------------------ control
-
-    def grant(self, num_groups: int) -> None:
-        """Allow ``num_groups`` more groups (``PermitAdmission`` only; TypeError otherwise)."""
-        if not isinstance(self.admission, PermitAdmission):
-            raise TypeError("grant() needs PermitAdmission; this roller admits every group (OpenAdmission)")
-        self.admission.grant(num_groups)
 
     def stop(self) -> None:
         """Ask ``run`` to stop starting groups; it returns once the running ones are put."""
@@ -414,12 +350,8 @@ class Roller:
                     raise errors[0]
                 if not await _acquire(slots, self.poll_timeout_s):
                     continue
-                if not await self.admission.acquire(self.poll_timeout_s):
-                    slots.release()
-                    continue
                 group = await self.channel.take_group(self.poll_timeout_s)
                 if group is None:
-                    self.admission.give_back()
                     slots.release()
                     continue
                 task = asyncio.create_task(self.process_group(group), name=f"{self.roller_id}-{group.uid}")
@@ -580,5 +512,5 @@ async def _acquire(semaphore: asyncio.Semaphore, timeout_s: float) -> bool:
 
 __all__ = [
     "REWARD_BASELINES", "EngineError", "FailedGroup", "GroupChannel", "GroupResult", "LocalGroupChannel",
-    "OpenAdmission", "PermitAdmission", "PromptGroup", "Roller", "build_response_fields", "sample_seed",
+    "PromptGroup", "Roller", "build_response_fields", "sample_seed",
 ]

@@ -3,11 +3,11 @@
 ::
 
     driver (controller)                          placement group: num_ranks bundles {CPU: c[, GPU: 1]}
-      TrainerGroup.update_actor(batch) ──shard by uid──> rank 0: TrainerActor(TrainerWorker) ─┐ gloo/nccl
-                                        (whole groups)  rank 1: TrainerActor(TrainerWorker) ─┤ collectives
-                                        <──gather──────  ...                                 ─┘
-      results: per-sample fields re-assembled in the caller's order; metrics from rank 0
-      (every rank computes the same global metrics)
+      TrainerGroup.train_step(meta) ──shard ids by uid──> rank 0: TrainerActor(TrainerWorker) ─┐ gloo/nccl
+                                     (whole groups)      rank 1: TrainerActor(TrainerWorker) ─┤ collectives
+                                     <──metrics───────    ...                                 ─┘
+      each rank fetches its own samples from the TransferQueue (no tensor passes through the driver);
+      metrics from rank 0 (every rank computes the same global metrics)
 
 Rendezvous: rank 0's actor picks a free port on its node's loopback; ranks join
 ``tcp://127.0.0.1:port`` (the MASTER_ADDR/MASTER_PORT pair, passed as ``init_method``). One node.
@@ -20,15 +20,12 @@ usable; an exception in the middle of a collective leaves the group unusable —
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
 from common import schema
 from common.env import LOOPBACK
 from common.models import ModelConfig
-from trainers.batching import RankShard, as_batch_dict, batch_size, select, shard_for_ranks
+from trainers.batching import shard_for_ranks
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.worker import TrainerActor
 
@@ -105,56 +102,7 @@ class TrainerGroup:
         (every rank does the same collectives)."""
         return self._wait([a.execute.remote(fn, *args, **kwargs) for a in self._actors], getattr(fn, "__name__", "fn"))
 
-    def _shards(self, batch: dict) -> list[RankShard]:
-        if schema.UID not in batch:
-            raise ValueError(f"a trainer batch needs {schema.UID!r} to be sharded by prompt group; has {sorted(batch)}")
-        return shard_for_ranks(batch[schema.UID], self.num_ranks, self.trainer.ppo_mini_batch_size)
-
-    def _scatter(self, method: str, batch: Mapping[str, Any], with_sizes: bool = False) -> tuple[list, list]:
-        b = as_batch_dict(batch)
-        batch_size(b)
-        shards = self._shards(b)
-        refs = []
-        for actor, shard in zip(self._actors, shards, strict=True):
-            extra = (shard.mini_batch_sizes,) if with_sizes else ()
-            refs.append(actor.call.remote(method, select(b, shard.indices), *extra))
-        return self._wait(refs, method), shards
-
-    @staticmethod
-    def _gather_fields(parts: list[dict], shards: list[RankShard]) -> dict[str, torch.Tensor]:
-        """Per-sample outputs of every rank put back in the caller's sample order."""
-        order = torch.tensor([i for shard in shards for i in shard.indices])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order))
-        return {key: torch.cat([p[key] for p in parts]).index_select(0, inverse) for key in parts[0]}
-
     # ------------------------------------------------------------------------------------------- stages
-
-    def compute_log_prob(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """``TrainerWorker.compute_log_prob`` over the whole batch (``old_log_probs``, ``entropy``[,
-        ``ref_log_prob``]), rows in the caller's order."""
-        parts, shards = self._scatter("compute_log_prob", batch)
-        return self._gather_fields(parts, shards)
-
-    def compute_values(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """``TrainerWorker.compute_values`` over the whole batch, rows in the caller's order."""
-        parts, shards = self._scatter("compute_values", batch)
-        return self._gather_fields(parts, shards)
-
-    def compute_advantages(self, batch: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """``TrainerWorker.compute_advantages``: (fields in the caller's order, metrics)."""
-        parts, shards = self._scatter("compute_advantages", batch)
-        return self._gather_fields([p[0] for p in parts], shards), parts[0][1]
-
-    def update_actor(self, batch: Mapping[str, Any]) -> dict[str, float]:
-        """One actor update over global mini-batches of ``ppo_mini_batch_size`` uid groups; metrics."""
-        parts, _ = self._scatter("update_actor", batch, with_sizes=True)
-        return parts[0]
-
-    def update_critic(self, batch: Mapping[str, Any]) -> dict[str, float]:
-        """One critic update (GAE only); metrics."""
-        parts, _ = self._scatter("update_critic", batch, with_sizes=True)
-        return parts[0]
 
     def train_step(self, meta) -> dict[str, float]:
         """One trainer step on the samples of ``meta`` (a ``transferqueue.records.BatchMeta``): every rank

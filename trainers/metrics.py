@@ -19,7 +19,6 @@ __all__ = [
     "masked_whiten",
     "masked_stats",
     "count_tokens_and_seqs",
-    "compute_data_metrics",
     "weighted_average",
 ]
 
@@ -103,40 +102,6 @@ def count_tokens_and_seqs(response_mask: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"response_mask must be (batch, response_len), got shape {tuple(response_mask.shape)}")
     valid = response_mask.bool()
     return int(valid.sum().item()), int(valid.any(dim=-1).sum().item())
-
-
-def compute_data_metrics(
-    response_mask: torch.Tensor,
-    *,
-    advantages: torch.Tensor | None = None,
-    returns: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-    token_level_scores: torch.Tensor | None = None,
-    token_level_rewards: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Batch statistics of one update's data, over valid tokens only.
-
-    All tensors ``(batch, response_len)``. Token-level fields give ``advantages/*``, ``returns/*`` and
-    ``values/*`` (mean/max/min over valid tokens); scores and rewards are summed per sequence first
-    (``score/*``, ``reward/*``: per-sample totals over sequences with a valid token). Always includes
-    ``response_length/mean|max|min`` (valid tokens per sequence) and ``num_tokens`` / ``num_seqs``.
-    """
-    metrics: dict[str, float] = {}
-    for name, tensor in (("advantages", advantages), ("returns", returns), ("values", values)):
-        if tensor is not None:
-            metrics.update(masked_stats(tensor, response_mask, name))
-    num_tokens, num_seqs = count_tokens_and_seqs(response_mask)
-    seq_valid = response_mask.bool().any(dim=-1, keepdim=True)
-    for name, tensor in (("score", token_level_scores), ("reward", token_level_rewards)):
-        if tensor is not None:
-            _check_same_shape(tensor, response_mask, name)
-            per_seq = masked_sum(tensor, response_mask, dim=-1).unsqueeze(-1)
-            metrics.update(masked_stats(per_seq, seq_valid, name))
-    lengths = response_mask.bool().sum(dim=-1, keepdim=True).float()
-    metrics.update(masked_stats(lengths, torch.ones_like(seq_valid), "response_length"))
-    metrics["num_tokens"] = float(num_tokens)
-    metrics["num_seqs"] = float(num_seqs)
-    return metrics
 
 
 def weighted_average(values: Iterable[Mapping[str, float]], weight_key: str = "num_tokens") -> dict[str, float]:

@@ -15,7 +15,7 @@ The controller only ever sees ``BatchMeta``/``IndexStats``: ids, field names, sc
 
 from transferqueue.batching import pad_sequences
 from transferqueue.client import TQClient
-from transferqueue.launch import TQRayServers, TQServers, start_transferqueue, start_transferqueue_ray
+from transferqueue.launch import TQServers, start_transferqueue
 from transferqueue.records import (
     Batch,
     BatchMeta,
@@ -33,6 +33,5 @@ from transferqueue.samplers import register_sampler
 
 __all__ = [
     "Batch", "BatchMeta", "Closed", "FieldSchema", "Full", "IndexStats", "RemoteError", "TQClient", "TQError",
-    "TQHandle", "TQRayServers", "TQServers", "Timeout", "chunk_sizes", "pad_sequences", "register_sampler",
-    "start_transferqueue", "start_transferqueue_ray",
+    "TQHandle", "TQServers", "Timeout", "chunk_sizes", "pad_sequences", "register_sampler", "start_transferqueue",
 ]

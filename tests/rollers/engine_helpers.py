@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
@@ -26,3 +27,63 @@ def spiced_tiny(seed: int = 0) -> torch.nn.Module:
             if param.dim() > 1:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
     return model
+
+
+class PermitAdmission:
+    """Counted permits: ``grant(k)`` allows ``k`` more groups; ``acquire`` waits up to ``timeout_s``.
+
+    Test-only: runs admit at the prompt feeder (``controller.admission``); the roller takes what is there."""
+
+    def __init__(self, permits: int = 0):
+        if permits < 0:
+            raise ValueError(f"permits must be >= 0, got {permits}")
+        self._permits = permits
+        self._changed = asyncio.Event()
+
+    @property
+    def permits(self) -> int:
+        return self._permits
+
+    def grant(self, num_groups: int) -> None:
+        """Allow ``num_groups`` (>= 0, else ValueError) more groups to start."""
+        if num_groups < 0:
+            raise ValueError(f"grant needs num_groups >= 0, got {num_groups}")
+        self._permits += num_groups
+        self._changed.set()
+
+    async def acquire(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._permits == 0:
+            self._changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        self._permits -= 1
+        return True
+
+    def give_back(self) -> None:
+        self._permits += 1
+        self._changed.set()
+
+
+class PermitChannel:
+    """A ``GroupChannel`` that hands out a group of ``inner`` only against a permit of ``admission``; a poll
+    that finds no group gives the permit back."""
+
+    def __init__(self, inner, admission: PermitAdmission):
+        self.inner, self.admission = inner, admission
+
+    async def take_group(self, timeout_s: float):
+        if not await self.admission.acquire(timeout_s):
+            return None
+        group = await self.inner.take_group(timeout_s)
+        if group is None:
+            self.admission.give_back()
+        return group
+
+    async def put_group(self, result) -> None:
+        await self.inner.put_group(result)

@@ -20,15 +20,13 @@ from rollers.roller import (
     REWARD_BASELINES,
     GroupResult,
     LocalGroupChannel,
-    OpenAdmission,
-    PermitAdmission,
     PromptGroup,
     Roller,
     build_response_fields,
     sample_seed,
 )
 from rollers.torch_engine import TorchEngine
-from tests.rollers.engine_helpers import run, spiced_tiny
+from tests.rollers.engine_helpers import PermitAdmission, PermitChannel, run, spiced_tiny
 
 N = 4
 
@@ -110,7 +108,7 @@ async def _roll(model, tok, groups, reward_fn=tiny_repeat_reward, slots=16, **kw
     channel = LocalGroupChannel()
     for group in groups:
         channel.groups.put_nowait(group)
-    roller = Roller(engine, tok, reward_fn, rollout, channel, admission=OpenAdmission(),
+    roller = Roller(engine, tok, reward_fn, rollout, channel,
                     max_groups_in_flight=max(1, slots // N), poll_timeout_s=0.05, **kwargs)
     try:
         await roller.run(max_groups=len(groups))
@@ -238,12 +236,12 @@ def test_permits_gate_group_starts(model, tok):
         for i in range(3):
             channel.groups.put_nowait(make_group(tok, i))
         admission = PermitAdmission()
-        roller = Roller(engine, tok, tiny_repeat_reward, RolloutConfig(n=N, max_response_length=4), channel,
-                        admission=admission, poll_timeout_s=0.05)
+        roller = Roller(engine, tok, tiny_repeat_reward, RolloutConfig(n=N, max_response_length=4),
+                        PermitChannel(channel, admission), poll_timeout_s=0.05)
         task = asyncio.create_task(roller.run())
         await asyncio.sleep(0.3)
         assert channel.results.empty() and channel.groups.qsize() == 3  # no permit, nothing taken
-        roller.grant(2)
+        admission.grant(2)
         first = await asyncio.wait_for(channel.results.get(), 30)
         second = await asyncio.wait_for(channel.results.get(), 30)
         await asyncio.sleep(0.3)
@@ -307,7 +305,7 @@ def _scripted_roller(tok, script, **rollout_kwargs):
     engine = ScriptedEngine(script)
     channel = LocalGroupChannel()
     rollout = RolloutConfig(n=1, max_response_length=8, temperature=1.0, **rollout_kwargs)
-    roller = Roller(engine, tok, lambda t, g: 1.0, rollout, channel, admission=OpenAdmission(),
+    roller = Roller(engine, tok, lambda t, g: 1.0, rollout, channel,
                     poll_timeout_s=0.05)
     return engine, channel, roller
 
@@ -374,7 +372,7 @@ def test_abort_during_weight_update_records_both_versions(tok):
         channel = LocalGroupChannel()
         group = make_group(tok, 0, n=1)
         rollout = RolloutConfig(n=1, max_response_length=200, temperature=1.0)
-        roller = Roller(engine, tok, lambda t, g: 1.0, rollout, channel, admission=OpenAdmission(),
+        roller = Roller(engine, tok, lambda t, g: 1.0, rollout, channel,
                         poll_timeout_s=0.05)
         roller._stop_ids = ()  # let the sample run long enough to be interrupted
         channel.groups.put_nowait(group)
@@ -431,11 +429,10 @@ def test_ray_actor_rolls_groups_and_reports(ray_cluster, tok):
     actor = remote_roller(num_cpus=0.1).remote(
         ModelConfig(path="tiny"), RolloutConfig(n=N, max_response_length=4), RollersConfig(num_threads=1,
                                                                                            max_batch_slots=8),
-        "tiny-repeat", lambda: RayQueueChannel(groups_q, results_q), admission="permits",
+        "tiny_repeat", lambda: RayQueueChannel(groups_q, results_q),
     )
     try:
         ray.get(actor.start.remote(), timeout=60)
-        ray.get(actor.grant.remote(2), timeout=10)
         got = [results_q.get(timeout=60) for _ in range(2)]
         assert sorted(r.uid for r in got) == ["uid0", "uid1"]
         assert all(r.fields[schema.RESPONSES].shape[0] == N for r in got)
@@ -484,7 +481,7 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
             engine = TorchEngine(model, tok, max_batch_slots=8)
             channel = TQGroupChannel(client, "step0", n=N)
             roller = Roller(engine, tok, tiny_repeat_reward, RolloutConfig(n=N, max_response_length=5), channel,
-                            admission=OpenAdmission(), max_groups_in_flight=2, poll_timeout_s=0.2)
+                            max_groups_in_flight=2, poll_timeout_s=0.2)
             assert await roller.run(max_groups=3) == 3
             await engine.shutdown()
             roller.close()

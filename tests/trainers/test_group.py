@@ -15,9 +15,9 @@ from tests.trainers._trainer_batches import (
     single_rank_group,
     with_training_fields,
 )
+from tests.trainers.tensor_group import TensorTrainerGroup
 from trainers.batching import shard_for_ranks
 from trainers.config import AlgorithmConfig, TrainerConfig
-from trainers.group import TrainerGroup
 from trainers.worker import TrainerWorker
 
 TINY = ModelConfig(path="tiny")
@@ -30,7 +30,7 @@ ALGORITHM = AlgorithmConfig(adv_estimator="reinforce_plus_plus")  # batch whiten
 
 @pytest.fixture(scope="module")
 def group(ray_cluster):
-    g = TrainerGroup(TrainerConfig(num_ranks=2, **TRAINER), ALGORITHM, TINY, temperature=0.9,
+    g = TensorTrainerGroup(TrainerConfig(num_ranks=2, **TRAINER), ALGORITHM, TINY, temperature=0.9,
                      max_response_length=5)
     linear_adam(g)
     yield g

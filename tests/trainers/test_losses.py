@@ -17,9 +17,10 @@ from trainers.losses import (
     value_loss,
 )
 from trainers.metrics import (
-    compute_data_metrics,
     count_tokens_and_seqs,
     masked_mean,
+    masked_stats,
+    masked_sum,
     masked_whiten,
     weighted_average,
 )
@@ -267,6 +268,40 @@ def test_log_probs_from_logits_matches_log_softmax():
 
 # ---------------------------------------------------------------------------------------------------------
 # metrics helpers
+
+
+def compute_data_metrics(
+    response_mask: torch.Tensor,
+    *,
+    advantages: torch.Tensor | None = None,
+    returns: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    token_level_scores: torch.Tensor | None = None,
+    token_level_rewards: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Batch statistics of one update's data, over valid tokens only (a test-only composition of the
+    metric helpers; the worker reports its own, ``TrainerWorker.compute_advantages``/``update_actor``).
+
+    All tensors ``(batch, response_len)``. Token-level fields give ``advantages/*``, ``returns/*`` and
+    ``values/*`` (mean/max/min over valid tokens); scores and rewards are summed per sequence first
+    (``score/*``, ``reward/*``: per-sample totals over sequences with a valid token). Always includes
+    ``response_length/mean|max|min`` (valid tokens per sequence) and ``num_tokens`` / ``num_seqs``.
+    """
+    metrics: dict[str, float] = {}
+    for name, tensor in (("advantages", advantages), ("returns", returns), ("values", values)):
+        if tensor is not None:
+            metrics.update(masked_stats(tensor, response_mask, name))
+    num_tokens, num_seqs = count_tokens_and_seqs(response_mask)
+    seq_valid = response_mask.bool().any(dim=-1, keepdim=True)
+    for name, tensor in (("score", token_level_scores), ("reward", token_level_rewards)):
+        if tensor is not None:
+            per_seq = masked_sum(tensor, response_mask, dim=-1).unsqueeze(-1)
+            metrics.update(masked_stats(per_seq, seq_valid, name))
+    lengths = response_mask.bool().sum(dim=-1, keepdim=True).float()
+    metrics.update(masked_stats(lengths, torch.ones_like(seq_valid), "response_length"))
+    metrics["num_tokens"] = float(num_tokens)
+    metrics["num_seqs"] = float(num_seqs)
+    return metrics
 
 
 def test_data_metrics_use_valid_tokens_only():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from tests.transferqueue.ray_servers import start_transferqueue_ray
 from transferqueue import TQClient
 from transferqueue.config import TransferQueueConfig
-from transferqueue.launch import start_transferqueue_ray
 
 
 def _roller_step(handle_dict: dict) -> list[int]:
