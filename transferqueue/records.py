@@ -28,7 +28,9 @@ class Closed(TQError):
 
 
 class Full(TQError):
-    """A storage unit stayed at capacity for longer than the put's timeout; nothing of the put was kept."""
+    """A storage unit is at capacity. Raised inside the unit (sent to the client as a ``full`` error reply,
+    which the client retries) and by a client put whose units stayed full for longer than its timeout
+    (nothing of the put was kept)."""
 
 
 class RemoteError(TQError):

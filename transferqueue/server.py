@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from transferqueue import wire
-from transferqueue.records import CurveKeys
+from transferqueue.records import CurveKeys, Full
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +136,10 @@ class RouterServer:
             if self.after_reply is not None:  # e.g. join a p2p group or start sends the reply announced
                 self.after_reply()
         except Exception as exc:  # every failure becomes an error reply; the loop keeps serving
-            if not isinstance(exc, ValueError | wire.WireError | TypeError | KeyError):
+            if not isinstance(exc, ValueError | wire.WireError | TypeError | KeyError | Full):
                 logger.exception("%s failed", op)
             self.send(identity, {"ok": False, "rid": rid, "error": f"{type(exc).__name__}: {exc}",
-                                 "full": bool(getattr(exc, "full", False))})
+                                 "full": isinstance(exc, Full)})
         stat = self.requests.setdefault(op if len(self.requests) < 64 or op in self.requests else "?", [0, 0.0, 0.0])
         dt = time.perf_counter() - t0
         stat[0] += 1

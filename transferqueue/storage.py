@@ -42,19 +42,13 @@ from transferqueue.chunks import (
     chunks_of_column,
     contiguous_runs,
 )
-from transferqueue.records import CurveKeys
+from transferqueue.records import CurveKeys, Full
 from transferqueue.server import Reply, RouterServer
 from transferqueue.shm_layout import HEADER, SHM_DIR, node_id, size_class
 from transferqueue.wire import as_ids, id_range
 
 CHUNK_COST = 512  # bookkeeping bytes a chunk is counted as (a Chunk object and its table entry)
 ROW_COST = 128  # ... and each row of a chunk that keeps per-row offsets, sizes and shapes
-
-
-class FullError(ValueError):
-    """Capacity exceeded (sent to the client as ``full``)."""
-
-    full = True
 
 
 class ShmBlock:
@@ -123,12 +117,12 @@ class StorageUnit(RouterServer):
     # ----------------------------------------------------------------------------------- capacity
     def _reserve(self, nbytes: int, revoke_spares: bool = True) -> None:
         """Count ``nbytes`` more as used, making room by destroying pooled blocks and (``revoke_spares``)
-        spare blocks nobody wrote yet. Raises FullError, destroying nothing, when that would not suffice."""
+        spare blocks nobody wrote yet. Raises Full, destroying nothing, when that would not suffice."""
         spares = [n for n, (_, _, spare) in self.pending.items() if spare] if revoke_spares else []
         reclaimable = sum(size * len(pool) for size, pool in self.free.items()) + sum(b.size for b in self.draining)
         reclaimable += sum(self.pending[n][0].size for n in spares)
         if self.used_bytes - reclaimable + nbytes > self.capacity_bytes:
-            raise FullError(f"storage unit full: {self.used_bytes} of {self.capacity_bytes} bytes used, "
+            raise Full(f"storage unit full: {self.used_bytes} of {self.capacity_bytes} bytes used, "
                             f"{nbytes} more requested")
         while self.used_bytes + nbytes > self.capacity_bytes and self.free:
             size = max(self.free)
@@ -228,7 +222,7 @@ class StorageUnit(RouterServer):
         """Lease a block of at least ``nbytes`` to one client until ``lease_s`` from now (then it is
         destroyed unless a put used it). A ``spare`` (asked for in advance by a put) is taken back when the
         unit needs its space, and never takes another client's spare. Raises WireError for a bad size,
-        FullError when it does not fit."""
+        Full when it does not fit."""
         if not isinstance(nbytes, int) or nbytes < 0:
             raise wire.WireError(f"{what}: nbytes must be a non-negative int, got {nbytes!r}")
         size = HEADER + size_class(max(nbytes - HEADER, 0))  # the header rides on top of a data size class
@@ -274,7 +268,7 @@ class StorageUnit(RouterServer):
                     raise ValueError(f"put: field {c['name']!r} already stored for some of these ids")
             meta = CHUNK_COST * len(runs) * len(cols) + ROW_COST * n * per_row
             if self.meta_bytes + meta > self.capacity_bytes:
-                raise FullError(f"storage unit full: bookkeeping of stored rows takes {self.meta_bytes} of "
+                raise Full(f"storage unit full: bookkeeping of stored rows takes {self.meta_bytes} of "
                                 f"{self.capacity_bytes} bytes, this put's {meta} more")
             shm = header.get("shm")
             if link is not None:
@@ -304,7 +298,7 @@ class StorageUnit(RouterServer):
         if lease is not None:  # the block for the client's next shared-memory put: saves it an alloc
             try:
                 reply["lease"] = self._lease(lease, "put: lease", spare=True)
-            except FullError:
+            except Full:
                 pass  # the put itself succeeded; the next one allocates (and waits) as usual
         return reply, []
 
@@ -344,7 +338,7 @@ class StorageUnit(RouterServer):
 
     def _shm_placement(self, cols: list[dict], shm) -> tuple[Holder, list]:
         if isinstance(shm, dict) and shm.get("block") in self.gone:
-            raise FullError(f"put: block {shm['block']} was taken back (lease ended or room needed); "
+            raise Full(f"put: block {shm['block']} was taken back (lease ended or room needed); "
                             "allocate again")
         if not isinstance(shm, dict) or shm.get("block") not in self.pending:
             raise wire.WireError("put: shm.block must name a block allocated to this client and not yet used")

@@ -281,7 +281,8 @@ def test_zero_byte_rows_count_their_bookkeeping_against_the_units_capacity():
     """Rows of zero bytes take no buffer but do take chunks: puts of them are answered ``full`` once their
     bookkeeping would pass ``capacity_bytes`` (before, they grew a unit's memory without bound), and
     clearing them gives the room back."""
-    from transferqueue.storage import CHUNK_COST, FullError
+    from transferqueue.records import Full
+    from transferqueue.storage import CHUNK_COST
 
     unit = StorageUnit("tcp://127.0.0.1:0", 64 * CHUNK_COST)
     scattered = list(range(0, 64, 2))  # 32 runs: one chunk each
@@ -289,7 +290,7 @@ def test_zero_byte_rows_count_their_bookkeeping_against_the_units_capacity():
     try:
         unit.handle(b"A", {"op": "put", "ids": scattered, "columns": [col]}, [zmq.Frame(b"")])
         unit.handle(b"A", {"op": "put", "ids": scattered, "columns": [dict(col, name="f1")]}, [zmq.Frame(b"")])
-        with pytest.raises(FullError, match="bookkeeping"):
+        with pytest.raises(Full, match="bookkeeping"):
             unit.handle(b"A", {"op": "put", "ids": scattered, "columns": [dict(col, name="f2")]}, [zmq.Frame(b"")])
         assert unit.meta_bytes == 64 * CHUNK_COST and unit.used_bytes == 0
         unit.handle(b"A", {"op": "clear", "ids": scattered, "fields": ["f0"]}, [])
