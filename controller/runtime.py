@@ -23,7 +23,9 @@ from controller.config import HFlowConfig
 
 logger = logging.getLogger(__name__)
 
-PARTITION = "train"
+# The TransferQueue partition holding a run's samples. Not "train": that is the trainer's consumer task
+# (``controller.schedules.TRAIN_TASK``; the rollers' is "rollout"), the label of hflow_queue_depth{task}.
+PARTITION = "samples"
 
 
 class Runtime:

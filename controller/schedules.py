@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 TRAIN_FIELDS = [schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES, schema.RESPONSE_MASK,
                 schema.ROLLOUT_LOG_PROBS, schema.TOKEN_LEVEL_SCORES]
 REWARD_TAG = "reward"
+TRAIN_TASK = "train"  # the trainer's consumer task in the TransferQueue (the rollers' is "rollout")
 POLL_S = 0.5
 CORRECT = 0.999  # a sample counts as correct when its reward reaches this (rewards are in [0, 1])
 
@@ -126,7 +127,7 @@ class Stages:
         while len(metas) + skipped < num_groups:
             if self.exhausted and len(metas) >= self.outstanding:
                 break  # no prompt left to come: every group still outstanding is here
-            meta = await self.rt.tq.aget_meta(TRAIN_FIELDS, self.n, "train", PARTITION, sampler="group_complete",
+            meta = await self.rt.tq.aget_meta(TRAIN_FIELDS, self.n, TRAIN_TASK, PARTITION, sampler="group_complete",
                                               options={"group_size": self.n}, timeout_s=POLL_S)
             if len(meta) == 0:
                 skipped += await self.check_rollers()

@@ -213,7 +213,7 @@ class FixedKLController:
             raise ValueError(f"algorithm.kl_in_reward_coef must be >= 0, got {kl_coef}")
         self.value = float(kl_coef)
 
-    def update(self, current_kl: float, n_steps: int) -> float:
+    def update(self, current_kl: float, num_samples: int) -> float:
         return self.value
 
     def state_dict(self) -> dict[str, float]:
@@ -226,8 +226,8 @@ class FixedKLController:
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019, sec. 2.2; lm-human-preferences ``AdaptiveKLController``).
 
-    After each step with measured KL ``current_kl`` over ``n_steps`` samples:
-    ``e = clip(current_kl / target_kl - 1, -0.2, 0.2)``; ``value *= 1 + e * n_steps / horizon``.
+    After each step with measured KL ``current_kl`` over ``num_samples`` samples:
+    ``e = clip(current_kl / target_kl - 1, -0.2, 0.2)``; ``value *= 1 + e * num_samples / horizon``.
     ``target_kl`` is in the units of ``apply_kl_in_reward``'s ``kl_in_reward/kl`` (nats per token).
     ``state_dict``/``load_state_dict`` carry ``value`` through checkpoints.
     """
@@ -243,12 +243,12 @@ class AdaptiveKLController:
         self.target_kl = float(target_kl)
         self.horizon = int(horizon)
 
-    def update(self, current_kl: float, n_steps: int) -> float:
-        """Adapt ``value`` and return it. ``n_steps``: samples (or steps) the measurement covers, >= 0."""
-        if n_steps < 0:
-            raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+    def update(self, current_kl: float, num_samples: int) -> float:
+        """Adapt ``value`` and return it. ``num_samples``: samples the measurement covers (the ``n_steps`` of Ziegler et al.), >= 0."""
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        self.value *= 1.0 + error * num_samples / self.horizon
         return self.value
 
     def state_dict(self) -> dict[str, float]:

@@ -216,7 +216,7 @@ class TrainerWorker:
                 rewards, every[schema.OLD_LOG_PROBS], every[schema.REF_LOG_PROB], mask,
                 kl_coef=self.kl_controller.value, estimator=algo.kl_in_reward_estimator)
             metrics.update(kl_metrics)
-            self.kl_controller.update(kl_metrics["kl_in_reward/kl"], n_steps=len(uid))
+            self.kl_controller.update(kl_metrics["kl_in_reward/kl"], num_samples=len(uid))
         advantages, returns = _estimate_advantages(
             self.estimator, token_level_rewards=rewards, response_mask=mask, gamma=algo.gamma, lam=algo.lam,
             norm_adv_by_std=algo.norm_adv_by_std, uid=uid, **{f: every[f] for f in inputs})

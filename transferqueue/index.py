@@ -328,9 +328,10 @@ class MetadataIndex:
         subs[key] = sub
         return sub
 
-    def get_meta(self, partition: str, fields: list[str], batch_size: int, task: str, sampler: str = "sequential",
+    def get_meta(self, fields: list[str], batch_size: int, task: str, partition: str, sampler: str = "sequential",
                  options: dict | None = None) -> BatchMeta:
-        """Hand out ``batch_size`` ready samples unconsumed by ``task`` and mark them consumed by it.
+        """Hand out ``batch_size`` ready samples of ``partition`` unconsumed by ``task`` and mark them consumed
+        by it (arguments in the order of ``TQClient.get_meta``).
 
         Returns an empty BatchMeta with ``reason`` set when the sampler cannot fill the batch yet. Raises
         ValueError for a bad batch size, empty fields, or an unknown sampler.

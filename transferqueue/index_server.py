@@ -109,8 +109,8 @@ class IndexServer(RouterServer):
         if not isinstance(options, dict):
             raise wire.WireError("get_meta: options must be a map")
         fields = header.get("fields")
-        return self.index.get_meta(header.get("partition"), list(fields) if isinstance(fields, list) else fields,
-                                   header.get("batch_size"), header.get("task"),
+        return self.index.get_meta(list(fields) if isinstance(fields, list) else fields, header.get("batch_size"),
+                                   header.get("task"), header.get("partition"),
                                    header.get("sampler", "sequential"), options)
 
     def _answer(self, entry: tuple, expired: bool) -> bool:

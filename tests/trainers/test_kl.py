@@ -145,9 +145,9 @@ def test_apply_kl_in_reward_hand_computed():
 
 def test_adaptive_controller_follows_ziegler_update():
     ctrl = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.1, horizon=100)
-    assert ctrl.update(current_kl=0.2, n_steps=10) == pytest.approx(0.1 * 1.02)  # error clipped to +0.2
-    assert ctrl.update(current_kl=0.11, n_steps=10) == pytest.approx(0.1 * 1.02 * 1.01)  # error 0.1
-    assert ctrl.update(current_kl=0.0, n_steps=50) == pytest.approx(0.1 * 1.02 * 1.01 * 0.9)  # -0.2 * 0.5
+    assert ctrl.update(current_kl=0.2, num_samples=10) == pytest.approx(0.1 * 1.02)  # error clipped to +0.2
+    assert ctrl.update(current_kl=0.11, num_samples=10) == pytest.approx(0.1 * 1.02 * 1.01)  # error 0.1
+    assert ctrl.update(current_kl=0.0, num_samples=50) == pytest.approx(0.1 * 1.02 * 1.01 * 0.9)  # -0.2 * 0.5
     restored = AdaptiveKLController(init_kl_coef=1.0, target_kl=0.1, horizon=100)
     restored.load_state_dict(ctrl.state_dict())
     assert restored.value == ctrl.value
@@ -157,7 +157,7 @@ def test_adaptive_controller_follows_ziegler_update():
 
 def test_fixed_controller_and_factory():
     ctrl = FixedKLController(0.05)
-    assert ctrl.update(current_kl=10.0, n_steps=1000) == 0.05
+    assert ctrl.update(current_kl=10.0, num_samples=1000) == 0.05
     assert isinstance(make_kl_controller(AlgorithmConfig()), FixedKLController)
     adaptive = make_kl_controller(AlgorithmConfig(kl_ctrl_type="adaptive", kl_in_reward_coef=0.2, kl_target=3.0,
                                                   kl_horizon=50))

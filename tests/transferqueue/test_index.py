@@ -35,38 +35,38 @@ def test_group_complete_hands_out_only_whole_groups_in_group_order():
         if sid is not None:
             put(ix, "p", [sid], fields=("responses",))
     fields = ["input_ids", "responses"]
-    meta = ix.get_meta("p", fields, 8, "train", "group_complete", {"group_size": 4})
+    meta = ix.get_meta(fields, 8, "train", "p", "group_complete", {"group_size": 4})
     assert meta.sample_ids == groups["A"] + groups["C"]
     assert [t["uid"] for t in meta.tags] == ["A"] * 4 + ["C"] * 4
     # nothing complete is left: empty with a clear reason, never an error; consumed groups not re-served
-    again = ix.get_meta("p", fields, 4, "train", "group_complete")
+    again = ix.get_meta(fields, 4, "train", "p", "group_complete")
     assert again.sample_ids == [] and "insufficient complete groups" in again.reason
     put(ix, "p", groups["B"][2:], fields=("responses",))
-    assert ix.get_meta("p", fields, 4, "train", "group_complete").sample_ids == groups["B"]
+    assert ix.get_meta(fields, 4, "train", "p", "group_complete").sample_ids == groups["B"]
 
 
 def test_group_complete_waits_with_only_one_group():
     ix = MetadataIndex()
     groups = make_groups(ix)
     put(ix, "p", groups["A"], fields=("responses",))
-    meta = ix.get_meta("p", ["input_ids", "responses"], 8, "train", "group_complete")
+    meta = ix.get_meta(["input_ids", "responses"], 8, "train", "p", "group_complete")
     assert len(meta) == 0 and "insufficient complete groups: 4 samples" in meta.reason
     with pytest.raises(ValueError, match="group_size"):
-        ix.get_meta("p", ["input_ids", "responses"], 6, "train", "group_complete", {"group_size": 4})
+        ix.get_meta(["input_ids", "responses"], 6, "train", "p", "group_complete", {"group_size": 4})
 
 
 def test_consumption_is_per_task_and_resettable():
     ix = MetadataIndex()
     ids = ix.prepare_put("p", None, 6, ["x"])
     put(ix, "p", ids, fields=("x",))
-    first = ix.get_meta("p", ["x"], 4, "rollout")
+    first = ix.get_meta(["x"], 4, "rollout", "p")
     assert first.sample_ids == ids[:4]
-    assert ix.get_meta("p", ["x"], 2, "rollout").sample_ids == ids[4:]
-    assert ix.get_meta("p", ["x"], 1, "rollout").reason.startswith("insufficient ready samples")
-    assert ix.get_meta("p", ["x"], 6, "train").sample_ids == ids  # another task still sees them
+    assert ix.get_meta(["x"], 2, "rollout", "p").sample_ids == ids[4:]
+    assert ix.get_meta(["x"], 1, "rollout", "p").reason.startswith("insufficient ready samples")
+    assert ix.get_meta(["x"], 6, "train", "p").sample_ids == ids  # another task still sees them
     ix.reset_consumption("p", "rollout")
     ix.reset_consumption("p", "rollout")  # idempotent
-    assert ix.get_meta("p", ["x"], 6, "rollout").sample_ids == ids
+    assert ix.get_meta(["x"], 6, "rollout", "p").sample_ids == ids
     assert ix.consumed == {"rollout": 12, "train": 6}
 
 
@@ -76,9 +76,9 @@ def test_clear_is_idempotent_and_cleared_ids_are_never_served_again():
     put(ix, "a", a, fields=("x",))
     assert ix.clear("a", a[:2]) == a[:2]
     assert ix.clear("a", a[:2]) == []
-    assert ix.get_meta("a", ["x"], 2, "t").sample_ids == a[2:]
+    assert ix.get_meta(["x"], 2, "t", "a").sample_ids == a[2:]
     ix.reset_consumption("a", "t")
-    assert ix.get_meta("a", ["x"], 3, "t").sample_ids == []
+    assert ix.get_meta(["x"], 3, "t", "a").sample_ids == []
     assert ix.clear("a") == a[2:] and ix.clear("a") == []
     b = ix.prepare_put("a", None, 4, ["x"])  # same partition name again: fresh ids
     assert set(b).isdisjoint(a)
@@ -140,7 +140,7 @@ def test_seqlen_balanced_partitions_equal_counts_and_near_equal_tokens():
     ids = ix.prepare_put("p", None, 8, ["responses"])
     ix.notify("p", ids, [{"name": "responses", "dtype": "int8", "shapes": [[n] for n in lengths],
                           "nbytes": sum(lengths), "count": 8}], None)
-    meta = ix.get_meta("p", ["responses"], 8, "train", "seqlen_balanced", {"num_ranks": 4})
+    meta = ix.get_meta(["responses"], 8, "train", "p", "seqlen_balanced", {"num_ranks": 4})
     per_rank = [sum(lengths[ids.index(i)] for i in m.sample_ids) for m in meta.chunk(4)]
     assert max(per_rank) - min(per_rank) <= 5 and [len(m) for m in meta.chunk(4)] == [2, 2, 2, 2]
 
@@ -157,9 +157,9 @@ def test_custom_sampler_plugs_in():
     ix = MetadataIndex()
     ids = ix.prepare_put("p", None, 5, ["x"])
     put(ix, "p", ids, fields=("x",))
-    assert ix.get_meta("p", ["x"], 2, "t", "test-newest").sample_ids == ids[-2:]
+    assert ix.get_meta(["x"], 2, "t", "p", "test-newest").sample_ids == ids[-2:]
     with pytest.raises(ValueError, match="unknown sampler"):
-        ix.get_meta("p", ["x"], 2, "t", "nope")
+        ix.get_meta(["x"], 2, "t", "p", "nope")
 
 
 def test_chunking_three_samples_for_four_workers():
@@ -270,7 +270,7 @@ def test_random_puts_gets_and_clears_keep_subscriptions_consistent():
                 assert "already" in str(exc) or "write-once" in str(exc) or "cleared" in str(exc)
         elif op < 0.8:
             fields = rng.sample(["x", "y", "z"], rng.randint(1, 2))
-            ix.get_meta("p", fields, rng.randint(1, 3), rng.choice(["t1", "t2"]),
+            ix.get_meta(fields, rng.randint(1, 3), rng.choice(["t1", "t2"]), "p",
                         rng.choice(["sequential", "group_complete"]))
         elif op < 0.97 and live:
             ix.clear("p", rng.sample(live, rng.randint(1, min(5, len(live)))))
@@ -288,5 +288,5 @@ def test_sample_moved_into_a_complete_group_is_counted():
     assert sub.complete == {"a": 1, ("sample", ids[1]): 1} and sub.complete_samples == 2
     put(ix, "p", ids[1:], fields=("y",), tags=[{"uid": "a"}])  # joins group a, which stays complete
     assert sub.complete == {"a": 2} and sub.complete_samples == 2
-    meta = ix.get_meta("p", ["x"], 2, "train", "group_complete", {"group_size": 2})
+    meta = ix.get_meta(["x"], 2, "train", "p", "group_complete", {"group_size": 2})
     assert meta.sample_ids == ids and sub.complete_samples == 0

@@ -247,11 +247,11 @@ def test_fields_per_partition_and_tasks_are_bounded_and_a_refused_notify_changes
         ix.notify("p", [start + 2, start + 3], [_col("c", 2), _col("d", 2)], None, new=True)
     assert ix.reservations.used[start] == bytearray([1, 1, 0, 0]) and sorted(ix.partitions["p"].bits) == ["a", "b"]
     ix.notify("p", [start + 2, start + 3], [_col("a", 2), _col("c", 2)], None, new=True)  # 3 fields: fine
-    ix.get_meta("p", ["a"], 1, "t1")
-    ix.get_meta("p", ["a"], 1, "t2")
+    ix.get_meta(["a"], 1, "t1", "p")
+    ix.get_meta(["a"], 1, "t2", "p")
     with pytest.raises(ValueError, match="max_tasks=2"):
-        ix.get_meta("p", ["a"], 1, "t3")
-    assert ix.get_meta("p", ["a"], 1, "t1").sample_ids == [start + 1]  # known tasks still served
+        ix.get_meta(["a"], 1, "t3", "p")
+    assert ix.get_meta(["a"], 1, "t1", "p").sample_ids == [start + 1]  # known tasks still served
 
 
 def test_subscriptions_are_a_bounded_cache_that_evicts_the_least_recently_used():
@@ -260,13 +260,13 @@ def test_subscriptions_are_a_bounded_cache_that_evicts_the_least_recently_used()
     ix = MetadataIndex(TransferQueueConfig(max_subscriptions=2))
     start = ix.reserve(6)
     ix.notify("p", list(range(start, start + 6)), [_col("a", 6), _col("b", 6), _col("c", 6)], None, new=True)
-    assert ix.get_meta("p", ["a"], 2, "t").sample_ids == [start, start + 1]
-    ix.get_meta("p", ["b"], 1, "u")
-    ix.get_meta("p", ["a"], 1, "u")  # (t, a) is now the least recently used
-    ix.get_meta("p", ["c"], 1, "v")
+    assert ix.get_meta(["a"], 2, "t", "p").sample_ids == [start, start + 1]
+    ix.get_meta(["b"], 1, "u", "p")
+    ix.get_meta(["a"], 1, "u", "p")  # (t, a) is now the least recently used
+    ix.get_meta(["c"], 1, "v", "p")
     part = ix.partitions["p"]
     assert len(part.subs) == 2 and (ix.task_bits["t"], part.bits["a"]) not in part.subs
-    assert ix.get_meta("p", ["a"], 2, "t").sample_ids == [start + 2, start + 3]
+    assert ix.get_meta(["a"], 2, "t", "p").sample_ids == [start + 2, start + 3]
 
 
 @pytest.mark.parametrize("key,value", [("max_request_ids", 100), ("max_request_ids", 0), ("max_fields", -1),
