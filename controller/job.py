@@ -71,14 +71,19 @@ def num_batches(cfg: HFlowConfig) -> int:
 
 
 def check_data(cfg: HFlowConfig) -> int:
-    """Load the dataset as the feeder will and check it provides the run's steps; returns its size.
-    Raises StartError naming the dataset size, ``data.train_batch_size``, ``data.epochs`` and
-    ``trainer.total_steps`` (or the offending row) before any pool starts."""
-    from common.models import load_tokenizer
+    """Load the dataset as the feeder will and check it provides the run's steps and fits the model;
+    returns its size. Raises StartError naming the dataset size, ``data.train_batch_size``, ``data.epochs``
+    and ``trainer.total_steps``, the offending row (too long, or no room left by the context length), or
+    ``rollout.top_k`` beyond the vocabulary, before any pool starts."""
+    from common.models import load_hf_config, load_tokenizer
     from controller.data import PromptDataset
+    from rollers.torch_engine import context_length
 
     try:
+        hf_config = load_hf_config(cfg.model)
+        cfg.rollout.check_model(int(hf_config.vocab_size))
         dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
+        dataset.check_context(context_length(hf_config))
         dataset.check_total_steps(num_batches(cfg))
     except ValueError as exc:
         raise StartError(str(exc)) from exc

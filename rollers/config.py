@@ -45,6 +45,13 @@ class RolloutConfig:
         if self.max_response_length < 1:
             raise ValueError(f"rollout.max_response_length must be >= 1, got {self.max_response_length}")
 
+    def check_model(self, vocab_size: int) -> None:
+        """The checks that need the model: ``rollout.top_k`` at most ``vocab_size`` (the model's vocabulary).
+        Raises ValueError naming the key; run at start, before any pool (``controller.job.check_data``)."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"rollout.top_k={self.top_k} exceeds the model's vocabulary of {vocab_size} tokens; "
+                             f"accepted: -1 (off) or 1 .. {vocab_size}")
+
 
 @dataclass
 class RollersConfig:

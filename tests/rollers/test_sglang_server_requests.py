@@ -1,0 +1,125 @@
+"""Hostile requests to our SGLang-API server (``rollers.sglang_server``) over real HTTP (issue #12): each
+bad request gets a 400 naming what is wrong while good requests in flight are served, ``/health`` stays
+200, and nothing a request says can make the server wait forever."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from common.models import ModelConfig, load_model, load_tokenizer
+from rollers.engine import GenerationRequest, SamplingParams
+from rollers.sglang_engine import SGLangEngine
+from rollers.sglang_launcher import SGLangLauncher
+from rollers.torch_engine import TorchEngine
+from tests.rollers.engine_helpers import TIMEOUT_S, run
+
+MODEL = ModelConfig(path="tiny")  # vocabulary < 100 words, context length 512
+PROMPT = [1, 5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def url(request):
+    launcher = SGLangLauncher("torch", MODEL, max_batch_slots=8, startup_timeout_s=TIMEOUT_S)
+    request.addfinalizer(lambda: asyncio.run(launcher.stop()))
+    return asyncio.run(launcher.start())
+
+
+def _greedy(rid: str, n: int) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(PROMPT), SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+
+
+def _generate(sampling: dict, input_ids=PROMPT) -> str:
+    return json.dumps({"input_ids": input_ids, "sampling_params": sampling})
+
+
+# Raw bodies: Python's json (the server's parser) reads the non-standard literals NaN and Infinity.
+BAD_GENERATE = [
+    ('{"input_ids": [1, 5], "sampling_params": {"temperature": NaN}}', "temperature"),
+    ('{"input_ids": [1, 5], "sampling_params": {"temperature": Infinity}}', "temperature"),
+    ('{"input_ids": [1, 5], "sampling_params": {"top_p": NaN}}', "top_p"),
+    ('{"input_ids": [1, 5], "sampling_params": {"max_new_tokens": Infinity}}', "max_new_tokens"),
+    (_generate({"top_k": 10**6}), "top_k=1000000 exceeds the vocabulary"),
+    (_generate({"top_k": 10**6, "max_new_tokens": 2}) [:-1] + ', "stream": true}', "top_k"),
+    (_generate({"sampling_seed": 2**70}), "seed"),
+    (_generate({"stop_token_ids": [10**6]}), "stop_token_ids"),
+    (_generate({"stop_token_ids": [-1]}), "stop_token_ids"),
+    (_generate({"max_new_tokens": "5"}), "max_new_tokens"),
+    (_generate({"temperature": "hot"}), "temperature"),
+    (_generate({}, input_ids=[]), "input_ids is empty"),
+    (_generate({}, input_ids=[1] * 512), "no room for a response"),
+    (_generate({}, input_ids=[-1]), "outside the vocabulary"),
+]
+BAD_CONTROL = [
+    ("/destroy_weights_update_group", {"group_name": [1]}, "group_name"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]],
+                                          "group_name": {"x": 1}}, "group_name"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1,
+                                    "world_size": 2, "backend": "gloo", "group_name": ["g"]}, "group_name"),
+    ("/update_weights_from_disk", {"model_path": 5}, "model_path"),
+]
+
+
+def test_bad_requests_between_good_ones_get_400_and_the_good_ones_are_served(url):
+    async def main():
+        async with aiohttp.ClientSession() as http:
+            client = SGLangEngine(url)
+            await client.connect(timeout_s=30)
+            try:
+                progressed = asyncio.Event()
+
+                async def consume(rid):
+                    last = None
+                    async for last in client.stream(_greedy(rid, 60)):
+                        if len(last.output_ids) >= 2:
+                            progressed.set()
+                    return last
+
+                good = [asyncio.create_task(consume(f"good{i}")) for i in range(2)]
+                await asyncio.wait_for(progressed.wait(), 30)
+                for body, needle in BAD_GENERATE:
+                    async with http.post(url + "/generate", data=body,
+                                         headers={"Content-Type": "application/json"}) as r:
+                        answer = await r.json()
+                        assert r.status == 400 and needle in answer["message"], (body[:80], answer)
+                    async with http.get(url + "/health") as r:
+                        assert r.status == 200, body[:80]
+                for path, body, needle in BAD_CONTROL:
+                    async with http.post(url + path, json=body) as r:
+                        answer = await r.json()
+                        assert r.status == 400 and needle in answer["message"], (path, answer)
+                for timeout in ("nan", "inf", "-1", "1e12"):
+                    started = time.monotonic()
+                    async with http.post(url + "/flush_cache", params={"timeout": timeout}) as r:
+                        assert r.status == 400 and "timeout must be" in await r.text(), timeout
+                    assert time.monotonic() - started < 5
+                outs = await asyncio.gather(*good)
+                # A prompt near the context limit: the response is cut at 512 tokens, finish_reason=length.
+                near = GenerationRequest("near", tuple([1] * 509), SamplingParams(max_new_tokens=10**6,
+                                                                                  temperature=0.0, ignore_eos=True))
+                cut = await client.generate(near)
+                later = await client.generate(_greedy("later", 8))
+                async with http.get(url + "/health") as r:
+                    assert r.status == 200
+                return outs, cut, later
+            finally:
+                await client.shutdown()
+
+    outs, cut, later = run(main())
+    want = run(_reference([_greedy("ref", 60)]))[0]
+    for out in outs:
+        assert out.finish_reason == "length" and out.output_ids == want.output_ids
+    assert cut.finish_reason == "length" and len(cut.output_ids) == 3
+    assert later.finish_reason == "length" and later.output_ids == want.output_ids[:8]
+
+
+async def _reference(requests):
+    engine = TorchEngine(load_model(MODEL), load_tokenizer(MODEL), max_batch_slots=4)
+    try:
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+    finally:
+        await engine.shutdown()
