@@ -77,7 +77,7 @@ def check_data(cfg: HFlowConfig) -> int:
     ``rollout.top_k`` beyond the vocabulary, before any pool starts."""
     from common.models import load_hf_config, load_tokenizer
     from controller.data import PromptDataset
-    from rollers.torch_engine import context_length
+    from rollers.model_limits import context_length
 
     try:
         hf_config = load_hf_config(cfg.model)

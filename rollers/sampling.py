@@ -11,10 +11,13 @@ reported log-prob), raw ``log_softmax(logits)`` when greedy (``T == 0``, or belo
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,35 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[i
         tokens[idx] = _draw(log_probs[idx], [rows[i] for i in sampled])
     token_log_probs = log_probs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), token_log_probs.tolist()
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSampling]
+                ) -> tuple[dict[int, tuple[int, float]], dict[int, Exception]]:
+    """``sample_tokens`` that never raises for a row: ``({row: (token, log_prob)}, {row: error})``.
+
+    Rows ``row_error`` refuses are dropped before anything is drawn, so the others sample exactly as
+    they would have; any other error is narrowed down by sampling the rows one at a time (a row then
+    drawn twice skips one uniform of its stream, logged). ``logits`` (batch, vocab).
+    """
+    keep, errors = list(range(len(rows))), {}
+    try:
+        try:
+            tokens, log_probs = sample_tokens(logits, rows)
+        except SamplingError as exc:
+            errors = {i: ValueError(message) for i, message in exc.errors.items()}
+            keep = [i for i in keep if i not in errors]
+            tokens, log_probs = sample_tokens(logits[keep], [rows[i] for i in keep]) if keep else ([], [])
+        return dict(zip(keep, zip(tokens, log_probs, strict=True), strict=True)), errors
+    except Exception:  # noqa: BLE001 - isolate the row(s) that fail; the others go on
+        logger.exception("sampling a batch of %d rows failed; sampling them one at a time", len(keep))
+    sampled = {}
+    for i in keep:
+        try:
+            (token,), (log_prob,) = sample_tokens(logits[i : i + 1], [rows[i]])
+            sampled[i] = (token, log_prob)
+        except Exception as exc:  # noqa: BLE001 - reported for this row only
+            errors[i] = exc
+    return sampled, errors
 
 
 def _draw(log_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:

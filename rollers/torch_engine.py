@@ -51,7 +51,8 @@ from rollers.engine import (
     RequestError,
 )
 from rollers.kv_cache import SlotKVCache
-from rollers.sampling import RowSampling, SamplingError, sample_tokens
+from rollers.model_limits import attention_window, collect_eos_ids, position_limit
+from rollers.sampling import RowSampling, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -72,28 +73,6 @@ class _Sequence:
 
     def tokens(self) -> list[int]:
         return [*self.request.input_ids, *self.output.output_ids]
-
-
-def collect_eos_ids(model: torch.nn.Module, tokenizer_or_eos_ids) -> frozenset[int]:
-    """Every EOS id of ``model`` (its ``generation_config`` and ``config`` may list several) plus those
-    of ``tokenizer_or_eos_ids``: a tokenizer (its ``eos_token_id``), one id, or an iterable of ids."""
-    ids: set[int] = set()
-
-    def add(value) -> None:
-        if value is None:
-            return
-        if isinstance(value, int):
-            ids.add(value)
-        else:
-            ids.update(int(v) for v in value)
-
-    if hasattr(tokenizer_or_eos_ids, "eos_token_id"):
-        add(tokenizer_or_eos_ids.eos_token_id)
-    else:
-        add(tokenizer_or_eos_ids)
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        add(getattr(cfg, "eos_token_id", None))
-    return frozenset(ids)
 
 
 class TorchEngine(Engine):
@@ -121,12 +100,12 @@ class TorchEngine(Engine):
     ):
         if max_batch_slots < 1:
             raise ValueError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
-        window = _attention_window(model.config)
+        window = attention_window(model.config)
         self._model = model.eval()
         self._device = next(model.parameters()).device
         self._eos_ids = collect_eos_ids(model, tokenizer_or_eos_ids)
         self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self._max_seq_len = int(max_seq_len or _position_limit(model.config))
+        self._max_seq_len = int(max_seq_len or position_limit(model.config))
         if window is not None and self._max_seq_len > window:
             logger.warning("max_seq_len %d capped at the model's sliding window (%d tokens)", self._max_seq_len, window)
             self._max_seq_len = window
@@ -486,7 +465,7 @@ class TorchEngine(Engine):
         """Sample one token for running slots ``first ..`` from ``logits`` (rows, vocab); finish stopped ones.
         A row that cannot be sampled fails its own request (``RequestError``); the others go on."""
         seqs = self._running[first:]
-        sampled, errors = self._sample(logits, seqs)
+        sampled, errors = sample_rows(logits, [seq.sampling for seq in seqs])
         finished: list[tuple[int, str | Exception]] = [(first + i, exc) for i, exc in errors.items()]
         for offset, (token, log_prob) in sampled.items():
             seq = seqs[offset]
@@ -507,63 +486,6 @@ class TorchEngine(Engine):
                 self._reject(seq, reason)
             else:
                 self._finish(seq, reason)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]
-                ) -> tuple[dict[int, tuple[int, float]], dict[int, Exception]]:
-        """``({row: (token, log_prob)}, {row: error})`` for ``logits`` (rows, vocab). Rows whose settings
-        are refused are dropped before anything is drawn; any other sampling error is narrowed down by
-        sampling the rows one at a time (a row drawn twice then skips one uniform of its stream)."""
-        rows = [seq.sampling for seq in seqs]
-        keep, errors = list(range(len(rows))), {}
-        try:
-            try:
-                tokens, log_probs = sample_tokens(logits, rows)
-            except SamplingError as exc:
-                errors = {i: ValueError(message) for i, message in exc.errors.items()}
-                keep = [i for i in keep if i not in errors]
-                tokens, log_probs = sample_tokens(logits[keep], [rows[i] for i in keep]) if keep else ([], [])
-            return dict(zip(keep, zip(tokens, log_probs, strict=True), strict=True)), errors
-        except Exception:  # noqa: BLE001 - isolate the row(s) that fail, keep the engine serving
-            logger.exception("sampling a batch of %d rows failed; sampling them one at a time", len(keep))
-        sampled = {}
-        for i in keep:
-            try:
-                (token,), (log_prob,) = sample_tokens(logits[i : i + 1], [rows[i]])
-                sampled[i] = (token, log_prob)
-            except Exception as exc:  # noqa: BLE001 - fails this request only
-                errors[i] = exc
-        return sampled, errors
-
-
-def context_length(config) -> int:
-    """The longest prompt + response (tokens) a ``TorchEngine`` serves for a model of this transformers
-    ``config`` by default: ``max_position_embeddings`` (4096 when unset), capped at a sliding window.
-    Raises ValueError for layers the engine cannot run."""
-    window = _attention_window(config)
-    length = _position_limit(config)
-    return min(length, window) if window is not None else length
-
-
-def _position_limit(config) -> int:
-    return int(getattr(config, "max_position_embeddings", 0) or 4096)
-
-
-def _attention_window(config) -> int | None:
-    """The model's sliding-window size (None without one); ValueError for layers the engine cannot run.
-
-    Below the window, sliding-window attention equals full causal attention, so the engine serves such
-    models with ``max_seq_len`` capped at the window (see the module docstring).
-    """
-    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
-    if unsupported:
-        raise ValueError(f"TorchEngine runs full/sliding attention layers only; the model has {unsupported}")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        uses_window = "sliding_attention" in layer_types
-    else:
-        uses_window = getattr(config, "use_sliding_window", True)
-    window = getattr(config, "sliding_window", None)
-    return int(window) if uses_window and window else None
 
 
 def _snapshot(output: GenerationOutput) -> GenerationOutput:

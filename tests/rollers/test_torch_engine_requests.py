@@ -12,8 +12,9 @@ import torch
 
 from common.models import ModelConfig, apply_chat_template, load_tokenizer
 from rollers.engine import GenerationRequest, RequestError, SamplingParams
+from rollers.model_limits import context_length
 from rollers.sampling import RowSampling
-from rollers.torch_engine import TorchEngine, context_length
+from rollers.torch_engine import TorchEngine
 from tests.rollers.engine_helpers import run, spiced_tiny
 
 
