@@ -39,11 +39,11 @@ def _generate(sampling: dict, input_ids=PROMPT) -> str:
 
 # Raw bodies: Python's json (the server's parser) reads the non-standard literals NaN and Infinity.
 BAD_GENERATE = [
+    (_generate({"top_k": 10**6}), "top_k=1000000 exceeds the vocabulary"),  # it used to kill the engine
     ('{"input_ids": [1, 5], "sampling_params": {"temperature": NaN}}', "temperature"),
     ('{"input_ids": [1, 5], "sampling_params": {"temperature": Infinity}}', "temperature"),
     ('{"input_ids": [1, 5], "sampling_params": {"top_p": NaN}}', "top_p"),
     ('{"input_ids": [1, 5], "sampling_params": {"max_new_tokens": Infinity}}', "max_new_tokens"),
-    (_generate({"top_k": 10**6}), "top_k=1000000 exceeds the vocabulary"),
     (_generate({"top_k": 10**6, "max_new_tokens": 2}) [:-1] + ', "stream": true}', "top_k"),
     (_generate({"sampling_seed": 2**70}), "seed"),
     (_generate({"stop_token_ids": [10**6]}), "stop_token_ids"),

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from common.models import ModelConfig, apply_chat_template, load_tokenizer
-from rollers.engine import GenerationRequest, RequestError, SamplingParams
-from rollers.model_limits import context_length
+from rollers.engine import GenerationRequest, SamplingParams
 from rollers.sampling import RowSampling
 from rollers.torch_engine import TorchEngine
 from tests.rollers.engine_helpers import run, spiced_tiny
@@ -94,6 +93,8 @@ def test_sampling_params_refuse_non_finite_and_out_of_range_values():
 def test_a_row_that_fails_while_decoding_fails_only_its_request(tok, prompt):
     """Rows the sampler refuses, or that make it raise, are narrowed down and failed alone; the good rows
     of the same step continue, and the engine stays healthy."""
+    from rollers.engine import RequestError
+
     model = spiced_tiny()
 
     async def body():
@@ -140,6 +141,8 @@ def test_context_limit_truncates_the_response(tok, prompt):
 
 
 def test_context_length_of_a_config():
+    from rollers.model_limits import context_length
+
     model = spiced_tiny()
     assert context_length(model.config) == model.config.max_position_embeddings == 512
     assert TorchEngine(model, [2]).max_seq_len == 512
