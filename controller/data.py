@@ -4,6 +4,9 @@
 chat template (``common.models.apply_chat_template``, with ``data.system_prompt`` as a system turn when
 set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row index and
 length, or, with ``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
+``check_context(context_length)`` rejects a prompt that leaves no room for a response in the model's
+context (run at start by ``controller.job.check_data``); one with some room is served, its responses
+truncated at the limit.
 
 Step arithmetic (one step = ``data.train_batch_size`` prompts; epochs are reshuffled with
 ``data.seed + epoch`` when ``data.shuffle``)::

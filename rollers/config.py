@@ -14,8 +14,10 @@ SGLANG_LAUNCH = ("sglang", "torch")
 class RolloutConfig:
     """Sampling. Lengths in tokens.
 
-    ``n``: samples per prompt (``rollout.n``); ``top_k`` -1 disables it; ``seed`` is the base of the
-    per-sample seeds (sampling is independent of batch composition).
+    ``n``: samples per prompt (``rollout.n``); ``top_k`` -1 disables it (at most the model's vocabulary:
+    ``check_model``); ``seed`` is the base of the per-sample seeds (sampling is independent of batch
+    composition). A response ends with ``finish_reason=length`` at ``max_response_length`` tokens, or
+    earlier where prompt + response reach the model's context length.
     ``reward``: auto (by ``data.task``) | reasoning_gym | tiny_repeat | math_verify | ``module:function``
     (``rollers.rewards.build_reward_fn``); ``reward_timeout_s`` bounds one group's scoring (a group that
     exceeds it is marked failed); ``max_resubmits``: how many times one sample may be aborted (pause in

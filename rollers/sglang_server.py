@@ -18,7 +18,10 @@ machine. Field names and answers follow SGLang 0.5.x (``rollers.sglang_protocol`
 
 A weight update on an engine that is not paused waits for in-flight requests to finish while holding
 new ones back (SGLang's writer lock), then loads; after ``/pause_generation`` it loads at once.
-Bad requests get HTTP 400 with ``{"success": false, "message": ...}`` (plus SGLang's ``error`` object).
+Bad requests get HTTP 400 with ``{"success": false, "message": ...}`` (plus SGLang's ``error`` object),
+and fail alone: every field is typed, sampling values must be finite and in range, and ``/generate`` is
+checked against the model (``Engine.check_request``: vocabulary, context length) before a stream answers
+200; ``/flush_cache?timeout=`` takes seconds in ``[0, drain_timeout_s]``.
 Run it with ``python -m rollers.sglang_server --model tiny --port 30000``; it binds 127.0.0.1 by default.
 """
 
