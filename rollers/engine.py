@@ -130,6 +130,11 @@ class Engine(abc.ABC):
     def weight_version(self) -> int:
         """The committed weight version the engine is generating with."""
 
+    @property
+    def max_seq_len(self) -> int | None:
+        """The prompt + response limit in tokens (the model's context length), None when unknown."""
+        return None
+
     def check_request(self, request: GenerationRequest) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Raise ValueError (naming the field) if this engine cannot serve ``request``: what only the model
         knows (vocabulary, context length). The default checks nothing; ``generate``/``stream`` check too."""

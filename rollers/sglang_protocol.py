@@ -180,11 +180,13 @@ class ParsedGenerate:
     return_text_in_logprobs: bool
 
 
-def parse_generate_body(body: Any, vocab_size: int, default_rid: str) -> ParsedGenerate:
+def parse_generate_body(body: Any, vocab_size: int, default_rid: str,
+                        max_input_len: int | None = None) -> ParsedGenerate:
     """Validate a ``/generate`` body (a single request of token ids). Raises ProtocolError naming the field.
 
-    ``input_ids``: non-empty list of ints in ``[0, vocab_size)``; batches (a list of lists) and ``text``
-    are rejected (this server does not tokenize); ``logprob_start_len`` only ``-1`` (output tokens) and
+    ``input_ids``: non-empty list of ints in ``[0, vocab_size)``, shorter than ``max_input_len`` when
+    given (the context length: checked before any id); batches (a list of lists) and ``text`` are rejected
+    (this server does not tokenize); ``logprob_start_len`` only ``-1`` (output tokens) and
     ``top_logprobs_num`` only 0 are supported.
     """
     body = _typed(body, dict, "request body")
@@ -192,6 +194,9 @@ def parse_generate_body(body: Any, vocab_size: int, default_rid: str) -> ParsedG
     input_ids = _typed(body.get("input_ids"), list, "input_ids")
     if not input_ids:
         raise ProtocolError("input_ids is empty")
+    if max_input_len is not None and len(input_ids) >= max_input_len:
+        raise ProtocolError(f"input_ids: {len(input_ids)} tokens leave no room for a response within the "
+                            f"context length of {max_input_len} tokens")
     for tok in input_ids:
         if isinstance(tok, list):
             raise ProtocolError("input_ids: batch requests (a list of lists) are not supported here")

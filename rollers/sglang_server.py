@@ -234,7 +234,8 @@ class SGLangServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._json(request, ())
-            parsed = proto.parse_generate_body(body, self.vocab_size, default_rid=uuid.uuid4().hex)
+            parsed = proto.parse_generate_body(body, self.vocab_size, default_rid=uuid.uuid4().hex,
+                                               max_input_len=self.engine.max_seq_len)
             self.engine.check_request(parsed.request)  # before a stream answers 200
         except (BadRequest, ValueError) as exc:
             return _error(str(exc))

@@ -140,3 +140,11 @@ def test_tensor_specs_and_dtypes():
         proto.parse_tensor_specs(["a"], ["float32"], [[-1]])
     with pytest.raises(proto.ProtocolError, match="unaligned"):
         proto._bucket_layout([proto.TensorSpec("a", torch.uint8, (3,)), proto.TensorSpec("b", torch.float32, (1,))])
+
+
+def test_input_longer_than_the_context_is_refused_before_its_ids_are_read():
+    assert len(proto.parse_generate_body(_body(input_ids=[1] * 9), VOCAB, "x", max_input_len=10).request.input_ids) == 9
+    huge = _body(input_ids=[1] * 2_000_000 + [VOCAB])  # the out-of-vocabulary id at the end is never reached
+    with pytest.raises(proto.ProtocolError, match="2000001 tokens leave no room for a response within the context "
+                                                  "length of 10"):
+        proto.parse_generate_body(huge, VOCAB, "x", max_input_len=10)
