@@ -123,3 +123,36 @@ async def _reference(requests):
         return await asyncio.gather(*(engine.generate(r) for r in requests))
     finally:
         await engine.shutdown()
+
+
+def test_control_endpoints_type_their_flags_and_answer_503_on_a_dead_engine(tmp_path):
+    """In-process server: a weight-update flag given as the string "false" is refused (it used to read as
+    true); pause/continue on a shut-down engine answer 503 with a message (they used to raise: HTTP 500)."""
+    from safetensors.torch import save_file
+
+    from rollers.sglang_server import SGLangServer
+
+    model = load_model(MODEL)
+    save_file({k: v.detach().clone() for k, v in model.named_parameters()}, tmp_path / "model.safetensors")
+
+    async def main():
+        engine = TorchEngine(model, load_tokenizer(MODEL), max_batch_slots=2)
+        server = SGLangServer(engine, vocab_size=model.get_output_embeddings().weight.shape[0])
+        port = await server.start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                for flag in ("flush_cache", "abort_all_requests", "torch_empty_cache"):
+                    body = {"model_path": str(tmp_path), "weight_version": 1, flag: "false"}
+                    async with http.post(base + "/update_weights_from_disk", json=body) as r:
+                        answer = await r.json()
+                        assert r.status == 400 and f"{flag} must be a boolean" in answer["message"], answer
+                assert engine.weight_version == 0
+                await engine.shutdown()
+                for path in ("/pause_generation", "/continue_generation"):
+                    async with http.post(base + path, json={}) as r:
+                        assert r.status == 503 and "shut down" in (await r.json())["message"], path
+        finally:
+            await server.stop()
+
+    run(main())
