@@ -77,16 +77,19 @@ class SGLangServer:
     ``/get_model_info``; ``tokenizer``: optional, fills ``text`` and logprob texts; ``max_body_bytes``:
     larger bodies get 400; ``group_timeout_s``: limit of every rendezvous/broadcast of a weight update;
     ``drain_timeout_s``: how long an update on an unpaused engine waits for requests to finish;
-    ``allow_remote_master``: accept a non-loopback ``master_address`` (off: loopback only).
+    ``allow_remote_master``: accept a non-loopback ``master_address`` (off: loopback only);
+    ``max_queued_requests``: ``/generate`` requests held at once (running or waiting); one more gets 503
+    (SGLang's ``--max-queued-requests``). Raises ValueError for bad sizes.
     """
 
     def __init__(
         self, engine: Engine, *, vocab_size: int, model_path: str = "", tokenizer=None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, group_timeout_s: float = 120.0,
-        drain_timeout_s: float = 300.0, allow_remote_master: bool = False,
+        drain_timeout_s: float = 300.0, allow_remote_master: bool = False, max_queued_requests: int = 4096,
     ):
-        if vocab_size < 1 or max_body_bytes < 1024:
-            raise ValueError(f"vocab_size must be >= 1 and max_body_bytes >= 1024, got {vocab_size}, {max_body_bytes}")
+        if vocab_size < 1 or max_body_bytes < 1024 or max_queued_requests < 1:
+            raise ValueError(f"vocab_size and max_queued_requests must be >= 1 and max_body_bytes >= 1024, got "
+                             f"{vocab_size}, {max_queued_requests}, {max_body_bytes}")
         self.engine = engine
         self.vocab_size = vocab_size
         self.model_path = model_path
@@ -95,9 +98,11 @@ class SGLangServer:
         self.group_timeout_s = group_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.allow_remote_master = allow_remote_master
+        self.max_queued_requests = max_queued_requests
         self._groups: dict[str, Any] = {}
         self._paused = False
-        self._num_in_flight = 0
+        self._num_in_flight = 0  # admitted /generate requests (a weight update waits for them)
+        self._num_queued = 0  # /generate requests held, admitted or waiting for admission
         self._idle = asyncio.Condition()
         self._admitting = asyncio.Event()
         self._admitting.set()
@@ -239,7 +244,17 @@ class SGLangServer:
             self.engine.check_request(parsed.request)  # before a stream answers 200
         except (BadRequest, ValueError) as exc:
             return _error(str(exc))
-        await self._admitting.wait()
+        if self._num_queued >= self.max_queued_requests:
+            return _error(f"The request queue is full ({self.max_queued_requests} requests; "
+                          "max_queued_requests).", status=503)
+        self._num_queued += 1
+        try:
+            await self._admitting.wait()
+            return await self._run_generate(request, parsed)
+        finally:
+            self._num_queued -= 1
+
+    async def _run_generate(self, request: web.Request, parsed: proto.ParsedGenerate) -> web.StreamResponse:
         self._num_in_flight += 1
         try:
             if parsed.stream:
@@ -488,6 +503,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--allow-remote-master", action="store_true")
+    p.add_argument("--max-queued-requests", type=int, default=4096)
     return p.parse_args(argv)
 
 
@@ -501,7 +517,8 @@ async def _serve(args: argparse.Namespace) -> None:
                          weight_version=args.weight_version, seed=args.seed)
     server = SGLangServer(engine, vocab_size=int(model.get_output_embeddings().weight.shape[0]),
                           model_path=args.model, tokenizer=tokenizer, max_body_bytes=args.max_body_bytes,
-                          allow_remote_master=args.allow_remote_master)
+                          allow_remote_master=args.allow_remote_master,
+                          max_queued_requests=args.max_queued_requests)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -156,3 +156,39 @@ def test_control_endpoints_type_their_flags_and_answer_503_on_a_dead_engine(tmp_
             await server.stop()
 
     run(main())
+
+
+def test_generate_requests_beyond_max_queued_requests_get_503_and_the_rest_are_served():
+    from rollers.sglang_server import SGLangServer
+
+    model = load_model(MODEL)
+
+    async def main():
+        engine = TorchEngine(model, load_tokenizer(MODEL), max_batch_slots=2)
+        server = SGLangServer(engine, vocab_size=model.get_output_embeddings().weight.shape[0],
+                              max_queued_requests=1)
+        base = f"http://127.0.0.1:{await server.start()}"
+        client = SGLangEngine(base)
+        try:
+            progressed = asyncio.Event()
+
+            async def consume():
+                async for out in client.stream(_greedy("long", 200)):
+                    if len(out.output_ids) >= 2:
+                        progressed.set()
+                return out
+
+            long = asyncio.create_task(consume())
+            await asyncio.wait_for(progressed.wait(), 30)
+            async with aiohttp.ClientSession() as http:
+                async with http.post(base + "/generate", data=_generate({"max_new_tokens": 2})) as r:
+                    assert r.status == 503 and "queue is full" in (await r.json())["message"]
+                async with http.get(base + "/health") as r:
+                    assert r.status == 200
+            assert (await long).finish_reason == "length"
+            return await client.generate(_greedy("after", 3))
+        finally:
+            await client.shutdown()
+            await server.stop()
+
+    assert run(main()).finish_reason == "length"
