@@ -465,6 +465,22 @@ def test_ray_actor_rolls_groups_and_reports(ray_cluster, tok):
             q.shutdown()
 
 
+def test_ray_actor_refuses_rollout_top_k_beyond_the_vocabulary(ray_cluster):
+    """The torch engine's vocabulary is known once the model is built: the actor fails construction with
+    the key named (the controller turns it into a start error), before any request could fail."""
+    from rollers.actor import remote_roller
+
+    ray = ray_cluster
+    actor = remote_roller(num_cpus=0.1).remote(
+        ModelConfig(path="tiny"), RolloutConfig(n=N, top_k=100_000), RollersConfig(num_threads=1), "tiny-repeat",
+        LocalGroupChannel)
+    try:
+        with pytest.raises(ray.exceptions.RayActorError, match="rollout.top_k=100000 exceeds the model's vocabulary"):
+            ray.get(actor.stats.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
 # ------------------------------------------------------------------------------------ TransferQueue
 
 
