@@ -4,6 +4,9 @@
 chat template (``common.models.apply_chat_template``, with ``data.system_prompt`` as a system turn when
 set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row index and
 length, or, with ``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
+``check_context(context_length)`` rejects a prompt that leaves no room for a response in the model's
+context (run at start by ``controller.job.check_data``); one with some room is served, its responses
+truncated at the limit.
 
 Step arithmetic (one step = ``data.train_batch_size`` prompts; epochs are reshuffled with
 ``data.seed + epoch`` when ``data.shuffle``)::
@@ -144,6 +147,19 @@ class PromptDataset:
 
     def num_available_steps(self) -> int:
         return num_available_steps(len(self), self.cfg.train_batch_size, self.cfg.epochs, self.cfg.drop_last)
+
+    def check_context(self, context_length: int) -> None:
+        """Raise ValueError naming the first prompt (row and length) that leaves no room for one response
+        token within the model's ``context_length`` (prompt + response, tokens). A prompt with some room is
+        served: a response cut by the context limit is truncated (``finish_reason=length``)."""
+        for prompt in self.prompts:
+            if len(prompt.input_ids) >= context_length:
+                raise ValueError(
+                    f"data row {prompt.index}: prompt is {len(prompt.input_ids)} tokens after the chat template, "
+                    f"leaving no room for a response within the model's context length of {context_length} "
+                    "tokens (lower data.max_prompt_length below it, and set data.skip_long_prompts=true to skip "
+                    "such rows)"
+                )
 
     def check_total_steps(self, total_steps: int) -> int:
         """``check_total_steps`` for this dataset (size after skipped rows)."""

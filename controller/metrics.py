@@ -20,6 +20,9 @@ hflow_tokens_per_second                gauge      generated tokens per second (a
 hflow_step_seconds                     histogram  one trainer step
 hflow_reward_mean                      gauge      mean sequence reward of the last step
 hflow_response_length                  histogram  response length in tokens
+hflow_response_clip_ratio              gauge      share of the last step's responses cut by a length
+                                                  limit (finish_reason=length; max_response_length
+                                                  or the model's context length)
 hflow_weight_version                   gauge      trainer weight version
 =====================================  =========  ============================================
 """
@@ -57,6 +60,8 @@ class JobMetrics:
         self.reward_mean = Gauge("hflow_reward_mean", "Mean sequence reward of the last step", registry=r)
         self.response_length = Histogram("hflow_response_length", "Response length in tokens",
                                          buckets=_LENGTH_BUCKETS, registry=r)
+        self.response_clip_ratio = Gauge("hflow_response_clip_ratio", "Share of the last step's responses cut "
+                                         "by a length limit (finish_reason=length)", registry=r)
         self.weight_version = Gauge("hflow_weight_version", "Trainer weight version", registry=r)
         self._server = None
 

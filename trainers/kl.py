@@ -244,7 +244,8 @@ class AdaptiveKLController:
         self.horizon = int(horizon)
 
     def update(self, current_kl: float, num_samples: int) -> float:
-        """Adapt ``value`` and return it. ``num_samples``: samples the measurement covers (the ``n_steps`` of Ziegler et al.), >= 0."""
+        """Adapt ``value`` and return it. ``num_samples``: samples the measurement covers (Ziegler et al.'s
+        ``n_steps``), >= 0."""
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
