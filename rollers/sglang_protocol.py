@@ -64,8 +64,9 @@ FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one flat uint8
 FINISH_TYPES = ("stop", "length", "abort")
 
 
-class ProtocolError(ValueError):
-    """A request or response does not follow SGLang's API (the message names the field)."""
+class SGLangAPIError(ValueError):
+    """A request or response does not follow SGLang's HTTP API (the message names the field). Not the weight
+    plane's ``checkpointengine.protocol.ProtocolError`` (a malformed weight-sync control message)."""
 
 
 # ------------------------------------------------------------------------------------------- requests
@@ -101,9 +102,9 @@ def generate_body(request: GenerationRequest, stream: bool) -> dict[str, Any]:
 def _typed(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
     # bool is an int subclass in Python; JSON true is never a valid integer/float here.
     if isinstance(value, bool) and kind is not bool:
-        raise ProtocolError(f"{where} must be {_kind_name(kind)}, got {value!r}")
+        raise SGLangAPIError(f"{where} must be {_kind_name(kind)}, got {value!r}")
     if not isinstance(value, kind):
-        raise ProtocolError(f"{where} must be {_kind_name(kind)}, got {value!r}")
+        raise SGLangAPIError(f"{where} must be {_kind_name(kind)}, got {value!r}")
     return value
 
 
@@ -116,38 +117,38 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 def _check_keys(body: dict, accepted: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(body) - set(accepted))
     if unknown:
-        raise ProtocolError(
+        raise SGLangAPIError(
             f"{where}: unknown or unsupported field(s) {unknown}; this server accepts {list(accepted)}"
         )
 
 
 def body_flag(body: dict, key: str, default: bool) -> bool:
-    """``body[key]`` as a bool (absent or null: ``default``). Raises ProtocolError for another type (a
+    """``body[key]`` as a bool (absent or null: ``default``). Raises SGLangAPIError for another type (a
     string ``"false"`` must not read as true)."""
     value = body.get(key)
     return default if value is None else _typed(value, bool, key)
 
 
 def body_group_name(body: dict) -> str:
-    """``body["group_name"]`` (default ``DEFAULT_GROUP_NAME``). Raises ProtocolError unless a non-empty string."""
+    """``body["group_name"]`` (default ``DEFAULT_GROUP_NAME``). Raises SGLangAPIError unless a non-empty string."""
     name = body.get("group_name", DEFAULT_GROUP_NAME)
     if not isinstance(name, str) or not name:
-        raise ProtocolError(f"group_name must be a non-empty string, got {name!r}")
+        raise SGLangAPIError(f"group_name must be a non-empty string, got {name!r}")
     return name
 
 
 def sampling_from_sglang(params: Any) -> SamplingParams:
-    """Parse SGLang ``sampling_params`` into ``SamplingParams``. Raises ProtocolError naming the field."""
+    """Parse SGLang ``sampling_params`` into ``SamplingParams``. Raises SGLangAPIError naming the field."""
     params = {} if params is None else _typed(params, dict, "sampling_params")
     _check_keys(params, SAMPLING_FIELDS, "sampling_params")
     p = {k: v for k, v in params.items() if v is not None}  # SGLang treats null as "use the default"
     max_new_tokens = _typed(p.get("max_new_tokens", 128), int, "sampling_params.max_new_tokens")
     if max_new_tokens < 1:
-        raise ProtocolError(f"sampling_params.max_new_tokens must be >= 1 here, got {max_new_tokens}")
+        raise SGLangAPIError(f"sampling_params.max_new_tokens must be >= 1 here, got {max_new_tokens}")
     if _typed(p.get("n", 1), int, "sampling_params.n") != 1:
-        raise ProtocolError(f"sampling_params.n must be 1 on this server (send n requests), got {p['n']}")
+        raise SGLangAPIError(f"sampling_params.n must be 1 on this server (send n requests), got {p['n']}")
     if _typed(p.get("min_new_tokens", 0), int, "sampling_params.min_new_tokens") != 0:
-        raise ProtocolError(f"sampling_params.min_new_tokens is not supported here, got {p['min_new_tokens']}")
+        raise SGLangAPIError(f"sampling_params.min_new_tokens is not supported here, got {p['min_new_tokens']}")
     for key in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
         _typed(p.get(key, True), bool, f"sampling_params.{key}")  # text-only options: no effect on tokens
     stops = _typed(p.get("stop_token_ids", []), list, "sampling_params.stop_token_ids")
@@ -165,9 +166,9 @@ def sampling_from_sglang(params: Any) -> SamplingParams:
             ignore_eos=_typed(p.get("ignore_eos", False), bool, "sampling_params.ignore_eos"),
         )
     except ValueError as exc:
-        if isinstance(exc, ProtocolError):
+        if isinstance(exc, SGLangAPIError):
             raise
-        raise ProtocolError(f"sampling_params: {exc}") from exc
+        raise SGLangAPIError(f"sampling_params: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class ParsedGenerate:
 
 def parse_generate_body(body: Any, vocab_size: int, default_rid: str,
                         max_input_len: int | None = None) -> ParsedGenerate:
-    """Validate a ``/generate`` body (a single request of token ids). Raises ProtocolError naming the field.
+    """Validate a ``/generate`` body (a single request of token ids). Raises SGLangAPIError naming the field.
 
     ``input_ids``: non-empty list of ints in ``[0, vocab_size)``, shorter than ``max_input_len`` when
     given (the context length: checked before any id); batches (a list of lists) and ``text`` are rejected
@@ -193,19 +194,19 @@ def parse_generate_body(body: Any, vocab_size: int, default_rid: str,
     _check_keys(body, GENERATE_FIELDS, "/generate")
     input_ids = _typed(body.get("input_ids"), list, "input_ids")
     if not input_ids:
-        raise ProtocolError("input_ids is empty")
+        raise SGLangAPIError("input_ids is empty")
     if max_input_len is not None and len(input_ids) >= max_input_len:
-        raise ProtocolError(f"input_ids: {len(input_ids)} tokens leave no room for a response within the "
+        raise SGLangAPIError(f"input_ids: {len(input_ids)} tokens leave no room for a response within the "
                             f"context length of {max_input_len} tokens")
     for tok in input_ids:
         if isinstance(tok, list):
-            raise ProtocolError("input_ids: batch requests (a list of lists) are not supported here")
+            raise SGLangAPIError("input_ids: batch requests (a list of lists) are not supported here")
         if not 0 <= _typed(tok, int, "input_ids[]") < vocab_size:
-            raise ProtocolError(f"input_ids: token id {tok} is outside the vocabulary [0, {vocab_size})")
+            raise SGLangAPIError(f"input_ids: token id {tok} is outside the vocabulary [0, {vocab_size})")
     if body.get("logprob_start_len") not in (None, -1):
-        raise ProtocolError(f"logprob_start_len must be -1 (output tokens only), got {body['logprob_start_len']!r}")
+        raise SGLangAPIError(f"logprob_start_len must be -1 (output tokens only), got {body['logprob_start_len']!r}")
     if body.get("top_logprobs_num") not in (None, 0):
-        raise ProtocolError(f"top_logprobs_num must be 0, got {body['top_logprobs_num']!r}")
+        raise SGLangAPIError(f"top_logprobs_num must be 0, got {body['top_logprobs_num']!r}")
     rid = body.get("rid")
     rid = default_rid if rid is None else _typed(rid, str, "rid")
     flags = {key: body_flag(body, key, False)
@@ -276,7 +277,7 @@ def output_to_sglang(
 
 def parse_weight_version(value: Any, where: str = "weight_version") -> int:
     """SGLang's string weight version as our int. SGLang's launch default ``"default"`` reads as 0 (with a
-    warning: launch with ``--weight-version 0`` to avoid it). Raises ProtocolError for anything else."""
+    warning: launch with ``--weight-version 0`` to avoid it). Raises SGLangAPIError for anything else."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if value == SGLANG_DEFAULT_WEIGHT_VERSION:
@@ -285,7 +286,7 @@ def parse_weight_version(value: Any, where: str = "weight_version") -> int:
     try:
         return int(_typed(value, str, where))
     except ValueError as exc:
-        raise ProtocolError(f"{where} must be an integer string, got {value!r}") from exc
+        raise SGLangAPIError(f"{where} must be an integer string, got {value!r}") from exc
 
 
 def _meta_versions(meta: dict, num_tokens: int, start: int, previous: list[int]) -> list[int]:
@@ -307,11 +308,11 @@ def parse_generate_output(payload: Any, request_id: str, previous: GenerationOut
 
     ``previous``: the output so far of the same request when streaming (``None`` otherwise). Accepts both
     cumulative events (SGLang's default) and deltas (``--incremental-streaming-output``), told apart by
-    ``meta_info.completion_tokens``. Raises ProtocolError for a malformed answer.
+    ``meta_info.completion_tokens``. Raises SGLangAPIError for a malformed answer.
     """
     payload = _typed(payload, dict, "/generate answer")
     if "error" in payload:
-        raise ProtocolError(f"/generate answered an error: {payload['error']}")
+        raise SGLangAPIError(f"/generate answered an error: {payload['error']}")
     try:
         ids = [int(t) for t in _typed(payload["output_ids"], list, "output_ids")]
         meta = _typed(payload["meta_info"], dict, "meta_info")
@@ -320,7 +321,7 @@ def parse_generate_output(payload: Any, request_id: str, previous: GenerationOut
         finish = meta["finish_reason"]
         prompt_tokens = int(meta["prompt_tokens"])
     except (KeyError, TypeError, IndexError) as exc:
-        raise ProtocolError(f"/generate answer lacks or mistypes a field ({exc!r}): {str(payload)[:300]}") from exc
+        raise SGLangAPIError(f"/generate answer lacks or mistypes a field ({exc!r}): {str(payload)[:300]}") from exc
     prev = previous or GenerationOutput(request_id=request_id)
     if len(ids) == total:  # cumulative
         start, output_ids, log_probs = len(prev.output_ids), ids, logprob_items
@@ -328,17 +329,17 @@ def parse_generate_output(payload: Any, request_id: str, previous: GenerationOut
         start = len(prev.output_ids)
         output_ids, log_probs = prev.output_ids + ids, prev.output_log_probs + logprob_items
     else:
-        raise ProtocolError(
+        raise SGLangAPIError(
             f"/generate answer has {len(ids)} output_ids, {len(prev.output_ids)} seen before, but "
             f"meta_info.completion_tokens={total}"
         )
     if len(log_probs) != len(output_ids):
-        raise ProtocolError(f"{len(log_probs)} output_token_logprobs for {len(output_ids)} output_ids")
+        raise SGLangAPIError(f"{len(log_probs)} output_token_logprobs for {len(output_ids)} output_ids")
     reason = None
     if finish is not None:
         reason = _typed(finish, dict, "meta_info.finish_reason").get("type")
         if reason not in FINISH_TYPES:
-            raise ProtocolError(f"meta_info.finish_reason.type must be one of {FINISH_TYPES}, got {reason!r}")
+            raise SGLangAPIError(f"meta_info.finish_reason.type must be one of {FINISH_TYPES}, got {reason!r}")
     return GenerationOutput(
         request_id=request_id,
         output_ids=output_ids,
@@ -357,7 +358,7 @@ def dtype_from_sglang(name: Any) -> torch.dtype:
     key = _typed(name, str, "dtypes[]").removeprefix("torch.")
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype):
-        raise ProtocolError(f"dtypes: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+        raise SGLangAPIError(f"dtypes: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
     return dtype
 
 
@@ -402,10 +403,10 @@ class TensorSpec:
 
 
 def parse_tensor_specs(names: Any, dtypes: Any, shapes: Any) -> list[TensorSpec]:
-    """Zip SGLang's ``names``/``dtypes``/``shapes`` lists. Raises ProtocolError on mismatch or bad items."""
+    """Zip SGLang's ``names``/``dtypes``/``shapes`` lists. Raises SGLangAPIError on mismatch or bad items."""
     names, dtypes, shapes = (_typed(v, list, k) for v, k in ((names, "names"), (dtypes, "dtypes"), (shapes, "shapes")))
     if not len(names) == len(dtypes) == len(shapes) or not names:
-        raise ProtocolError(
+        raise SGLangAPIError(
             f"names, dtypes and shapes must be non-empty lists of one length, got {len(names)}, "
             f"{len(dtypes)}, {len(shapes)}"
         )
@@ -413,7 +414,7 @@ def parse_tensor_specs(names: Any, dtypes: Any, shapes: Any) -> list[TensorSpec]
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         dims = tuple(_typed(d, int, f"shapes[] of {name!r}") for d in _typed(shape, list, f"shape of {name!r}"))
         if any(d < 0 for d in dims):
-            raise ProtocolError(f"shape of {name!r} has a negative dimension: {list(dims)}")
+            raise SGLangAPIError(f"shape of {name!r} has a negative dimension: {list(dims)}")
         specs.append(TensorSpec(_typed(name, str, "names[]"), dtype_from_sglang(dtype), dims))
     return specs
 
@@ -423,7 +424,7 @@ def _bucket_layout(specs: list[TensorSpec]) -> list[tuple[int, int]]:
     ranges, offset = [], 0
     for spec in specs:
         if offset % spec.dtype.itemsize:
-            raise ProtocolError(f"flattened bucket: {spec.name!r} would start unaligned at byte {offset}")
+            raise SGLangAPIError(f"flattened bucket: {spec.name!r} would start unaligned at byte {offset}")
         size = math.prod(spec.shape) * spec.dtype.itemsize
         ranges.append((offset, offset + size))
         offset += size
@@ -443,7 +444,7 @@ def receive_weights(specs: list[TensorSpec], group, load_format: str | None) -> 
         torch.distributed.broadcast(flat, src=0, group=group)
         return [(s.name, flat[a:b].view(s.dtype).reshape(s.shape)) for s, (a, b) in zip(specs, ranges, strict=True)]
     if load_format is not None:
-        raise ProtocolError(f"load_format must be null or {FLATTENED_BUCKET!r}, got {load_format!r}")
+        raise SGLangAPIError(f"load_format must be null or {FLATTENED_BUCKET!r}, got {load_format!r}")
     received = []
     for spec in specs:
         tensor = torch.empty(spec.shape, dtype=spec.dtype)

@@ -213,7 +213,7 @@ class SGLangServer:
             return version
         try:
             return proto.parse_weight_version(value)
-        except proto.ProtocolError as exc:
+        except proto.SGLangAPIError as exc:
             raise BadRequest(str(exc)) from exc
 
     async def _load(self, tensors, version: int, flush: bool) -> tuple[bool, str]:
@@ -390,7 +390,7 @@ class SGLangServer:
             return _error(str(exc))
         try:
             group_name = proto.body_group_name(body)
-        except proto.ProtocolError as exc:
+        except proto.SGLangAPIError as exc:
             return _error(str(exc))
         backend = body.get("backend", "nccl")
         address, port, rank, world = (body[k] for k in required)
@@ -420,7 +420,7 @@ class SGLangServer:
         try:
             body = await self._json(request, proto.DESTROY_GROUP_FIELDS)
             name = proto.body_group_name(body)
-        except (BadRequest, proto.ProtocolError) as exc:
+        except (BadRequest, proto.SGLangAPIError) as exc:
             return _error(str(exc))
         if name not in self._groups:
             return self._result(False, "The group to be destroyed does not exist.")
@@ -448,7 +448,7 @@ class SGLangServer:
                 except Exception as exc:  # a failed/timed-out broadcast: keep the old weights and version
                     return self._result(False, f"Failed to receive weights: {exc}")
                 ok, message = await self._load(tensors, version, flush)
-        except (BadRequest, proto.ProtocolError) as exc:
+        except (BadRequest, proto.SGLangAPIError) as exc:
             return _error(str(exc))
         return self._result(ok, message)
 
@@ -467,7 +467,7 @@ class SGLangServer:
             async with self._exclusive(abort_all):
                 tensors = await asyncio.to_thread(_read_safetensors, files)
                 ok, message = await self._load(tensors, version, flush)
-        except (BadRequest, proto.ProtocolError) as exc:
+        except (BadRequest, proto.SGLangAPIError) as exc:
             return _error(str(exc))
         if ok:
             self.model_path = str(body["model_path"])

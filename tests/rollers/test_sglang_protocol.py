@@ -54,18 +54,18 @@ def test_generate_body_parses_back():
     ([1, 2], "request body must be an object"),
 ])
 def test_bad_generate_bodies_name_the_field(body, needle):
-    with pytest.raises(proto.ProtocolError, match=needle):
+    with pytest.raises(proto.SGLangAPIError, match=needle):
         proto.parse_generate_body(body, VOCAB, default_rid="x")
 
 
 def test_flags_and_group_names_are_typed():
     """A string "false" must not read as true, and a list group name must be a 400, not a server error."""
     assert proto.body_flag({}, "flush_cache", True) and not proto.body_flag({"flush_cache": None}, "flush_cache", False)
-    with pytest.raises(proto.ProtocolError, match="flush_cache must be a boolean"):
+    with pytest.raises(proto.SGLangAPIError, match="flush_cache must be a boolean"):
         proto.body_flag({"flush_cache": "false"}, "flush_cache", True)
     assert proto.body_group_name({}) == proto.DEFAULT_GROUP_NAME
     for bad in ([1], "", {"a": 1}, 3):
-        with pytest.raises(proto.ProtocolError, match="group_name must be a non-empty string"):
+        with pytest.raises(proto.SGLangAPIError, match="group_name must be a non-empty string"):
             proto.body_group_name({"group_name": bad})
 
 
@@ -110,21 +110,21 @@ def test_versions_without_spans_come_from_each_event():
 
 def test_malformed_answers_raise():
     good = proto.output_to_sglang(GenerationOutput("r", [5], [-1.0], [0], "stop", 1), 0, True)
-    with pytest.raises(proto.ProtocolError, match="completion_tokens"):
+    with pytest.raises(proto.SGLangAPIError, match="completion_tokens"):
         proto.parse_generate_output(dict(good, output_ids=[5, 6, 7]), "r", None)
-    with pytest.raises(proto.ProtocolError, match="lacks or mistypes"):
+    with pytest.raises(proto.SGLangAPIError, match="lacks or mistypes"):
         proto.parse_generate_output({"output_ids": [5]}, "r", None)
     bad_reason = dict(good, meta_info=dict(good["meta_info"], finish_reason={"type": "exploded"}))
-    with pytest.raises(proto.ProtocolError, match="finish_reason.type"):
+    with pytest.raises(proto.SGLangAPIError, match="finish_reason.type"):
         proto.parse_generate_output(bad_reason, "r", None)
-    with pytest.raises(proto.ProtocolError, match="answered an error"):
+    with pytest.raises(proto.SGLangAPIError, match="answered an error"):
         proto.parse_generate_output({"error": {"message": "boom"}}, "r", None)
 
 
 def test_weight_version_strings():
     assert proto.parse_weight_version("12") == 12 and proto.parse_weight_version(3) == 3
     assert proto.parse_weight_version("default") == 0  # SGLang's launch default
-    with pytest.raises(proto.ProtocolError, match="integer string"):
+    with pytest.raises(proto.SGLangAPIError, match="integer string"):
         proto.parse_weight_version("v1")
 
 
@@ -132,19 +132,19 @@ def test_tensor_specs_and_dtypes():
     specs = proto.parse_tensor_specs(["a", "b"], ["bfloat16", "torch.float32"], [[2, 3], []])
     assert specs[0] == proto.TensorSpec("a", torch.bfloat16, (2, 3)) and specs[1].shape == ()
     assert proto.dtype_to_sglang(torch.bfloat16) == "bfloat16"
-    with pytest.raises(proto.ProtocolError, match="one length"):
+    with pytest.raises(proto.SGLangAPIError, match="one length"):
         proto.parse_tensor_specs(["a"], ["float32", "float32"], [[1]])
-    with pytest.raises(proto.ProtocolError, match="not a torch dtype"):
+    with pytest.raises(proto.SGLangAPIError, match="not a torch dtype"):
         proto.parse_tensor_specs(["a"], ["float33"], [[1]])
-    with pytest.raises(proto.ProtocolError, match="negative"):
+    with pytest.raises(proto.SGLangAPIError, match="negative"):
         proto.parse_tensor_specs(["a"], ["float32"], [[-1]])
-    with pytest.raises(proto.ProtocolError, match="unaligned"):
+    with pytest.raises(proto.SGLangAPIError, match="unaligned"):
         proto._bucket_layout([proto.TensorSpec("a", torch.uint8, (3,)), proto.TensorSpec("b", torch.float32, (1,))])
 
 
 def test_input_longer_than_the_context_is_refused_before_its_ids_are_read():
     assert len(proto.parse_generate_body(_body(input_ids=[1] * 9), VOCAB, "x", max_input_len=10).request.input_ids) == 9
     huge = _body(input_ids=[1] * 2_000_000 + [VOCAB])  # the out-of-vocabulary id at the end is never reached
-    with pytest.raises(proto.ProtocolError, match="2000001 tokens leave no room for a response within the context "
+    with pytest.raises(proto.SGLangAPIError, match="2000001 tokens leave no room for a response within the context "
                                                   "length of 10"):
         proto.parse_generate_body(huge, VOCAB, "x", max_input_len=10)
