@@ -30,7 +30,7 @@ DEFAULT_PRESET = "smollm2-reasoning"
 
 @dataclass
 class DataConfig:
-    """Prompts. ``task``: a registered task (``tiny-repeat``, synthetic, for the tiny model), a task plug-in
+    """Prompts. ``task``: a registered task (``tiny_repeat``, synthetic, for the tiny model), a task plug-in
     ``module:name``, a reasoning-gym task name (e.g. ``chain_sum``), or a path to a ``.jsonl``/``.parquet``
     file with ``prompt_key`` and ``answer_key`` columns (``controller.tasks``; checked against the registry
     when the job starts, before any pool). ``size``: examples generated for a procedural task (files use all rows).
@@ -56,7 +56,7 @@ class DataConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
         if not self.task:
-            raise ValueError("data.task must name a registered task (e.g. 'tiny-repeat'), a task plug-in "
+            raise ValueError("data.task must name a registered task (e.g. 'tiny_repeat'), a task plug-in "
                              "'module:name', a reasoning-gym task, or a .jsonl/.parquet file")
 
 

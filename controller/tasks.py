@@ -8,7 +8,7 @@ A task is a registered, typed plug-in (:class:`Task`): its loader and the reward
 ``data.task``               ground truth                                      reward for ``auto``
 ==========================  ================================================  ==========================
 a registered name           what the loader returns                           the task's ``reward``
-  ``tiny-repeat``           ``{"answer": symbol}``                            ``tiny_repeat``
+  ``tiny_repeat``           ``{"answer": symbol}``                            ``tiny_repeat``
 ``module:name``             a user task: importing ``module`` registers it     the task's ``reward``
 ``*.jsonl`` / ``*.parquet`` ``{"answer": row[answer_key]}``                   ``math_verify``
 a reasoning-gym name        ``{"task": name, "answer": ..., "metadata": ...}``  ``reasoning_gym``
@@ -30,7 +30,7 @@ names. A user task::
 the ground truth is a small JSON-able dict (it travels to the roller through the TransferQueue,
 ``common.ground_truth``, and the reward function scores against it in another process).
 
-``tiny-repeat`` is a prompt-dependent task the tiny model of ``common.models`` can learn in seconds:
+``tiny_repeat`` is a prompt-dependent task the tiny model of ``common.models`` can learn in seconds:
 the prompt is ``repeat the word c`` (4 words of the tiny vocabulary) and the answer is the symbol, drawn
 uniformly from the first ``num_symbols`` letters (default 8: a constant answer scores 1/8 in
 expectation; a random tiny model, whose vocabulary has ~50 words, scores about 1/50).
@@ -48,7 +48,8 @@ from typing import Any
 from common.ground_truth import to_json_object
 from common.registry import Registry
 
-TINY_REPEAT = "tiny-repeat"
+TINY_REPEAT = "tiny_repeat"
+RENAMED = {"tiny-repeat": TINY_REPEAT}  # old data.task spellings: refused with the new name, never accepted
 FILE_SUFFIXES = (".jsonl", ".parquet")
 TINY_REPEAT_MAX_SYMBOLS = 26
 
@@ -96,6 +97,8 @@ def resolve_task(spec: str, prompt_key: str = "prompt", answer_key: str = "answe
     read; a file is bound to ``prompt_key``/``answer_key``). Raises ValueError naming ``data.task``."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"data.task must be a non-empty string, got {spec!r}")
+    if spec in RENAMED:
+        raise ValueError(f"data.task={spec!r} is now spelled {RENAMED[spec]!r} (data.task={RENAMED[spec]})")
     if spec in TASKS or ":" in spec:
         return TASKS.get(spec)
     if spec.endswith(FILE_SUFFIXES):
@@ -132,9 +135,9 @@ def load_task_records(
 ) -> list[TaskRecord]:
     """The rows of ``task`` in dataset order (shuffling per epoch is the feeder's job).
 
-    ``size`` and ``seed`` apply to generated tasks (reasoning-gym, tiny-repeat, most plug-ins); a file
+    ``size`` and ``seed`` apply to generated tasks (reasoning-gym, tiny_repeat, most plug-ins); a file
     yields all its rows. ``task_kwargs`` go to the task's loader (the reasoning-gym dataset config,
-    ``num_symbols`` for tiny-repeat). Raises ValueError naming the key for unknown tasks, bad kwargs,
+    ``num_symbols`` for tiny_repeat). Raises ValueError naming the key for unknown tasks, bad kwargs,
     missing files or columns, records that are not ``TaskRecord`` s, and ground truth that is not JSON-able.
     """
     plugin = resolve_task(task, prompt_key, answer_key)
@@ -159,7 +162,7 @@ def tiny_repeat_records(size: int, seed: int = 0, **task_kwargs: Any) -> list[Ta
     """
     unknown = set(task_kwargs) - {"num_symbols"}
     if unknown:
-        raise ValueError(f"data.task_kwargs has {sorted(unknown)}; tiny-repeat accepts only ['num_symbols']")
+        raise ValueError(f"data.task_kwargs has {sorted(unknown)}; tiny_repeat accepts only ['num_symbols']")
     num_symbols = task_kwargs.get("num_symbols", 8)
     if not 2 <= num_symbols <= TINY_REPEAT_MAX_SYMBOLS:
         raise ValueError(

@@ -103,7 +103,7 @@ def reasoning_gym_reward(response_text: str, ground_truth: dict) -> float:
 
 
 def tiny_repeat_reward(response_text: str, ground_truth: dict) -> float:
-    """``tiny-repeat``: 1.0 when the response's first word is ``ground_truth["answer"]``, else 0.0."""
+    """``tiny_repeat``: 1.0 when the response's first word is ``ground_truth["answer"]``, else 0.0."""
     words = response_text.split()
     return 1.0 if words and words[0] == ground_truth["answer"] else 0.0
 

@@ -13,7 +13,7 @@ _seen: set[str] = set()
 
 
 def raise_on_c(response_text: str, ground_truth: dict) -> float:
-    """Raises for every sample of prompts whose answer is ``c``; the tiny-repeat reward otherwise."""
+    """Raises for every sample of prompts whose answer is ``c``; the tiny_repeat reward otherwise."""
     if ground_truth["answer"] == "c":
         raise RuntimeError("reward hook: refusing to score answer c")
     return tiny_repeat_reward(response_text, ground_truth)
@@ -21,7 +21,7 @@ def raise_on_c(response_text: str, ground_truth: dict) -> float:
 
 def slow_first_c(response_text: str, ground_truth: dict) -> float:
     """Sleeps 4 s the first time it scores a prompt whose answer is ``c`` (so that group completes
-    after two more trainer updates); the tiny-repeat reward otherwise."""
+    after two more trainer updates); the tiny_repeat reward otherwise."""
     if ground_truth["answer"] == "c" and "c" not in _seen:
         _seen.add("c")
         time.sleep(4.0)

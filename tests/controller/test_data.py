@@ -29,7 +29,7 @@ def _records(num: int) -> list[TaskRecord]:
 
 
 def _dataset(tok, num: int, **cfg) -> PromptDataset:
-    return PromptDataset.from_records(_records(num), DataConfig(task="tiny-repeat", **cfg), tok)
+    return PromptDataset.from_records(_records(num), DataConfig(task="tiny_repeat", **cfg), tok)
 
 
 def test_total_steps_beyond_the_data_is_rejected_naming_all_four():
@@ -90,7 +90,7 @@ def test_max_prompt_length_error_names_row_and_length(tok):
     records = _records(3)
     records[1] = TaskRecord("repeat the word a " * 10, {"answer": "a"})
     long_len = len(apply_chat_template(tok, records[1].prompt))
-    cfg = DataConfig(task="tiny-repeat", max_prompt_length=12, train_batch_size=1)
+    cfg = DataConfig(task="tiny_repeat", max_prompt_length=12, train_batch_size=1)
     with pytest.raises(ValueError, match=f"data row 1: prompt is {long_len} tokens.*max_prompt_length=12"):
         PromptDataset.from_records(records, cfg, tok)
 
@@ -98,19 +98,19 @@ def test_max_prompt_length_error_names_row_and_length(tok):
 def test_skip_long_prompts_counts_and_logs(tok, caplog):
     records = _records(4)
     records[2] = TaskRecord("repeat the word a " * 10, {"answer": "a"})
-    cfg = DataConfig(task="tiny-repeat", max_prompt_length=12, skip_long_prompts=True, train_batch_size=2)
+    cfg = DataConfig(task="tiny_repeat", max_prompt_length=12, skip_long_prompts=True, train_batch_size=2)
     with caplog.at_level(logging.WARNING):
         dataset = PromptDataset.from_records(records, cfg, tok)
     assert len(dataset) == 3 and dataset.num_skipped == 1
     assert [p.index for p in dataset.prompts] == [0, 1, 3]
     assert "skipped 1 of 4 prompts" in caplog.text
-    everything_long = DataConfig(task="tiny-repeat", max_prompt_length=2, skip_long_prompts=True)
+    everything_long = DataConfig(task="tiny_repeat", max_prompt_length=2, skip_long_prompts=True)
     with pytest.raises(ValueError, match="no prompts left after skipping 4"):
         PromptDataset.from_records(records, everything_long, tok)
 
 
 def test_from_config_tiny_repeat(tok):
-    cfg = DataConfig(task="tiny-repeat", size=16, train_batch_size=8, max_prompt_length=32)
+    cfg = DataConfig(task="tiny_repeat", size=16, train_batch_size=8, max_prompt_length=32)
     dataset = PromptDataset.from_config(cfg, tok)
     assert len(dataset) == 16 and dataset.num_available_steps() == 2
     assert max(len(p.input_ids) for p in dataset.prompts) <= 12  # short: 4 words + chat template

@@ -20,7 +20,7 @@ def test_run_report_writes_jsonl_summary_and_plot(tmp_path):
                          "staleness_max": 1, "samples_per_s": 3.0})
     with pytest.raises(ValueError, match="samples_per_s"):
         report.log_step({"step": 3, "reward_mean": 0, "weight_version": 3, "staleness_mean": 0, "staleness_max": 0})
-    summary = report.finish({"model": "tiny", "task": "tiny-repeat"})
+    summary = report.finish({"model": "tiny", "task": "tiny_repeat"})
     report.close()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
@@ -51,10 +51,10 @@ def test_plot_is_titled_and_scaled_for_reading(tmp_path):
     rewards = [0.008, 0.031, 0.016, 0.023, 0.008]
     steps = [{"step": i + 1, "reward_mean": r, "accuracy": r, "weight_version": i + 1, "staleness_mean": 0.0,
               "staleness_max": 0, "samples_per_s": 3.0} for i, r in enumerate(rewards)]
-    fig = plot_steps(steps, {"mode": "sync", "model": "tiny", "task": "tiny-repeat", "status": "completed"}, 5)
+    fig = plot_steps(steps, {"mode": "sync", "model": "tiny", "task": "tiny_repeat", "status": "completed"}, 5)
     ax_reward, ax_acc, ax_stale = fig.axes
     title = fig._suptitle.get_text()
-    assert all(word in title for word in ("sync", "tiny", "tiny-repeat", "5 of 5 steps"))
+    assert all(word in title for word in ("sync", "tiny", "tiny_repeat", "5 of 5 steps"))
     for ax in (ax_reward, ax_acc):  # own panels, each spanning [0, 1]: 0.008-0.031 is a flat line near 0
         low, high = ax.get_ylim()
         assert low <= 0 and high >= 1 and high - low < 1.2

@@ -1,4 +1,4 @@
-"""The task registry: reasoning-gym, tiny-repeat, file datasets and user task plug-ins."""
+"""The task registry: reasoning-gym, tiny_repeat, file datasets and user task plug-ins."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_reasoning_gym_bad_kwargs_and_names():
 
 
 def test_tiny_repeat_prompts_fit_the_tiny_vocabulary():
-    records = load_task_records("tiny-repeat", size=400, seed=0)
+    records = load_task_records("tiny_repeat", size=400, seed=0)
     tok = build_tiny_tokenizer()
     for record in records[:20]:
         ids = tok(record.prompt, add_special_tokens=False)["input_ids"]
@@ -53,12 +53,12 @@ def test_tiny_repeat_prompts_fit_the_tiny_vocabulary():
 
 
 def test_tiny_repeat_kwargs():
-    records = load_task_records("tiny-repeat", size=50, seed=0, task_kwargs={"num_symbols": 2})
+    records = load_task_records("tiny_repeat", size=50, seed=0, task_kwargs={"num_symbols": 2})
     assert {r.ground_truth["answer"] for r in records} == {"a", "b"}
     with pytest.raises(ValueError, match="num_symbols"):
-        load_task_records("tiny-repeat", size=5, task_kwargs={"num_symbols": 40})
+        load_task_records("tiny_repeat", size=5, task_kwargs={"num_symbols": 40})
     with pytest.raises(ValueError, match="accepts only"):
-        load_task_records("tiny-repeat", size=5, task_kwargs={"bogus": 1})
+        load_task_records("tiny_repeat", size=5, task_kwargs={"bogus": 1})
 
 
 def test_jsonl_file(tmp_path):
@@ -99,8 +99,10 @@ def test_decode_ground_truth_rejects_non_dicts():
 
 
 def test_unknown_task_lists_the_registered_ones():
-    with pytest.raises(ValueError, match=r"data.task='tiny_repeat' is not a registered task \[.*'tiny-repeat'"):
-        resolve_task("tiny_repeat")
+    with pytest.raises(ValueError, match=r"data.task='tiny_repeet' is not a registered task \[.*'tiny_repeat'"):
+        resolve_task("tiny_repeet")
+    with pytest.raises(ValueError, match="data.task='tiny-repeat' is now spelled 'tiny_repeat'"):
+        load_task_records("tiny-repeat", size=1)  # the old spelling is refused, not accepted
     with pytest.raises(ValueError, match="data.task='no_such_module_xyz:t'.*cannot import"):
         resolve_task("no_such_module_xyz:t")
 

@@ -134,9 +134,9 @@ def test_build_reward_fn_auto_by_task(tmp_path):
     from controller.tasks import resolve_reward
 
     assert build_reward_fn(resolve_reward("auto", "chain_sum")) is reasoning_gym_reward
-    assert build_reward_fn(resolve_reward("auto", "tiny-repeat")) is tiny_repeat_reward
+    assert build_reward_fn(resolve_reward("auto", "tiny_repeat")) is tiny_repeat_reward
     assert build_reward_fn(resolve_reward("auto", str(tmp_path / "d.jsonl"))) is math_verify_reward
-    assert resolve_reward("math_verify", "tiny-repeat") == "math_verify"
+    assert resolve_reward("math_verify", "tiny_repeat") == "math_verify"
     with pytest.raises(ValueError, match="rollout.reward='bogus'"):
         build_reward_fn(resolve_reward("bogus", "chain_sum"))
     with pytest.raises(ValueError, match="resolved from data.task"):

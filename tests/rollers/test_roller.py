@@ -469,7 +469,7 @@ def test_ray_actor_refuses_rollout_top_k_beyond_the_vocabulary(ray_cluster):
 
     ray = ray_cluster
     actor = remote_roller(num_cpus=0.1).remote(
-        ModelConfig(path="tiny"), RolloutConfig(n=N, top_k=100_000), RollersConfig(num_threads=1), "tiny-repeat",
+        ModelConfig(path="tiny"), RolloutConfig(n=N, top_k=100_000), RollersConfig(num_threads=1), "tiny_repeat",
         LocalGroupChannel)
     try:
         with pytest.raises(ray.exceptions.RayActorError, match="rollout.top_k=100000 exceeds the model's vocabulary"):
@@ -500,7 +500,7 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
     from rollers.roller import TQGroupChannel
     from transferqueue.client import TQClient
 
-    cfg = DataConfig(task="tiny-repeat", size=3, train_batch_size=3, max_prompt_length=32)
+    cfg = DataConfig(task="tiny_repeat", size=3, train_batch_size=3, max_prompt_length=32)
     dataset = PromptDataset.from_config(cfg, tok)
     data, tags = prompt_fields(dataset.prompts, N, tok.pad_token_id, uids=["g0", "g1", "g2"])
     response_fields = [schema.RESPONSES, schema.RESPONSE_MASK, schema.ROLLOUT_LOG_PROBS,
