@@ -4,9 +4,9 @@
 trainer's version at that update minus the sample's ``min_weight_version``. The controller starts a new
 prompt group only while
 
-    started − dropped ≤ (max_staleness + version + 1) × train_batch_size − 1
+    started − dropped ≤ (max_staleness + weight_version + 1) × train_batch_size − 1
 
-so producers never run further ahead than the bound. ``version`` here is the version the rollers hold
+so producers never run further ahead than the bound. ``weight_version`` here is the version the rollers hold
 (the last synced one): it equals the trainer's version right after each sync, and is never ahead of it,
 so the bound is kept even while a sync is in flight.
 """
@@ -35,20 +35,21 @@ class Admission:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
-    def limit(self, version: int) -> int:
+    def limit(self, weight_version: int) -> int:
         """The largest ``started − dropped`` at which one more group may still start."""
-        return (self.max_staleness + version + 1) * self.train_batch_size - 1
+        return (self.max_staleness + weight_version + 1) * self.train_batch_size - 1
 
-    def num_admissible(self, version: int) -> int:
-        """How many groups may start now at rollers' weight version ``version`` (never negative)."""
-        return max(0, self.limit(version) + 1 - (self.started - self.dropped))
+    def num_admissible(self, weight_version: int) -> int:
+        """How many groups may start now at rollers' weight version ``weight_version`` (never negative)."""
+        return max(0, self.limit(weight_version) + 1 - (self.started - self.dropped))
 
-    def start(self, num_groups: int, version: int) -> None:
+    def start(self, num_groups: int, weight_version: int) -> None:
         """Record ``num_groups`` started; raises ValueError if that exceeds what is admissible."""
-        if num_groups > self.num_admissible(version):
+        if num_groups > self.num_admissible(weight_version):
             raise ValueError(
-                f"admitting {num_groups} groups exceeds the staleness bound: at version {version} only "
-                f"{self.num_admissible(version)} may start (started={self.started}, dropped={self.dropped})"
+                f"admitting {num_groups} groups exceeds the staleness bound: at weight_version {weight_version} "
+                f"only {self.num_admissible(weight_version)} may start (started={self.started}, "
+                f"dropped={self.dropped})"
             )
         self.started += num_groups
 
@@ -57,6 +58,7 @@ class Admission:
         self.dropped += num_groups
 
 
-def staleness(trainer_version: int, min_weight_version: int) -> int:
-    """Staleness of a sample trained at ``trainer_version`` whose first token came from ``min_weight_version``."""
-    return trainer_version - min_weight_version
+def staleness(trainer_weight_version: int, min_weight_version: int) -> int:
+    """Staleness of a sample trained at ``trainer_weight_version`` whose first token came from
+    ``min_weight_version``."""
+    return trainer_weight_version - min_weight_version

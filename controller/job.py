@@ -72,7 +72,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
             "num_failed_groups": stages.num_failed_groups,
             "num_dropped_groups": stages.num_dropped_groups,
             "num_zero_variance_groups": stages.num_zero_variance_groups,
-            "weight_version": stages.version,
+            "weight_version": stages.weight_version,
             **group_reward_stats(stages.rewards_by_uid),
         })
         _STOP.attach(None)

@@ -7,7 +7,8 @@ stats dicts returned by rollers and trainers, and its own timings. Series (DESIG
 series                                 type       meaning
 =====================================  =========  ============================================
 hflow_queue_depth{task}                gauge      samples ready and not yet consumed by task
-hflow_queue_lag                        histogram  trainer version − sample min_weight_version
+hflow_queue_lag                        histogram  staleness of trained samples: trainer weight_version
+                                                  − sample min_weight_version (DESIGN's "queue lag")
 hflow_sample_age_seconds               histogram  time from a group's admission to its training
 hflow_samples_produced_total           counter    samples with a finished response
 hflow_samples_consumed_total           counter    samples trained on
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-_LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+_STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 _TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LENGTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -43,8 +44,8 @@ class JobMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_depth = Gauge("hflow_queue_depth", "Samples ready, not yet consumed", ["task"], registry=r)
-        self.queue_lag = Histogram("hflow_queue_lag", "Trainer version minus sample version",
-                                   buckets=_LAG_BUCKETS, registry=r)
+        self.queue_lag = Histogram("hflow_queue_lag", "Staleness of trained samples: trainer weight_version "
+                                   "minus sample min_weight_version", buckets=_STALENESS_BUCKETS, registry=r)
         self.sample_age = Histogram("hflow_sample_age_seconds", "Admission-to-training time of a sample",
                                     buckets=_TIME_BUCKETS, registry=r)
         self.produced = Counter("hflow_samples_produced", "Samples with a finished response", registry=r)

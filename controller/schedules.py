@@ -71,8 +71,8 @@ class Stages:
             cfg.algorithm.require_batches if cfg.mode == "fully-async" else 1)
         self.total_groups = cfg.trainer.total_steps * self.groups_per_step
         self.admission = Admission(cfg.data.train_batch_size, cfg.algorithm.max_staleness)
-        self.version = 0          # trainer weight_version (completed updates)
-        self.synced_version = 0   # the version every roller holds
+        self.weight_version = 0          # trainer weight_version (completed updates)
+        self.synced_weight_version = 0   # the version every roller holds
         self.step = 0
         self.num_syncs = 0
         self.num_failed_groups = 0
@@ -99,12 +99,12 @@ class Stages:
         """
         k = min(max_groups, self.total_groups - (self.admission.started - self.admission.dropped))
         if bounded:
-            k = min(k, self.admission.num_admissible(self.synced_version))
+            k = min(k, self.admission.num_admissible(self.synced_weight_version))
         if k <= 0 or self.exhausted:
             return 0
         # Count the groups as started before awaiting the feeder, so a concurrent admit sees them.
         if bounded:
-            self.admission.start(k, self.synced_version)
+            self.admission.start(k, self.synced_weight_version)
         else:
             self.admission.started += k
         fed = await self.rt.feeder.feed.remote(k)
@@ -114,11 +114,11 @@ class Stages:
         self._track(fed)
         return len(fed)
 
-    async def generate(self, num_groups: int, train_version: int, enforce_staleness: bool = False):
+    async def generate(self, num_groups: int, train_weight_version: int, enforce_staleness: bool = False):
         """Wait until ``num_groups`` whole prompt groups are generated and scored; their BatchMeta.
 
         Groups that failed (``rollers.on_failed_group=skip``) count toward ``num_groups`` and are not
-        returned. With ``enforce_staleness``, a group whose staleness at ``train_version`` exceeds
+        returned. With ``enforce_staleness``, a group whose staleness at ``train_weight_version`` exceeds
         ``algorithm.max_staleness`` follows ``algorithm.stale_policy``. With ``algorithm.dynamic_sampling``,
         a zero-variance group is replaced (``refill``) and waited for. Returns fewer groups only when the
         prompt data has run out. Raises RolloutFailure (also when there is no group at all).
@@ -132,13 +132,14 @@ class Stages:
             if len(meta) == 0:
                 skipped += await self.check_rollers()
                 continue
-            lag = max(staleness(train_version, t[schema.MIN_WEIGHT_VERSION]) for t in meta.tags)
-            if enforce_staleness and lag > self.cfg.algorithm.max_staleness:
+            group_staleness = max(staleness(train_weight_version, t[schema.MIN_WEIGHT_VERSION])
+                                  for t in meta.tags)
+            if enforce_staleness and group_staleness > self.cfg.algorithm.max_staleness:
                 if self.cfg.algorithm.stale_policy == "drop":
-                    await self._drop(meta, lag)
+                    await self._drop(meta, group_staleness)
                     continue
                 logger.warning("training group %s at staleness %d > max_staleness (stale_policy=keep)",
-                               meta.tags[0][schema.UID], lag)
+                               meta.tags[0][schema.UID], group_staleness)
             if self.cfg.algorithm.dynamic_sampling and await self.refill(meta):
                 continue
             metas.append(meta)
@@ -188,7 +189,7 @@ class Stages:
         start = time.monotonic()
         self.metrics.trainer_wait.inc(max(0.0, start - self._last_step_end))
         train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
-        self.version += 1
+        self.weight_version += 1
         self.step += 1
         every = self.cfg.trainer.save_every
         if every and self.step % every == 0:  # trainer state (model, optimizer, scheduler, version, RNG)
@@ -205,11 +206,11 @@ class Stages:
 
         start = time.monotonic()
         mode = pause_mode or self.cfg.checkpointengine.pause_mode
-        send = asyncio.to_thread(self.rt.trainer.execute, trainer_hooks.send_weights, self.version)
-        receives = [r.update_weights.remote(self.version, mode) for r in self.rt.rollers]
+        send = asyncio.to_thread(self.rt.trainer.execute, trainer_hooks.send_weights, self.weight_version)
+        receives = [r.update_weights.remote(self.weight_version, mode) for r in self.rt.rollers]
         reports = await asyncio.gather(send, *receives)
         sent = reports[0][0] or {}
-        self.synced_version = self.version
+        self.synced_weight_version = self.weight_version
         self.num_syncs += 1
         self.metrics.sync_seconds.observe(time.monotonic() - start)
         self.metrics.sync_bytes.inc(float(sent.get("num_bytes", 0)) * len(self.rt.rollers))
@@ -251,9 +252,9 @@ class Stages:
             self.admitted_at[g["uid"]] = now
         self.outstanding += len(fed)
 
-    async def _drop(self, meta, lag: int) -> None:
+    async def _drop(self, meta, group_staleness: int) -> None:
         uid = meta.tags[0][schema.UID]
-        logger.info("dropping group %s (staleness %d > %d); re-issuing its prompt", uid, lag,
+        logger.info("dropping group %s (staleness %d > %d); re-issuing its prompt", uid, group_staleness,
                     self.cfg.algorithm.max_staleness)
         await self.rt.tq.aclear(PARTITION, meta.sample_ids)
         self.admission.drop(1)
@@ -275,8 +276,8 @@ class Stages:
     def _record(self, meta, train_metrics: dict, step_s: float) -> None:
         now = time.monotonic()
         tags = meta.tags
-        trained_at = self.version - 1
-        lags = [staleness(trained_at, t[schema.MIN_WEIGHT_VERSION]) for t in tags]
+        trained_at = self.weight_version - 1
+        stalenesses = [staleness(trained_at, t[schema.MIN_WEIGHT_VERSION]) for t in tags]
         rewards = [float(t[REWARD_TAG]) for t in tags]
         lengths = [int(t[schema.RESPONSE_LENGTH]) for t in tags]
         by_uid: dict[str, list[float]] = {}
@@ -286,17 +287,17 @@ class Stages:
         wall = max(now - self._last_step_end, 1e-9)
         for uid in by_uid:
             self.metrics.sample_age.observe(now - self.admitted_at.pop(uid, now))
-        for lag in lags:
-            self.metrics.queue_lag.observe(lag)
+        for value in stalenesses:
+            self.metrics.queue_lag.observe(value)  # hflow_queue_lag: the staleness of trained samples
         for length in lengths:
             self.metrics.response_length.observe(length)
         record = {
             "step": self.step,
-            "weight_version": self.version,
+            "weight_version": self.weight_version,
             "reward_mean": sum(rewards) / len(rewards),
             "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards),
-            "staleness_mean": sum(lags) / len(lags),
-            "staleness_max": max(lags),
+            "staleness_mean": sum(stalenesses) / len(stalenesses),
+            "staleness_max": max(stalenesses),
             "samples_per_s": len(tags) / wall,
             "step_s": step_s,
             "num_samples": len(tags),
@@ -314,7 +315,7 @@ class Stages:
         self.metrics.reward_mean.set(record["reward_mean"])
         self.metrics.response_clip_ratio.set(record["response_clip_ratio"])
         self.metrics.step_seconds.observe(step_s)
-        self.metrics.weight_version.set(self.version)
+        self.metrics.weight_version.set(self.weight_version)
         self.report.log_step(record)
         self._last_step_end = now
 
@@ -365,7 +366,7 @@ async def run_sync(st: Stages) -> None:
     B = st.cfg.data.train_batch_size
     for _ in range(st.cfg.trainer.total_steps):
         fed = await st.admit(B, bounded=False)
-        meta = await st.generate(fed, train_version=st.version)
+        meta = await st.generate(fed, train_weight_version=st.weight_version)
         await st.update(meta)
         await st.sync_weights()
 
@@ -373,12 +374,12 @@ async def run_sync(st: Stages) -> None:
 async def run_one_step_off(st: Stages) -> None:
     B, total = st.cfg.data.train_batch_size, st.cfg.trainer.total_steps
     fed = await st.admit(B, bounded=False)
-    meta = await st.generate(fed, train_version=st.version)
+    meta = await st.generate(fed, train_weight_version=st.weight_version)
     for step in range(total):
         pending = None
         if step < total - 1:  # batch k+1: generated with v_k while the trainer trains on batch k
             fed = await st.admit(B, bounded=False)
-            pending = asyncio.ensure_future(st.generate(fed, train_version=st.version + 1))
+            pending = asyncio.ensure_future(st.generate(fed, train_weight_version=st.weight_version + 1))
         try:
             await st.update(meta)
             meta = await pending if pending is not None else None
@@ -394,10 +395,10 @@ async def run_fully_async(st: Stages) -> None:
     try:
         for step in range(st.cfg.trainer.total_steps):
             need = per_step if not st.exhausted else min(per_step, st.outstanding)
-            meta = await st.generate(need, train_version=st.version, enforce_staleness=True)
+            meta = await st.generate(need, train_weight_version=st.weight_version, enforce_staleness=True)
             await st.update(meta)
             last = step == st.cfg.trainer.total_steps - 1
-            if st.version % st.cfg.algorithm.trigger_sync_steps == 0 or last:
+            if st.weight_version % st.cfg.algorithm.trigger_sync_steps == 0 or last:
                 await st.sync_weights()
             if admitter.done():
                 admitter.result()  # re-raise an admission error

@@ -189,7 +189,8 @@ def reasoning_gym_records(task: str, size: int, seed: int, kwargs: dict[str, Any
     return records
 
 
-def file_records(path: Path, prompt_key: str, answer_key: str, kwargs: dict[str, Any] | None = None) -> list[TaskRecord]:
+def file_records(path: Path, prompt_key: str, answer_key: str,
+                 kwargs: dict[str, Any] | None = None) -> list[TaskRecord]:
     """Rows of a ``.jsonl`` or ``.parquet`` file (read with pyarrow) with ``prompt_key``/``answer_key``.
     Raises ValueError for ``kwargs`` (a file takes none), a missing file, bad JSON or a missing column."""
     if kwargs:

@@ -3,7 +3,7 @@ the controller's calls.
 
 Engines: ``rollers.engine=torch`` builds the in-process ``TorchEngine``; ``sglang`` launches (or connects to,
 ``rollers.sglang_url``) an SGLang server and uses ``SGLangEngine``. Weight updates arrive through the
-checkpoint engine: ``attach_receiver(handle, name)`` once, then ``update_weights(version, pause_mode)``
+checkpoint engine: ``attach_receiver(handle, name)`` once, then ``update_weights(weight_version, pause_mode)``
 per sync (pause → receive every bucket → load → commit → flush → resume, ``checkpointengine.apply_update``).
 """
 
@@ -105,14 +105,14 @@ class RollerActor:
         await self._ensure_engine()
         self.receiver = WeightReceiver(WeightSyncHandle.from_dict(handle), name)
 
-    async def update_weights(self, version: int, pause_mode: str) -> dict:
-        """Receive and apply weight ``version`` (``checkpointengine.apply_update``); returns duration and bytes.
+    async def update_weights(self, weight_version: int, pause_mode: str) -> dict:
+        """Receive and apply ``weight_version`` (``checkpointengine.apply_update``); returns duration and bytes.
         Raises WeightUpdateError (the old version is kept) or RuntimeError without ``attach_receiver``."""
         from checkpointengine import apply_update
 
         if self.receiver is None:
             raise RuntimeError(f"roller {self.roller_id}: attach_receiver was never called")
-        result = await apply_update(self.engine, self.receiver, version, pause_mode)
+        result = await apply_update(self.engine, self.receiver, weight_version, pause_mode)
         return {"duration_s": result.duration_s, "num_bytes": result.num_bytes}
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:

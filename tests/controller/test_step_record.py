@@ -25,7 +25,7 @@ def test_step_record_reports_the_clip_ratio(tmp_path):
     cfg = load_config(preset="tiny", overrides=["trainer.total_steps=1"])
     metrics, report = JobMetrics(), RunReport(tmp_path, total_steps=1, progress=False)
     stages = Stages(cfg, rt=None, metrics=metrics, report=report)
-    stages.version = 1
+    stages.weight_version = 1
     tags = [_tag("u0", "length", 4), _tag("u0", "stop", 2), _tag("u1", "length", 4), _tag("u1", "stop", 1),
             _tag("u2", "stop", 3), _tag("u2", "stop", 3), _tag("u3", "stop", 1), _tag("u3", "length", 4)]
     stages._record(SimpleNamespace(tags=tags), {}, step_s=1.0)
