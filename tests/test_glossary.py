@@ -1,0 +1,44 @@
+"""The glossary is in one place (docs/glossary.md) and the code is spelled by it (issue 19, item 5)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_glossary_page_holds_designs_names_and_the_disambiguations():
+    text = (ROOT / "docs" / "glossary.md").read_text()
+    for name in ("input_ids", "response_mask", "rollout_log_probs", "weight_version", "global_step", "rollout.n",
+                 "max_staleness", "staleness", "hflow_queue_lag", "partition", "consumer task", "tiny_repeat",
+                 "SGLangAPIError", "ProtocolError", "Full", "num_samples"):
+        assert name in text, name
+
+
+def test_partition_and_consumer_tasks_are_spelled_apart():
+    from controller.runtime import PARTITION
+    from controller.schedules import TRAIN_TASK
+    from rollers.roller import TQGroupChannel
+
+    rollout_task = inspect.signature(TQGroupChannel).parameters["task"].default
+    assert PARTITION not in (TRAIN_TASK, rollout_task)
+
+
+def test_index_and_client_take_get_meta_arguments_in_one_order():
+    from transferqueue.client import TQClient
+    from transferqueue.index import MetadataIndex
+
+    def order(fn):
+        return [p for p in inspect.signature(fn).parameters if p != "self"][:6]
+
+    assert order(MetadataIndex.get_meta) == order(TQClient.get_meta)
+
+
+def test_public_names_say_weight_version():
+    from controller.admission import Admission
+    from rollers.actor import RollerActor
+
+    for fn in (Admission.limit, Admission.num_admissible, Admission.start, RollerActor.update_weights):
+        params = inspect.signature(fn).parameters
+        assert "weight_version" in params and "version" not in params, fn.__qualname__
