@@ -17,8 +17,8 @@ generated at once (enough to fill the engine's batch slots).
 
 **Channel.** ``GroupChannel`` is the roller's only view of the data plane: ``take_group`` (one whole
 ``uid`` group of the ``rollout`` task, or ``None`` on timeout) and ``put_group`` (response fields into
-the same sample ids). ``TQGroupChannel`` is the TransferQueue one (what runs use); ``LocalGroupChannel`` an
-in-process one (tests).
+the same sample ids). ``TQGroupChannel`` is the TransferQueue one (what runs use; tests also use in-process
+ones).
 
 **Truncation.** A response ends with ``finish_reason=length`` at ``rollout.max_response_length`` tokens
 or where prompt + response reach the engine's context length; both count in ``truncation_ratio``.
@@ -99,23 +99,6 @@ class GroupChannel(Protocol):
 
     async def put_group(self, result: GroupResult) -> None:
         """Put the response fields of ``result`` into its sample ids."""
-
-
-class LocalGroupChannel:
-    """An in-process ``GroupChannel``: bounded asyncio queues of groups in and results out."""
-
-    def __init__(self, maxsize: int = 1024):
-        self.groups: asyncio.Queue[PromptGroup] = asyncio.Queue(maxsize)
-        self.results: asyncio.Queue[GroupResult] = asyncio.Queue(maxsize)
-
-    async def take_group(self, timeout_s: float) -> PromptGroup | None:
-        try:
-            return await asyncio.wait_for(self.groups.get(), timeout_s)
-        except TimeoutError:
-            return None
-
-    async def put_group(self, result: GroupResult) -> None:
-        await asyncio.wait_for(self.results.put(result), 60.0)
 
 
 class TQGroupChannel:
@@ -514,6 +497,6 @@ async def _acquire(semaphore: asyncio.Semaphore, timeout_s: float) -> bool:
 
 
 __all__ = [
-    "REWARD_BASELINES", "EngineError", "FailedGroup", "GroupChannel", "GroupResult", "LocalGroupChannel",
+    "REWARD_BASELINES", "EngineError", "FailedGroup", "GroupChannel", "GroupResult",
     "PromptGroup", "Roller", "build_response_fields", "sample_seed",
 ]

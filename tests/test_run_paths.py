@@ -10,6 +10,7 @@ import pytest
 TEST_ONLY = [
     ("rollers.roller", "PermitAdmission", "tests/rollers/engine_helpers.py (runs admit at the feeder)"),
     ("rollers.roller", "OpenAdmission", "the roller takes what the feeder put"),
+    ("rollers.roller", "LocalGroupChannel", "tests/rollers/engine_helpers.py"),
     ("rollers.actor", "PermitAdmission", "tests/rollers/engine_helpers.py"),
     ("transferqueue.launch", "start_transferqueue_ray", "tests/transferqueue/ray_servers.py"),
     ("transferqueue", "start_transferqueue_ray", "tests/transferqueue/ray_servers.py"),

@@ -87,3 +87,20 @@ class PermitChannel:
 
     async def put_group(self, result) -> None:
         await self.inner.put_group(result)
+
+
+class LocalGroupChannel:
+    """An in-process ``GroupChannel``: bounded asyncio queues of groups in and results out."""
+
+    def __init__(self, maxsize: int = 1024):
+        self.groups: asyncio.Queue = asyncio.Queue(maxsize)
+        self.results: asyncio.Queue = asyncio.Queue(maxsize)
+
+    async def take_group(self, timeout_s: float):
+        try:
+            return await asyncio.wait_for(self.groups.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def put_group(self, result) -> None:
+        await asyncio.wait_for(self.results.put(result), 60.0)

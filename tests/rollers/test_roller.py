@@ -19,14 +19,13 @@ from rollers.rewards import tiny_repeat_reward
 from rollers.roller import (
     REWARD_BASELINES,
     GroupResult,
-    LocalGroupChannel,
     PromptGroup,
     Roller,
     build_response_fields,
     sample_seed,
 )
 from rollers.torch_engine import TorchEngine
-from tests.rollers.engine_helpers import PermitAdmission, PermitChannel, run, spiced_tiny
+from tests.rollers.engine_helpers import LocalGroupChannel, PermitAdmission, PermitChannel, run, spiced_tiny
 
 N = 4
 
