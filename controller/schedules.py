@@ -85,7 +85,7 @@ class Stages:
         self.rewards_by_uid: dict[str, list[float]] = {}
         self.changed = asyncio.Event()  # version synced or groups dropped: admission may allow more
         self._last_step_end = time.monotonic()
-        self._produced_seen = 0.0
+        self.num_samples_received = 0  # samples taken from the TransferQueue (each one was produced)
         self.num_groups_generated = 0
 
     # ------------------------------------------------------------------------------------------ stages
@@ -131,6 +131,8 @@ class Stages:
             if len(meta) == 0:
                 skipped += await self.check_rollers()
                 continue
+            self.num_samples_received += len(meta)
+            self.metrics.count_produced(self.num_samples_received)
             lag = max(staleness(train_version, t[schema.MIN_WEIGHT_VERSION]) for t in meta.tags)
             if enforce_staleness and lag > self.cfg.algorithm.max_staleness:
                 if self.cfg.algorithm.stale_policy == "drop":
@@ -283,8 +285,10 @@ class Stages:
             by_uid.setdefault(t[schema.UID], []).append(r)
         self.rewards_by_uid.update(by_uid)
         wall = max(now - self._last_step_end, 1e-9)
-        for uid in by_uid:
-            self.metrics.sample_age.observe(now - self.admitted_at.pop(uid, now))
+        for uid, group in by_uid.items():
+            age = now - self.admitted_at.pop(uid, now)
+            for _ in group:  # one observation per sample, as hflow_sample_age_seconds says
+                self.metrics.sample_age.observe(age)
         for lag in lags:
             self.metrics.queue_lag.observe(lag)
         for length in lengths:
@@ -339,9 +343,7 @@ class Stages:
             self.metrics.queue_depth.labels(task=task).set(value)
         stats = [await r.stats.remote() for r in self.rt.rollers]
         self.num_groups_generated = int(sum(s["num_groups"] + s["num_failed_groups"] for s in stats))
-        produced = sum(s["num_samples"] for s in stats)
-        self.metrics.produced.inc(max(0.0, produced - self._produced_seen))
-        self._produced_seen = max(produced, self._produced_seen)
+        self.metrics.count_produced(sum(s["num_samples"] for s in stats))
         self.metrics.tokens_per_s.set(sum(s["tokens_per_s"] for s in stats))
         for name, s in zip(self.rt.roller_names, stats, strict=True):
             self.metrics.roller_busy.labels(roller=name).set(s["busy_ratio"])

@@ -176,9 +176,13 @@ def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
 
 
 def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_cluster):
+    """Scraped over HTTP all through a run: every series is served, and in every scrape produced samples
+    are at least consumed + dropped ones (a backlog panel never goes negative)."""
     import threading
     import time
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     from controller.metrics import JobMetrics
 
@@ -186,19 +190,25 @@ def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_clus
     thread = threading.Thread(target=lambda: result.update(zip(("code", "steps", "summary"),
                                                                 run(tmp_path, "fully-async", "trainer.total_steps=40"), strict=True)))
     thread.start()
-    endpoint, body, deadline = tmp_path / "metrics_endpoint.json", "", time.monotonic() + 100
-    wanted = JobMetrics().series_names()
+    endpoint, bodies, deadline = tmp_path / "metrics_endpoint.json", [], time.monotonic() + 150
     while thread.is_alive() and time.monotonic() < deadline:
-        steps = (tmp_path / "metrics.jsonl")
-        if endpoint.exists() and steps.exists() and len(steps.read_text().splitlines()) >= 3:
+        if endpoint.exists():
             port = json.loads(endpoint.read_text())["port"]
-            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-            if all(f"{name}" in body for name in wanted) and 'hflow_roller_busy_ratio{roller="roller0"}' in body:
-                break
-        time.sleep(0.5)
+            try:
+                bodies.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+            except OSError:  # not serving yet, or already closed at the end of the run
+                pass
+        time.sleep(0.2)
     thread.join(timeout=150)
     assert result.get("code") == EXIT_OK
-    missing = [name for name in wanted if name not in body]
+    counts = []
+    for body in bodies:
+        values = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+        counts.append(tuple(values[f"hflow_samples_{k}_total"] for k in ("produced", "consumed", "dropped")))
+    assert all(produced >= consumed + dropped for produced, consumed, dropped in counts), counts
+    assert sum(consumed > 0 for _, consumed, _ in counts) >= 5, counts  # scrapes during training, not only before
+    body = next(b for b in reversed(bodies) if 'hflow_roller_busy_ratio{roller="roller0"}' in b)
+    missing = [name for name in JobMetrics().series_names() if name not in body]
     assert not missing, missing
     assert 'hflow_queue_depth{task="train"}' in body or 'hflow_queue_depth{task="rollout"}' in body
     assert "hflow_weight_sync_seconds_count" in body and "hflow_queue_lag_bucket" in body
