@@ -2,8 +2,9 @@
 
 ``PromptDataset.from_config(data_cfg, tokenizer)`` loads ``data.task`` (``rollers.tasks``), applies the
 chat template (``common.models.apply_chat_template``, with ``data.system_prompt`` as a system turn when
-set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row index and
-length, or, with ``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
+set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row (``data row
+N``, counting from 1, or ``FILE:LINE`` for a ``.jsonl`` file) and length, or, with
+``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
 
 Step arithmetic (one step = ``data.train_batch_size`` prompts; epochs are reshuffled with
 ``data.seed + epoch`` when ``data.shuffle``)::
@@ -119,17 +120,18 @@ class PromptDataset:
             ids = apply_chat_template(tokenizer, record.prompt, cfg.system_prompt or None)
             if len(ids) > cfg.max_prompt_length:
                 if not cfg.skip_long_prompts:
+                    where = record.source or f"data row {index + 1}"
                     raise ValueError(
-                        f"data row {index}: prompt is {len(ids)} tokens after the chat template, longer than "
+                        f"{where}: prompt is {len(ids)} tokens after the chat template, longer than "
                         f"data.max_prompt_length={cfg.max_prompt_length} (raise it, or set "
                         "data.skip_long_prompts=true to skip such rows)"
                     )
-                skipped.append(index)
+                skipped.append(index + 1)
                 continue
             prompts.append(Prompt(index, tuple(ids), record.ground_truth))
         if skipped:
             logger.warning(
-                "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s)",
+                "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s, counting from 1)",
                 len(skipped), len(records), cfg.max_prompt_length, skipped[:10], "..." if len(skipped) > 10 else "",
             )
         return cls(prompts, cfg, num_skipped=len(skipped))

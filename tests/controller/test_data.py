@@ -90,8 +90,17 @@ def test_max_prompt_length_error_names_row_and_length(tok):
     records[1] = TaskRecord("repeat the word a " * 10, {"answer": "a"})
     long_len = len(apply_chat_template(tok, records[1].prompt))
     cfg = DataConfig(task="tiny-repeat", max_prompt_length=12, train_batch_size=1)
-    with pytest.raises(ValueError, match=f"data row 1: prompt is {long_len} tokens.*max_prompt_length=12"):
+    with pytest.raises(ValueError, match=f"data row 2: prompt is {long_len} tokens.*max_prompt_length=12"):
         PromptDataset.from_records(records, cfg, tok)
+
+
+def test_long_prompt_of_a_jsonl_file_is_named_by_its_line(tok, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "repeat the word a", "answer": "a"}\n\n'
+                    + '{"prompt": "%s", "answer": "a"}\n' % ("repeat the word a " * 10))
+    cfg = DataConfig(task=str(path), max_prompt_length=12, train_batch_size=1)
+    with pytest.raises(ValueError, match="data.jsonl:3: prompt is .* tokens.*max_prompt_length=12"):
+        PromptDataset.from_config(cfg, tok)
 
 
 def test_skip_long_prompts_counts_and_logs(tok, caplog):
@@ -102,7 +111,7 @@ def test_skip_long_prompts_counts_and_logs(tok, caplog):
         dataset = PromptDataset.from_records(records, cfg, tok)
     assert len(dataset) == 3 and dataset.num_skipped == 1
     assert [p.index for p in dataset.prompts] == [0, 1, 3]
-    assert "skipped 1 of 4 prompts" in caplog.text
+    assert "skipped 1 of 4 prompts" in caplog.text and "(rows [3], counting from 1)" in caplog.text
     everything_long = DataConfig(task="tiny-repeat", max_prompt_length=2, skip_long_prompts=True)
     with pytest.raises(ValueError, match="no prompts left after skipping 4"):
         PromptDataset.from_records(records, everything_long, tok)
