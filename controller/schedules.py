@@ -188,6 +188,7 @@ class Stages:
         """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update."""
         start = time.monotonic()
         self.metrics.trainer_wait.inc(max(0.0, start - self._last_step_end))
+        self._note_short_step(meta)
         train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
         self.version += 1
         self.step += 1
@@ -272,6 +273,16 @@ class Stages:
         self.admitted_at.pop(uid, None)
         self.outstanding -= 1
         return self.refill_depth.pop(uid, 0)
+
+    def _note_short_step(self, meta) -> None:
+        """Log one line when the step about to train has fewer prompt groups than a full step, and why."""
+        num_groups = len({t[schema.UID] for t in meta.tags})
+        if num_groups >= self.groups_per_step:
+            return
+        why = ("the prompt data has no more: a final partial batch (data.drop_last=true drops it instead)"
+               if self.exhausted else "the others failed and were skipped (rollers.on_failed_group=skip)")
+        logger.warning("step %d trains %d of %d prompt groups: %s", self.step + 1, num_groups,
+                       self.groups_per_step, why)
 
     def _record(self, meta, train_metrics: dict, step_s: float) -> None:
         now = time.monotonic()
