@@ -49,6 +49,8 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     assert [s["step"] for s in steps] == list(range(1, total_steps + 1))
     assert summary["num_syncs"] == total_steps and summary["weight_version"] == total_steps
     assert summary["status"] == "completed" and set(summary) == {*SUMMARY_KEYS, "config"}
+    assert 0 < summary["startup_s"] < summary["wall_s"] and 0 <= summary["shutdown_s"] < summary["wall_s"]
+    assert summary["wall_s"] > summary["startup_s"] + sum(s["step_s"] for s in steps)
     # Nothing is generated beyond the last step (no 5th batch; with 3 steps no 4th batch to cancel).
     assert summary["num_groups_admitted"] == 8 * total_steps
     assert summary["num_groups_generated"] == 8 * total_steps
