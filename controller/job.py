@@ -201,9 +201,11 @@ def _write_summary(report, summary: dict) -> None:
         report.close()
 
 
-def _amend_summary(report, **keys) -> None:
+def _complete_summary(report, **keys) -> None:
+    """Add ``keys`` (known only after shutdown) to the written summary, then print it in one line."""
     try:
         report.amend(**keys)
+        report.announce()
     except Exception:  # noqa: BLE001 - never mask the run's own outcome
         logger.warning("could not add %s to the summary", sorted(keys), exc_info=True)
 
@@ -318,7 +320,7 @@ def run_job(cfg: HFlowConfig) -> int:
         stopping = time.monotonic()
         _shut_down(rt, metrics, owns_ray, session_dir, keep_logs=failed_run)
         if report is not None:  # known only now: the summary's shutdown time, and wall time through it
-            _amend_summary(report, shutdown_s=time.monotonic() - stopping, wall_s=time.monotonic() - started)
+            _complete_summary(report, shutdown_s=time.monotonic() - stopping, wall_s=time.monotonic() - started)
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
     if summary["status"] == "interrupted":

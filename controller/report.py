@@ -42,7 +42,8 @@ def group_reward_stats(rewards_by_uid: dict[str, list[float]]) -> dict[str, floa
 
 
 class RunReport:
-    """Writes ``metrics.jsonl`` as steps complete and ``summary.json`` + ``plot.png`` at the end."""
+    """Writes ``metrics.jsonl`` as steps complete and ``summary.json`` + ``plot.png`` at the end
+    (``finish``; ``amend`` adds what is known only after it, ``announce`` prints it)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, progress: bool = True):
         self.run_dir = Path(run_dir)
@@ -91,9 +92,6 @@ class RunReport:
 
             fig.savefig(self.run_dir / "plot.png", dpi=100)
             plt.close(fig)
-        if self._console is not None:
-            brief = {k: v for k, v in summary.items() if not isinstance(v, dict | list)}
-            self._console.print("summary: " + json.dumps(brief, default=float))
         return summary
 
     def amend(self, **keys: Any) -> None:
@@ -102,6 +100,12 @@ class RunReport:
         if self._summary is None:
             raise RuntimeError("RunReport.amend before finish: no summary.json yet")
         self._write({**self._summary, **keys})
+
+    def announce(self) -> None:
+        """Print the summary as last written, in one line (its scalar keys), when progress lines are on."""
+        if self._console is not None and self._summary is not None:
+            brief = {k: v for k, v in self._summary.items() if not isinstance(v, dict | list)}
+            self._console.print("summary: " + json.dumps(brief, default=float))
 
     def _write(self, summary: dict[str, Any]) -> None:
         self._summary = summary
