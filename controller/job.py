@@ -6,7 +6,12 @@ or data error found at start (nothing was trained), an existing run directory in
 stopped by SIGINT (Ctrl-C) / SIGTERM (one line, no traceback; pools stopped).
 
 Every run that created its directory leaves ``summary.json`` with the same keys (``report.SUMMARY_KEYS``,
-null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``.
+null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``; ``startup_s`` (start
+to pools up), ``shutdown_s`` and ``wall_s`` (start through shutdown) are added after shutdown.
+
+Start-up prints one line per thing it starts (Ray, then each pool: ``Runtime(on_stage=...)``). A local Ray
+cluster this job started is shut down with it and its session directory removed, except after a failed
+run, whose Ray logs are kept and named.
 """
 
 from __future__ import annotations
