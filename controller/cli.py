@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -105,6 +106,10 @@ def _check_flags(args: argparse.Namespace, command: str, overrides: list[str]) -
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # A user's plug-in or reward module in the current directory is importable as `module:name`, as under
+    # `python -m` (the job also hands this directory to its Ray workers: job.make_user_modules_importable).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if argv[:1] == ["export"]:
         return export(argv[1:])
     args = _parser().parse_intermixed_args(argv)

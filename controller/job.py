@@ -108,16 +108,21 @@ def make_user_modules_importable(cfg: HFlowConfig) -> None:
 
 
 def check_data(cfg: HFlowConfig) -> int:
-    """Load the dataset as the feeder will, check it provides the run's steps, and load the reward the
-    rollers will use; returns the dataset size. Raises StartError naming the dataset size,
-    ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps`` (or the offending row), or
-    ``rollout.reward`` and why it cannot be loaded, before any pool starts."""
-    from common.models import load_tokenizer
+    """Load the dataset as the feeder will, check it provides the run's steps and fits the model, and load
+    the reward the rollers will use; returns the dataset size. Raises StartError naming the dataset size,
+    ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps``, the offending row (too long, or
+    no room left by the context length), ``rollout.top_k`` beyond the vocabulary, or ``rollout.reward`` and
+    why it cannot be loaded, before any pool starts."""
+    from common.models import load_hf_config, load_tokenizer
     from controller.data import PromptDataset
+    from rollers.model_limits import context_length
     from rollers.rewards import build_reward_fn
 
     try:
+        hf_config = load_hf_config(cfg.model)
+        cfg.rollout.check_model(int(hf_config.vocab_size))
         dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
+        dataset.check_context(context_length(hf_config))
         dataset.check_total_steps(num_batches(cfg))
         build_reward_fn(cfg.rollout.reward, cfg.data.task)
     except ValueError as exc:

@@ -35,6 +35,9 @@ hflow_step_seconds                     histogram  per trainer step: seconds of t
                                                   advantages, optimizer steps, checkpoint if due)
 hflow_reward_mean                      gauge      mean sequence reward of the last step's samples
 hflow_response_length                  histogram  per trained sample: response length in tokens
+hflow_response_clip_ratio              gauge      share of the last step's responses cut by a length limit
+                                                  (finish_reason=length: rollout.max_response_length or the
+                                                  model's context length)
 hflow_weight_version                   gauge      the trainer's weight version (updates completed)
 =====================================  =========  ==========================================================
 """
@@ -87,6 +90,8 @@ class JobMetrics:
         self.reward_mean = Gauge("hflow_reward_mean", "Mean sequence reward of the last step's samples", registry=r)
         self.response_length = Histogram("hflow_response_length", "Per trained sample: response length in tokens",
                                          buckets=_LENGTH_BUCKETS, registry=r)
+        self.response_clip_ratio = Gauge("hflow_response_clip_ratio", "Share of the last step's responses cut "
+                                         "by a length limit (finish_reason=length)", registry=r)
         self.weight_version = Gauge("hflow_weight_version", "The trainer's weight version (updates completed)",
                                     registry=r)
         self._num_produced = 0.0  # what hflow_samples_produced_total holds

@@ -47,8 +47,10 @@ class Runtime:
         import ray
 
         from checkpointengine import trainer_hooks
+        from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
         from rollers.actor import remote_roller
+        from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
@@ -75,11 +77,12 @@ class Runtime:
                                         max_response_length=cfg.rollout.max_response_length, tq_handle=handle)
             on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine)")
             roller_cls = remote_roller(num_cpus=0.5)
+            roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
             channel = functools.partial(_tq_channel, handle, PARTITION, cfg.rollout.n)
             self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
             self.rollers = [
                 roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, cfg.data.task, channel, admission="open",
-                                  remax_baseline=cfg.algorithm.adv_estimator == "remax", roller_id=name)
+                                  remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
                 for name in self.roller_names
             ]
             on_stage(f"connecting weight sync ({cfg.checkpointengine.backend}) and starting the rollers' loops")

@@ -317,6 +317,7 @@ class Stages:
             "num_groups": len(by_uid),
             "multi_version_samples": sum(t[schema.MIN_WEIGHT_VERSION] != t[schema.MAX_WEIGHT_VERSION] for t in tags),
             "response_length_mean": sum(lengths) / len(lengths),
+            "response_clip_ratio": sum(t[schema.FINISH_REASON] == "length" for t in tags) / len(tags),
             "uids": sorted(by_uid),
             "responses_digest": _digest(tags),
             **group_reward_stats(by_uid),
@@ -325,6 +326,7 @@ class Stages:
         }
         self.metrics.consumed.inc(len(tags))
         self.metrics.reward_mean.set(record["reward_mean"])
+        self.metrics.response_clip_ratio.set(record["response_clip_ratio"])
         self.metrics.step_seconds.observe(step_s)
         self.metrics.weight_version.set(self.version)
         self.report.log_step(record)

@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++ (and -baseline), ReMax.
+"""Advantage estimators: GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++ (and -baseline), ReMax, GRPO pass@k, OPO, GPG.
 
 Every estimator takes ``(batch, response_len)`` tensors — ``token_level_rewards`` (the reward on the last
 valid token, plus any per-token KL penalty), ``response_mask`` — and returns ``(advantages, returns)`` of
@@ -9,25 +9,34 @@ advantage. Group statistics are computed in float64, so a group of identical rew
 
 A sample's *score* is the sum of its ``token_level_rewards`` over valid tokens.
 
-Groups of one sample (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline): the baseline is the sample itself, so
-its advantage is exactly 0 (no relative information; never NaN).
+Groups of one sample (every group estimator): the baseline is the sample itself, so its advantage is
+exactly 0 (no relative information; never NaN). verl instead uses a baseline of 0 there (README,
+"Algorithms").
 
-Registry: ``ADV_ESTIMATORS`` maps the names of ``algorithm.adv_estimator`` to functions;
-:func:`compute_advantages` dispatches by name.
+Registry: each estimator is an :class:`AdvantageEstimator` plug-in in ``ADV_ESTIMATORS`` (the names of
+``algorithm.adv_estimator``), carrying its wiring: ``needs_critic`` (the trainer builds a critic),
+``input_fields`` (batch fields it reads besides the rewards and mask) and ``roller_extras`` (per-sample
+fields the rollers must add). Add one with ``@register_adv_estimator("name", input_fields=(...))`` in any
+module; a module outside the package is selected as ``algorithm.adv_estimator=module:name``
+(``trainers/registry.py``). :func:`compute_advantages` dispatches.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from common import schema
 from trainers.metrics import masked_sum, masked_whiten
+from trainers.registry import Registry
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "AdvantageEstimator",
     "register_adv_estimator",
     "compute_advantages",
     "group_index",
@@ -38,20 +47,50 @@ __all__ = [
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",
+    "grpo_passk_advantages",
+    "opo_advantages",
+    "gpg_advantages",
     "discounted_returns",
 ]
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
 
 
-def register_adv_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator adding an estimator to ``ADV_ESTIMATORS`` under ``name``; raises ValueError on a duplicate."""
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """An advantage estimator plug-in: the function and what a run must wire around it.
+
+    ``fn(token_level_rewards, response_mask, <input_fields...>, *, <hyper-parameters>)`` returns
+    ``(advantages, returns)``, both ``(batch, response_len)``; hyper-parameters it declares among
+    ``gamma``, ``lam``, ``norm_adv_by_std``, ``epsilon`` are passed from ``algorithm.*``.
+    ``needs_critic``: the trainer builds a critic and computes ``values`` (include ``values`` in
+    ``input_fields``). ``input_fields``: sample-schema fields the estimator reads (``uid``, ``values``,
+    ``remax_baseline``...), required non-None. ``roller_extras``: per-sample fields the rollers must put
+    (and the trainer fetch) for it, e.g. ReMax's ``remax_baseline``.
+    """
+
+    name: str
+    fn: AdvantageFn
+    needs_critic: bool = False
+    input_fields: tuple[str, ...] = ()
+    roller_extras: tuple[str, ...] = ()
+
+
+ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.adv_estimator")
+
+
+def register_adv_estimator(name: str, *, needs_critic: bool = False, input_fields: tuple[str, ...] = (),
+                           roller_extras: tuple[str, ...] = ()) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering ``fn`` as the :class:`AdvantageEstimator` ``name`` (returns ``fn`` unchanged).
+    Raises ValueError on a duplicate name or an input field the function does not take."""
 
     def wrap(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADV_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = fn
+        params = inspect.signature(fn).parameters
+        missing = [f for f in input_fields if f not in params]
+        if missing:
+            raise ValueError(f"advantage estimator {name!r} declares input_fields {missing} it does not take")
+        ADV_ESTIMATORS.register(name, AdvantageEstimator(name, fn, needs_critic, tuple(input_fields),
+                                                         tuple(roller_extras)))
         return fn
 
     return wrap
@@ -122,6 +161,12 @@ def _broadcast(seq_values: torch.Tensor, response_mask: torch.Tensor, dtype: tor
     return torch.where(response_mask.bool(), out, torch.zeros((), dtype=dtype, device=out.device))
 
 
+def _outcome(adv: torch.Tensor, response_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample advantages ``(batch,)`` on every valid token, as ``(advantages, returns)`` (equal)."""
+    advantages = _broadcast(adv, response_mask, dtype)
+    return advantages, advantages.clone()
+
+
 def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0):
     """``G_t = r_t + gamma * G_{t+1}`` over valid tokens (padding neither adds reward nor breaks the chain);
     0 on padding. ``(batch, response_len)`` in and out."""
@@ -140,7 +185,7 @@ def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.T
 # estimators
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", needs_critic=True, input_fields=(schema.VALUES,))
 def gae_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -185,7 +230,7 @@ def gae_advantages(
     return advantages, returns
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", input_fields=(schema.UID,))
 def grpo_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -207,11 +252,10 @@ def grpo_advantages(
     adv = scores.to(torch.float64) - mean
     if norm_adv_by_std:
         adv = adv / (std + epsilon)
-    advantages = _broadcast(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
-@register_adv_estimator("drgrpo")
+@register_adv_estimator("drgrpo", input_fields=(schema.UID,))
 def drgrpo_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +265,7 @@ def drgrpo_advantages(
     return grpo_advantages(token_level_rewards, response_mask, uid, norm_adv_by_std=False)
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", input_fields=(schema.UID,))
 def rloo_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +276,7 @@ def rloo_advantages(
     scores = _scores(token_level_rewards.detach(), response_mask).to(torch.float64)
     mean, _, count = _group_mean_std(scores, uid)
     adv = torch.where(count > 1, (scores - mean) * count / (count - 1).clamp(min=1), torch.zeros_like(scores))
-    advantages = _broadcast(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
 @register_adv_estimator("reinforce_plus_plus")
@@ -249,7 +292,7 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, response_mask), returns
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", input_fields=(schema.UID,))
 def reinforce_plus_plus_baseline_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -267,7 +310,7 @@ def reinforce_plus_plus_baseline_advantages(
     return advantages, advantages.clone()
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator("remax", input_fields=(schema.REMAX_BASELINE,), roller_extras=(schema.REMAX_BASELINE,))
 def remax_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, remax_baseline: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,48 +329,106 @@ def remax_advantages(
     return advantages, returns
 
 
+@register_adv_estimator("grpo_passk", input_fields=(schema.UID,))
+def grpo_passk_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    uid: Sequence[Any] | torch.Tensor,
+    *,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k advantages (Tang et al. 2025, "Optimizing Language Models for Inference Time Objectives using
+    Reinforcement Learning", arXiv:2503.19595; verl ``grpo_passk``): in each group only the best sample gets
+    a non-zero advantage, ``s_max - s_second_max`` (divided by ``std(s_group) + epsilon``, Bessel-corrected,
+    when ``norm_adv_by_std``); the others get 0. Ties at the top give 0 to everyone. A size-1 group gets 0
+    (verl raises). ``returns`` equal ``advantages``. Shapes as in :func:`grpo_advantages`."""
+    _check_inputs(token_level_rewards, response_mask)
+    scores = _scores(token_level_rewards.detach(), response_mask).to(torch.float64)
+    index, num_groups = group_index(uid, scores.shape[0])
+    _, std, _ = _group_mean_std(scores, uid)
+    adv = torch.zeros_like(scores)
+    for g in range(num_groups):
+        members = (index == g).nonzero().flatten().to(scores.device)
+        if members.numel() < 2:
+            continue
+        top = torch.topk(scores[members], 2)
+        best = members[top.indices[0]]
+        gap = top.values[0] - top.values[1]
+        adv[best] = gap / (std[best] + epsilon) if norm_adv_by_std else gap
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
+
+
+@register_adv_estimator("opo", input_fields=(schema.UID,))
+def opo_advantages(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv:2505.23585): the
+    length-weighted group baseline ``b = sum_j L_j s_j / sum_j L_j`` (``L_j`` = valid tokens of sample j),
+    ``A_i = s_i - b``. A size-1 group gets 0. ``returns`` equal ``advantages``. Shapes as in
+    :func:`grpo_advantages`."""
+    _check_inputs(token_level_rewards, response_mask)
+    scores = _scores(token_level_rewards.detach(), response_mask).to(torch.float64)
+    lengths = response_mask.to(torch.float64).sum(dim=-1)
+    index, num_groups = group_index(uid, scores.shape[0])
+    index = index.to(scores.device)
+    weighted = torch.zeros(num_groups, dtype=torch.float64, device=scores.device).index_add_(0, index, lengths * scores)
+    total = torch.zeros_like(weighted).index_add_(0, index, lengths)
+    count = torch.zeros_like(weighted).index_add_(0, index, torch.ones_like(scores))
+    baseline = (weighted / total.clamp(min=1))[index]
+    adv = torch.where(count[index] > 1, scores - baseline, torch.zeros_like(scores))
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
+
+
+@register_adv_estimator("gpg", input_fields=(schema.UID,))
+def gpg_advantages(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning",
+    arXiv:2504.02546, with verl's ``F_norm = 1``): ``A_i = alpha * (s_i - mean(s_group))`` with the
+    batch correction ``alpha = B / M``, ``B`` the samples of the batch and ``M`` those with a non-zero score
+    (verl's count; at least 1). Batch-level like REINFORCE++: computed on the whole global batch. A
+    size-1 group gets 0. Pair with ``algorithm.policy_loss=gpg``. Shapes as in :func:`grpo_advantages`."""
+    _check_inputs(token_level_rewards, response_mask)
+    scores = _scores(token_level_rewards.detach(), response_mask).to(torch.float64)
+    mean, _, count = _group_mean_std(scores, uid)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores).item()), 1)
+    adv = torch.where(count > 1, alpha * (scores - mean), torch.zeros_like(scores))
+    return _outcome(adv, response_mask, token_level_rewards.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # dispatch
 
 
 def compute_advantages(
-    estimator: str,
+    estimator: str | AdvantageEstimator,
     *,
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    uid: Sequence[Any] | torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
-    remax_baseline: torch.Tensor | None = None,
     epsilon: float = 1e-6,
+    **inputs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the estimator named ``estimator`` (a key of ``ADV_ESTIMATORS``, i.e. ``algorithm.adv_estimator``)
-    and return ``(advantages, returns)``, both ``(batch, response_len)``, 0 on padding, no gradient.
+    """Run ``estimator`` (a plug-in, or a name / ``module:name`` of ``ADV_ESTIMATORS``, i.e.
+    ``algorithm.adv_estimator``) and return ``(advantages, returns)``, both ``(batch, response_len)``, 0 on
+    padding, no gradient.
 
-    Each estimator receives only the arguments it uses: ``values`` (gae), ``uid`` (grpo, drgrpo, rloo,
-    reinforce_plus_plus_baseline), ``remax_baseline`` (remax), ``gamma`` (gae, reinforce_plus_plus),
-    ``lam`` (gae), ``norm_adv_by_std`` (grpo: divide by the group std; gae: whiten over the batch),
-    ``epsilon`` (std floors). Raises ValueError for an unknown estimator or a missing required input.
+    ``inputs``: batch fields by schema name (``uid``, ``values``, ``remax_baseline``, ...); the estimator
+    receives those in its ``input_fields`` (others are ignored) and the hyper-parameters its function
+    declares: ``gamma`` (gae, reinforce_plus_plus), ``lam`` (gae), ``norm_adv_by_std`` (grpo, grpo_passk:
+    divide by the group std; gae: whiten over the batch), ``epsilon`` (std floors). Raises ValueError for
+    an unknown estimator or a missing (None) input field.
     """
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator={estimator!r} is not one of {sorted(ADV_ESTIMATORS)}")
-    fn = ADV_ESTIMATORS[estimator]
-    available = {
-        "token_level_rewards": token_level_rewards,
-        "response_mask": response_mask,
-        "uid": uid,
-        "values": values,
-        "gamma": gamma,
-        "lam": lam,
-        "norm_adv_by_std": norm_adv_by_std,
-        "remax_baseline": remax_baseline,
-        "epsilon": epsilon,
-    }
-    params = inspect.signature(fn).parameters
-    for name in ("uid", "values", "remax_baseline"):
-        if name in params and available[name] is None:
-            raise ValueError(f"advantage estimator {estimator!r} needs {name}, got None")
+    plugin = estimator if isinstance(estimator, AdvantageEstimator) else ADV_ESTIMATORS.get(estimator)
+    for name in plugin.input_fields:
+        if inputs.get(name) is None:
+            raise ValueError(f"advantage estimator {plugin.name!r} needs {name}, got None")
+    hyper = {"gamma": gamma, "lam": lam, "norm_adv_by_std": norm_adv_by_std, "epsilon": epsilon}
+    params = inspect.signature(plugin.fn).parameters
+    kwargs = {name: inputs[name] for name in plugin.input_fields}
+    kwargs.update({name: value for name, value in hyper.items() if name in params})
     with torch.no_grad():
-        return fn(**{name: value for name, value in available.items() if name in params})
+        return plugin.fn(token_level_rewards, response_mask, **kwargs)

@@ -118,7 +118,8 @@ def load(path: str | Path, worker: TrainerWorker) -> None:
     saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved_parts = {key.split(".")[0] for key in saved_keys}
     if worker.critic is not None and "critic" not in saved_parts:
-        raise ValueError(f"checkpoint {path} has no critic, but algorithm.adv_estimator=gae needs one")
+        raise ValueError(f"checkpoint {path} has no critic, but algorithm.adv_estimator="
+                         f"{worker.algorithm.adv_estimator!r} needs one")
     has_rng = any(key.startswith(f"rng.rank{worker.rank}.") for key in saved_keys)
     state = _app_state(worker, include_rng=has_rng)
     dcp.load(state, checkpoint_id=str(path))

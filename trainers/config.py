@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
-ADV_ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "mse")
+from trainers.advantages import ADV_ESTIMATORS
+from trainers.kl import KL_ESTIMATORS
+from trainers.losses import LOSS_AGG_MODES
+from trainers.policy_losses import POLICY_LOSSES, PolicyLossParams
+
+logger = logging.getLogger(__name__)
+_LOSS = PolicyLossParams()  # the defaults of the policy-loss knobs
+
 STALE_CORRECTIONS = ("none", "decoupled", "tis")
 STALE_POLICIES = ("drop", "keep")
 KL_CTRL_TYPES = ("fixed", "adaptive")
@@ -78,6 +85,17 @@ class AlgorithmConfig:
     ``max_staleness >= trigger_sync_steps - 1``). ``stale_correction``: none | decoupled (proximal
     log-probs) | tis (truncated importance sampling on ``rollout_log_probs``, capped at ``tis_cap``).
 
+    Plug-in names (README "Algorithms"; each validated against its registry, ``module:name`` for a plug-in
+    module of your own, ``trainers/registry.py``): ``adv_estimator`` (``trainers/advantages.py``),
+    ``policy_loss`` (``trainers/policy_losses.py``; default ``vanilla`` = clipped PPO with
+    ``clip_ratio_low/high`` and dual clip ``dual_clip_c``), ``loss_agg_mode`` (``trainers/losses.py``),
+    ``kl_estimator`` / ``kl_in_reward_estimator`` (``trainers/kl.py``). Knobs of single policy losses:
+    ``sapo_tau_pos``/``sapo_tau_neg`` (sapo gate temperatures), ``clip_cov_ratio``/``clip_cov_lb``/
+    ``clip_cov_ub`` (clip_cov: fraction of tokens detached and the covariance window),
+    ``kl_cov_ratio``/``kl_cov_coef`` (kl_cov: fraction of tokens penalised and the penalty),
+    ``dppo_ratio_cap`` (dppo_tv/dppo_kl: truncation of the importance ratio); setting one the chosen loss
+    does not read is an error.
+
     KL (see ``trainers/kl.py``): ``kl_estimator`` for KL-as-loss, ``kl_in_reward_estimator`` for
     KL-in-reward, whose coefficient starts at ``kl_in_reward_coef`` and is ``kl_ctrl_type`` fixed or
     adaptive (towards ``kl_target`` nats per token over ``kl_horizon`` samples, Ziegler et al. 2019).
@@ -97,10 +115,20 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    dual_clip_c: float = 0.0
     loss_agg_mode: str = "token-mean"
+    policy_loss: str = "vanilla"
+    # The policy losses' knobs; their defaults live in PolicyLossParams (one place).
+    clip_ratio_low: float = _LOSS.clip_ratio_low
+    clip_ratio_high: float = _LOSS.clip_ratio_high
+    dual_clip_c: float = _LOSS.dual_clip_c
+    sapo_tau_pos: float = _LOSS.sapo_tau_pos
+    sapo_tau_neg: float = _LOSS.sapo_tau_neg
+    clip_cov_ratio: float = _LOSS.clip_cov_ratio
+    clip_cov_lb: float = _LOSS.clip_cov_lb
+    clip_cov_ub: float = _LOSS.clip_cov_ub
+    kl_cov_ratio: float = _LOSS.kl_cov_ratio
+    kl_cov_coef: float = _LOSS.kl_cov_coef
+    dppo_ratio_cap: float = _LOSS.dppo_ratio_cap
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -124,10 +152,11 @@ class AlgorithmConfig:
     trigger_sync_steps: int = 1
 
     def __post_init__(self):
-        _check_choice("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
-        _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_choice("algorithm.kl_in_reward_estimator", self.kl_in_reward_estimator, KL_ESTIMATORS)
+        ADV_ESTIMATORS.get(self.adv_estimator)
+        LOSS_AGG_MODES.get(self.loss_agg_mode)
+        KL_ESTIMATORS.get(self.kl_estimator)
+        KL_ESTIMATORS.get(self.kl_in_reward_estimator, key="algorithm.kl_in_reward_estimator")
+        self._check_policy_loss()
         _check_choice("algorithm.kl_ctrl_type", self.kl_ctrl_type, KL_CTRL_TYPES)
         self._check_algorithm_numbers()
         _check_choice("algorithm.stale_correction", self.stale_correction, STALE_CORRECTIONS)
@@ -168,3 +197,26 @@ class AlgorithmConfig:
             )
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+
+    def _check_policy_loss(self) -> None:
+        """``policy_loss`` is registered, its knobs are in range, and no knob is set that it does not read."""
+        loss = POLICY_LOSSES.get(self.policy_loss)
+        for key in ("sapo_tau_pos", "sapo_tau_neg", "kl_cov_coef", "dppo_ratio_cap"):
+            value = getattr(self, key)
+            if not value >= 0 or (value == 0 and key != "kl_cov_coef"):
+                raise ValueError(f"algorithm.{key} must be {'>= 0' if key == 'kl_cov_coef' else '> 0'}, got {value}")
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"algorithm.{key} must be in (0, 1] (a fraction of tokens), got {getattr(self, key)}")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"algorithm.clip_cov_lb={self.clip_cov_lb} must be < algorithm.clip_cov_ub="
+                             f"{self.clip_cov_ub}")
+        for f in dataclasses.fields(PolicyLossParams):
+            if getattr(self, f.name) != getattr(_LOSS, f.name) and f.name not in loss.reads:
+                users = [n for n in POLICY_LOSSES if f.name in POLICY_LOSSES.get(n).reads]
+                raise ValueError(f"algorithm.{f.name}={getattr(self, f.name)} is not used by algorithm.policy_loss="
+                                 f"{self.policy_loss!r} (it reads {list(loss.reads)}); it is used by {users}")
+        if loss.loss_agg_mode is not None and loss.loss_agg_mode != self.loss_agg_mode:
+            logger.warning("algorithm.policy_loss=%s aggregates the policy loss with %s (its objective); "
+                           "algorithm.loss_agg_mode=%s applies to the entropy, KL and value losses",
+                           self.policy_loss, loss.loss_agg_mode, self.loss_agg_mode)

@@ -4,23 +4,34 @@ adaptive coefficient, and KL-as-loss.
 Estimators (Schulman 2020, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html), for a
 token ``x`` sampled from the policy ``pi`` and ``log_r = log pi_ref(x) - log pi(x)``:
 
-=============  =============================  ===================  ======================================
-name           value                          E_pi[value]          expected gradient as a loss
-=============  =============================  ===================  ======================================
-``k1``         ``-log_r``                     KL(pi || pi_ref)     **0** — E_pi[grad log pi] = 0: k1 as a
-                                                                   loss only adds noise, no KL pull
-``k2``         ``0.5 * log_r**2``             not a KL (biased)    grad KL(pi || pi_ref), the *reverse* KL
-``mse``        same as ``k2`` (verl's alias)  as k2                as k2
-``k3``         ``exp(log_r) - 1 - log_r``     KL(pi || pi_ref)     grad KL(pi_ref || pi), the *forward* KL
-``low_var_kl`` k3 with ``log_r`` clamped to   ≈ k3                 ≈ k3 (0 where a clamp is active)
-               ±20 and the value to <= 10
-=============  =============================  ===================  ======================================
+================  ===============================  ==================  ====================================
+name              value                            E_pi[value]         expected gradient as a loss
+================  ===============================  ==================  ====================================
+``k1`` / ``kl``   ``-log_r``                       KL(pi || pi_ref)    **0** — E_pi[grad log pi] = 0: k1 as a
+                                                                       loss only adds noise, no KL pull
+``abs``           ``|log_r|``                      >= KL, not a KL     E[sign(-log_r) grad log pi]
+``k2`` / ``mse``  ``0.5 * log_r**2``               not a KL (biased)   grad KL(pi || pi_ref), the *reverse* KL
+``k3_unclamped``  ``exp(log_r) - 1 - log_r``       KL(pi || pi_ref)    grad KL(pi_ref || pi), the *forward* KL
+``low_var_kl`` /  k3 with ``log_r`` clamped to     ≈ k3                ≈ k3 (0 where a clamp is active)
+``k3``            ±20 and the value to <= 10
+``<name>+``       the value of ``<name>``          as ``<name>``       k2's: grad KL(pi || pi_ref)
+================  ===============================  ==================  ====================================
+
+``k3`` is verl's name for the clamped ``low_var_kl`` (the two are one estimator); ``k3_unclamped`` is
+Schulman's k3 as written. The straight-through ``+`` variants (``k1+``, ``kl+``, ``abs+``, ``k3+``,
+``low_var_kl+``, ``k3_unclamped+``; verl PR 2953) report the base estimator's value but backpropagate
+k2's gradient: ``k2 - sg(k2) + sg(k)``.
 
 "Expected gradient as a loss" is ``E_{x~pi}[grad_theta k(x)]`` with the samples held fixed (the
 pathwise gradient a trainer gets from backpropagating the estimator; no score-function term):
 k2 gives ``E[log(pi/pi_ref) grad log pi] = grad KL(pi||pi_ref)``; k3 gives
 ``E[(1 - pi_ref/pi) grad log pi] = -sum pi_ref grad log pi = grad KL(pi_ref||pi)``. All estimators are 0
-with zero gradient where ``pi == pi_ref``.
+with zero gradient where ``pi == pi_ref``, except ``abs``, whose gradient there is ``±grad log pi`` (the
+sign of a rounding error).
+
+Registry: each estimator is a :class:`KLEstimator` plug-in in ``KL_ESTIMATORS``, the names of
+``algorithm.kl_estimator`` and ``algorithm.kl_in_reward_estimator`` (``module:name`` from outside,
+``trainers/registry.py``).
 
 KL-in-reward subtracts ``kl_coef * k(x)`` from every valid token's score (Ziegler et al. 2019, "Fine-Tuning
 Language Models from Human Preferences", eq. 2); the coefficient is fixed or adapted towards a target KL
@@ -31,14 +42,18 @@ Language Models from Human Preferences", eq. 2); the coefficient is fixed or ada
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from trainers.losses import aggregate_loss
 from trainers.metrics import masked_mean, masked_sum
+from trainers.registry import Registry
 
 __all__ = [
     "KL_ESTIMATORS",
+    "KLEstimator",
+    "register_kl_estimator",
     "kl_penalty",
     "kl_loss",
     "apply_kl_in_reward",
@@ -50,46 +65,84 @@ __all__ = [
 _LOW_VAR_LOG_CLAMP = 20.0
 _LOW_VAR_VALUE_CLAMP = 10.0
 
+KLFn = Callable[[torch.Tensor], torch.Tensor]
 
+
+@dataclass(frozen=True)
+class KLEstimator:
+    """A per-token KL estimator plug-in: ``fn(log_ratio) -> k`` with ``log_ratio = log pi - log pi_ref``
+    (any shape, same shape out)."""
+
+    name: str
+    fn: KLFn
+
+
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", "algorithm.kl_estimator")
+
+
+def register_kl_estimator(*names: str) -> Callable[[KLFn], KLFn]:
+    """Decorator registering ``fn`` under each of ``names`` (aliases); raises ValueError on a duplicate."""
+
+    def wrap(fn: KLFn) -> KLFn:
+        for name in names:
+            KL_ESTIMATORS.register(name, KLEstimator(name, fn))
+        return fn
+
+    return wrap
+
+
+@register_kl_estimator("k1", "kl")
 def _k1(log_ratio: torch.Tensor) -> torch.Tensor:  # log_ratio = log pi - log pi_ref
     return log_ratio
 
 
+@register_kl_estimator("abs")
+def _abs(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.abs()
+
+
+@register_kl_estimator("k2", "mse")
 def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
     return 0.5 * log_ratio.square()
 
 
+@register_kl_estimator("k3_unclamped")
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     log_r = -log_ratio
     return torch.exp(log_r) - 1.0 - log_r
 
 
+@register_kl_estimator("low_var_kl", "k3")
 def _low_var_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     return _k3(log_ratio.clamp(-_LOW_VAR_LOG_CLAMP, _LOW_VAR_LOG_CLAMP)).clamp(max=_LOW_VAR_VALUE_CLAMP)
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "k1": _k1,
-    "k2": _k2,
-    "mse": _k2,
-    "k3": _k3,
-    "low_var_kl": _low_var_kl,
-}
+def _straight_through(value_fn: KLFn) -> KLFn:
+    """``value_fn``'s value with k2's gradient (verl's ``+`` suffix)."""
+
+    def fn(log_ratio: torch.Tensor) -> torch.Tensor:
+        k2 = _k2(log_ratio)
+        return k2 - k2.detach() + value_fn(log_ratio).detach()
+
+    return fn
+
+
+for _name in ("k1", "kl", "abs", "k3_unclamped", "low_var_kl", "k3"):
+    register_kl_estimator(f"{_name}+")(_straight_through(KL_ESTIMATORS.get(_name).fn))
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL estimate ``(batch, response_len)`` (or any common shape) of ``pi`` against ``pi_ref``.
 
     ``log_probs``: log pi of the sampled tokens (differentiable when used as a loss); ``ref_log_prob``:
-    log pi_ref of the same tokens (treated as a constant). ``estimator``: one of ``KL_ESTIMATORS`` — see
-    the module table for each one's value and gradient. Padding is not masked here: mask or aggregate
-    the result. Raises ValueError for an unknown estimator or a shape mismatch.
+    log pi_ref of the same tokens (treated as a constant). ``estimator``: a name of ``KL_ESTIMATORS`` (or
+    ``module:name``) — see the module table for each one's value and gradient. Padding is not masked here:
+    mask or aggregate the result. Raises ValueError for an unknown estimator or a shape mismatch.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"KL estimator {estimator!r} is not one of {list(KL_ESTIMATORS)}")
+    plugin = KL_ESTIMATORS.get(estimator)
     if log_probs.shape != ref_log_prob.shape:
         raise ValueError(f"log_probs {tuple(log_probs.shape)} and ref_log_prob {tuple(ref_log_prob.shape)} differ")
-    return KL_ESTIMATORS[estimator](log_probs - ref_log_prob.detach())
+    return plugin.fn(log_probs - ref_log_prob.detach())
 
 
 def kl_loss(

@@ -15,13 +15,18 @@ gradient divide factor to 1).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from trainers.metrics import count_tokens_and_seqs, masked_mean, masked_sum
+from trainers.policy_losses import POLICY_LOSSES, PolicyLoss, PolicyLossInputs, PolicyLossParams
+from trainers.registry import Registry
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "LossAggMode",
+    "register_loss_agg_mode",
     "aggregate_loss",
     "policy_loss",
     "value_loss",
@@ -31,30 +36,57 @@ __all__ = [
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps ratios finite when log-probs of a token diverge
 
+AggFn = Callable[[torch.Tensor, torch.Tensor, float, float, "int | None"], torch.Tensor]
 
+
+@dataclass(frozen=True)
+class LossAggMode:
+    """A loss-aggregation plug-in: ``fn(loss_mat, mask, num_tokens, num_seqs, norm_length) -> scalar`` sums
+    over this micro-batch and divides by counts of the whole mini-batch (see :func:`aggregate_loss`);
+    ``needs_norm_length``: the mode divides by ``norm_length`` (``rollout.max_response_length``)."""
+
+    name: str
+    fn: AggFn
+    needs_norm_length: bool = False
+
+
+LOSS_AGG_MODES: Registry[LossAggMode] = Registry("loss aggregation mode", "algorithm.loss_agg_mode")
+
+
+def register_loss_agg_mode(name: str, *, needs_norm_length: bool = False) -> Callable[[AggFn], AggFn]:
+    """Decorator registering ``fn`` as the :class:`LossAggMode` ``name``; raises ValueError on a duplicate."""
+
+    def wrap(fn: AggFn) -> AggFn:
+        LOSS_AGG_MODES.register(name, LossAggMode(name, fn, needs_norm_length))
+        return fn
+
+    return wrap
+
+
+@register_loss_agg_mode("token-mean")
 def _token_mean(loss_mat, mask, num_tokens, num_seqs, norm_length):
     return masked_sum(loss_mat, mask) / num_tokens
 
 
+@register_loss_agg_mode("token-sum")
+def _token_sum(loss_mat, mask, num_tokens, num_seqs, norm_length):
+    return masked_sum(loss_mat, mask)
+
+
+@register_loss_agg_mode("seq-mean-token-sum")
 def _seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs, norm_length):
     return masked_sum(loss_mat, mask) / num_seqs
 
 
+@register_loss_agg_mode("seq-mean-token-mean")
 def _seq_mean_token_mean(loss_mat, mask, num_tokens, num_seqs, norm_length):
     per_seq = masked_mean(loss_mat, mask, dim=-1)  # 0 for a fully masked sequence
     return per_seq.sum() / num_seqs
 
 
+@register_loss_agg_mode("seq-mean-token-sum-norm", needs_norm_length=True)
 def _seq_mean_token_sum_norm(loss_mat, mask, num_tokens, num_seqs, norm_length):
     return masked_sum(loss_mat, mask) / (num_seqs * norm_length)
-
-
-LOSS_AGG_MODES: dict[str, Callable[..., torch.Tensor]] = {
-    "token-mean": _token_mean,
-    "seq-mean-token-sum": _seq_mean_token_sum,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
-}
 
 
 def aggregate_loss(
@@ -73,30 +105,30 @@ def aggregate_loss(
     sequence i and ``T_i`` its valid-token count, summing over this micro-batch only:
 
     * ``token-mean``: ``sum_it l_it / N`` (PPO/DAPO token-level; DAPO, Yu et al. 2025, eq. 12);
+    * ``token-sum``: ``sum_it l_it`` — no normalisation (the loss scales with the tokens of the mini-batch;
+      lower the learning rate accordingly);
     * ``seq-mean-token-sum``: ``sum_i (sum_t l_it) / S``;
     * ``seq-mean-token-mean``: ``sum_i (sum_t l_it / T_i) / S`` (the original GRPO objective);
     * ``seq-mean-token-sum-norm``: ``sum_it l_it / (S * norm_length)`` (Dr.GRPO, Liu et al. 2025, eq. 3 —
       a constant length in place of each ``T_i``). ``norm_length`` is required for this mode and must be
       the same constant for the whole run — pass ``rollout.max_response_length``.
 
-    ``N`` and ``S`` default to this micro-batch's own counts (correct only when the micro-batch is the whole
+    ``mode`` is a name of ``LOSS_AGG_MODES`` (or ``module:name`` of a plug-in). ``N`` and ``S`` default to this micro-batch's own counts (correct only when the micro-batch is the whole
     mini-batch). A count of 0 is replaced by 1, so an all-masked batch gives exactly 0 with zero gradient;
     padding is selected away (``torch.where``), so NaN/inf there never reaches the value or the gradient.
 
     Raises ValueError for an unknown ``mode``, a shape mismatch, a negative count or a missing/invalid
     ``norm_length``.
     """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
+    agg = LOSS_AGG_MODES.get(mode)
     if loss_mat.dim() != 2 or loss_mat.shape != response_mask.shape:
         raise ValueError(
             f"loss_mat {tuple(loss_mat.shape)} and response_mask {tuple(response_mask.shape)} must be the same "
             "(batch, response_len) shape"
         )
-    if mode == "seq-mean-token-sum-norm" and (norm_length is None or norm_length <= 0):
+    if agg.needs_norm_length and (norm_length is None or norm_length <= 0):
         raise ValueError(
-            f"loss_agg_mode 'seq-mean-token-sum-norm' needs norm_length > 0 (rollout.max_response_length), "
-            f"got {norm_length}"
+            f"loss_agg_mode {mode!r} needs norm_length > 0 (rollout.max_response_length), got {norm_length}"
         )
     if global_num_tokens is None or global_num_seqs is None:
         local_tokens, local_seqs = count_tokens_and_seqs(response_mask)
@@ -108,7 +140,7 @@ def aggregate_loss(
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
         counts.append(max(value, 1.0))
-    return LOSS_AGG_MODES[mode](loss_mat, response_mask, counts[0], counts[1], norm_length)
+    return agg.fn(loss_mat, response_mask, counts[0], counts[1], norm_length)
 
 
 def _clipped_log_ratio(log_probs: torch.Tensor, base_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -157,9 +189,11 @@ def policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
+    loss_mode: str | PolicyLoss = "vanilla",
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     dual_clip_c: float = 0.0,
+    params: PolicyLossParams | None = None,
     loss_agg_mode: str = "token-mean",
     global_num_tokens: int | float | torch.Tensor | None = None,
     global_num_seqs: int | float | torch.Tensor | None = None,
@@ -169,14 +203,18 @@ def policy_loss(
     stale_correction: str = "none",
     tis_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate policy loss with its corrections; returns ``(loss, metrics)``.
+    """The policy loss ``loss_mode`` (``algorithm.policy_loss``, a :class:`~trainers.policy_losses.PolicyLoss`
+    or its name) with the staleness corrections; returns ``(loss, metrics)``.
 
-    Per token, with ``r = exp(log_probs - base)`` and ``A`` = ``advantages``:
-    ``l = -min(r * A, clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high) * A)`` — PPO (Schulman et al. 2017,
-    eq. 7) with DAPO's decoupled clip-higher (Yu et al. 2025, eq. 10). ``dual_clip_c > 1`` (0 = off) also
-    bounds the loss of negative-advantage tokens by ``-dual_clip_c * A`` (dual-clip PPO, Ye et al. 2020,
-    eq. 5). The per-token loss is then multiplied by a detached importance weight ``w`` and aggregated
-    with :func:`aggregate_loss` (``loss_agg_mode``, ``global_num_*``, ``norm_length`` as there).
+    Per token, with ``r = exp(log_probs - base)`` and ``A`` = ``advantages``, the plug-in gives a loss
+    ``l`` (``vanilla``: ``l = -min(r * A, clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high) * A)`` — PPO,
+    Schulman et al. 2017, eq. 7, with DAPO's decoupled clip-higher, Yu et al. 2025, eq. 10 — and with
+    ``dual_clip_c > 1`` (0 = off) the dual clip ``-dual_clip_c * A`` on negative advantages, Ye et al.
+    2020, eq. 5; the others in ``trainers/policy_losses.py``). ``params`` carries every plug-in's knobs
+    (``PolicyLossParams.from_config(algorithm)``); when None it is built from ``clip_ratio_low/high`` and
+    ``dual_clip_c``. The per-token loss is then multiplied by a detached importance weight ``w`` and
+    aggregated with :func:`aggregate_loss` (the plug-in's own aggregation if it has one, else
+    ``loss_agg_mode``; ``global_num_*``, ``norm_length`` as there).
 
     ``stale_correction`` chooses ``base`` and ``w``:
 
@@ -190,39 +228,43 @@ def policy_loss(
 
     Log-ratios are clamped to ±20 and padding is excluded before ``exp``, so padded positions stay finite.
 
-    Metrics (floats, over exactly the valid tokens): ``pg_loss``, ``pg_clipfrac`` (tokens whose clipped
-    term was taken), ``pg_clipfrac_lower`` (tokens bounded by the dual clip), ``ppo_kl`` (k3 estimate of
-    KL(pi_base || pi_theta)), ``ratio_mean|max|min``, ``is_weight_mean`` (when ``w`` is used), and
-    ``num_tokens`` (this micro-batch's valid tokens, the weight for
-    :func:`trainers.metrics.weighted_average`). With no valid token, means are 0 and ratio max/min 1.
+    Metrics (floats, over exactly the valid tokens): ``pg_loss``, ``pg_clipfrac`` (tokens the plug-in
+    reports clipped — for vanilla, those whose clipped term was taken), ``pg_clipfrac_lower`` (vanilla:
+    tokens bounded by the dual clip), ``ppo_kl`` (k3 estimate of KL(pi_base || pi_theta)),
+    ``ratio_mean|max|min``, ``is_weight_mean`` (when ``w`` is used), and ``num_tokens`` (this
+    micro-batch's valid tokens, the weight for :func:`trainers.metrics.weighted_average`). With no valid
+    token, means are 0 and ratio max/min 1.
 
-    Raises ValueError on shape mismatch, ``dual_clip_c`` in (0, 1], an unknown ``stale_correction``, a
-    correction without ``rollout_log_probs``, or correction inputs the chosen correction would ignore.
+    Raises ValueError on shape mismatch, an unknown ``loss_mode``, ``dual_clip_c`` in (0, 1], an unknown
+    ``stale_correction``, a correction without ``rollout_log_probs``, or correction inputs the chosen
+    correction would ignore.
     """
     _check_policy_inputs(log_probs, old_log_probs, advantages, response_mask,
                          rollout_log_probs=rollout_log_probs, proximal_log_probs=proximal_log_probs)
-    if dual_clip_c != 0 and dual_clip_c <= 1:
-        raise ValueError(f"algorithm.dual_clip_c must be 0 (off) or > 1, got {dual_clip_c}")
+    plugin = loss_mode if isinstance(loss_mode, PolicyLoss) else POLICY_LOSSES.get(loss_mode)
+    if params is None:
+        params = PolicyLossParams(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                  dual_clip_c=dual_clip_c)
+    if params.dual_clip_c != 0 and params.dual_clip_c <= 1:
+        raise ValueError(f"algorithm.dual_clip_c must be 0 (off) or > 1, got {params.dual_clip_c}")
     mask = response_mask.bool()
     base, weight = _stale_weights(old_log_probs, rollout_log_probs, proximal_log_probs, mask,
                                   stale_correction, tis_cap)
     log_ratio = _clipped_log_ratio(log_probs, base.detach(), mask)
-    ratio = torch.exp(log_ratio)
-    adv = advantages.detach()
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = loss_clipped > loss_unclipped
-    dual_clipped = torch.zeros_like(mask)
-    if dual_clip_c > 0:
-        bound = -adv * dual_clip_c
-        dual_clipped = (adv < 0) & (loss_mat > bound)
-        loss_mat = torch.where(dual_clipped, bound, loss_mat)
-    if weight is not None:
-        loss_mat = loss_mat * weight
-    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, global_num_tokens=global_num_tokens,
-                          global_num_seqs=global_num_seqs, norm_length=norm_length)
-    metrics = _policy_metrics(loss, ratio.detach(), log_ratio.detach(), clipped, dual_clipped, weight, mask)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    inputs = PolicyLossInputs(log_probs=torch.where(mask, log_probs, zero),
+                              base_log_probs=torch.where(mask, base.detach(), zero), log_ratio=log_ratio,
+                              advantages=advantages.detach(), mask=mask)
+    terms = plugin.fn(inputs, params)
+    loss_mat = terms.loss_mat if weight is None else terms.loss_mat * weight
+    loss = aggregate_loss(loss_mat, response_mask, plugin.loss_agg_mode or loss_agg_mode,
+                          global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                          norm_length=norm_length)
+    none = torch.zeros_like(mask)
+    clipped = none if terms.clipped is None else terms.clipped
+    clipped_lower = none if terms.clipped_lower is None else terms.clipped_lower
+    metrics = _policy_metrics(loss, torch.exp(log_ratio.detach()), log_ratio.detach(), clipped, clipped_lower,
+                              weight, mask)
     return loss, metrics
 
 

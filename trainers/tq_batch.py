@@ -20,13 +20,12 @@ from transferqueue.records import BatchMeta
 PROMPT_SIDE = {schema.INPUT_IDS: 0, schema.ATTENTION_MASK: 0}
 RESPONSE_SIDE = {schema.RESPONSES: 0, schema.RESPONSE_MASK: 0, schema.ROLLOUT_LOG_PROBS: 0.0,
                  schema.TOKEN_LEVEL_SCORES: 0.0}
-REMAX_BASELINE = schema.REMAX_BASELINE
 
 
 def fetch_batch(client, meta: BatchMeta, extra_fields: tuple[str, ...] = ()) -> dict[str, Any]:
     """The training fields of ``meta``'s samples as padded tensors ``(batch, prompt_len)`` /
     ``(batch, response_len)`` plus ``uid`` (list of str). ``extra_fields``: more per-sample fields to
-    fetch (e.g. ``remax_baseline``, shape ``(batch,)``). Raises ValueError when a sample has no ``uid``
+    fetch — the advantage estimator's ``roller_extras``, e.g. ``remax_baseline``, shape ``(batch,)``. Raises ValueError when a sample has no ``uid``
     tag; transport errors as ``TQClient.get_data``."""
     uids = [tag.get(schema.UID) for tag in meta.tags]
     if any(u is None for u in uids):

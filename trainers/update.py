@@ -33,6 +33,7 @@ from trainers.fsdp import response_log_probs, response_values
 from trainers.kl import kl_loss
 from trainers.losses import aggregate_loss, policy_loss, value_loss
 from trainers.metrics import count_tokens_and_seqs, masked_sum
+from trainers.policy_losses import POLICY_LOSSES, PolicyLossParams
 
 ACTOR_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES, schema.RESPONSE_MASK,
                 schema.OLD_LOG_PROBS, schema.ADVANTAGES)
@@ -139,21 +140,21 @@ def _global_counts(mini: dict | None) -> tuple[float, float]:
 def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: dict | None, filler: dict,
                sums: StepSums, *, algorithm: AlgorithmConfig, temperature: float, micro_batch_size: int,
                max_grad_norm: float, norm_length: int | None) -> None:
-    """Accumulate the PPO loss (policy loss − entropy bonus + KL loss) of ``mini`` over micro-batches,
-    clip the gradient norm to ``max_grad_norm`` and step ``optimizer``. Adds to ``sums``. Collective."""
+    """Accumulate the loss (``algorithm.policy_loss`` − entropy bonus + KL loss) of ``mini`` over
+    micro-batches, clip the gradient norm to ``max_grad_norm`` and step ``optimizer``. Adds to ``sums``.
+    Collective."""
     optimizer.zero_grad(set_to_none=True)
     tokens, seqs = _global_counts(mini)
     agg = {"loss_agg_mode": algorithm.loss_agg_mode, "global_num_tokens": tokens, "global_num_seqs": seqs,
            "norm_length": norm_length}
+    loss_mode, params = POLICY_LOSSES.get(algorithm.policy_loss), PolicyLossParams.from_config(algorithm)
     for mb in synced_micro_batches(mini, micro_batch_size, filler):
         mask = mb[schema.RESPONSE_MASK]
         log_probs, entropy = response_log_probs(policy, mb, temperature, with_entropy=True,
                                                 entropy_grad=algorithm.entropy_coeff > 0)
         loss, pg = policy_loss(
-            log_probs, mb[schema.OLD_LOG_PROBS], mb[schema.ADVANTAGES], mask,
-            clip_ratio_low=algorithm.clip_ratio_low, clip_ratio_high=algorithm.clip_ratio_high,
-            dual_clip_c=algorithm.dual_clip_c, stale_correction=algorithm.stale_correction,
-            tis_cap=algorithm.tis_cap,
+            log_probs, mb[schema.OLD_LOG_PROBS], mb[schema.ADVANTAGES], mask, loss_mode=loss_mode,
+            params=params, stale_correction=algorithm.stale_correction, tis_cap=algorithm.tis_cap,
             rollout_log_probs=mb[schema.ROLLOUT_LOG_PROBS] if algorithm.stale_correction != "none" else None,
             **agg,
         )

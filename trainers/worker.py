@@ -33,6 +33,7 @@ from common import schema
 from common.env import set_torch_threads
 from common.models import ModelConfig
 from trainers import checkpoint, collectives, export, fsdp
+from trainers.advantages import ADV_ESTIMATORS
 from trainers.advantages import compute_advantages as _estimate_advantages
 from trainers.batching import as_batch_dict, batch_size, local_mini_batch_sizes, select
 from trainers.config import AlgorithmConfig, TrainerConfig
@@ -80,7 +81,7 @@ class TrainerWorker:
 
     ``temperature``: ``rollout.temperature`` (log-probs of ``logits / T``; 0 = greedy, raw logits);
     ``max_response_length``: ``rollout.max_response_length``, the constant of ``seq-mean-token-sum-norm``.
-    A critic is built when ``algorithm.adv_estimator == "gae"``; a reference model when
+    A critic is built when the advantage estimator ``needs_critic`` (gae); a reference model when
     ``trainer.use_reference`` (needed by ``algorithm.use_kl_loss`` / ``use_kl_in_reward``). Raises
     RuntimeError if the process group is not initialised, ValueError for a KL option without reference
     or for ``algorithm.overlong_buffer_len`` > 0 without a ``max_response_length`` at least that long.
@@ -107,8 +108,9 @@ class TrainerWorker:
         self.reference = None
         if trainer.use_reference:
             self.reference = fsdp.build_fsdp_model(model, fsdp.POLICY, self.device).requires_grad_(False)
+        self.estimator = ADV_ESTIMATORS.get(algorithm.adv_estimator)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
-        if algorithm.adv_estimator == "gae":
+        if self.estimator.needs_critic:
             self.critic = fsdp.build_fsdp_model(model, fsdp.CRITIC, self.device)
             self.critic_optimizer, self.critic_scheduler = _make_optimizer(self.critic, trainer, trainer.critic_lr)
         self.kl_controller = make_kl_controller(algorithm)
@@ -167,9 +169,10 @@ class TrainerWorker:
 
     def compute_values(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """``values`` ``(batch, response_len)`` fp32 from the critic. Raises RuntimeError without a critic
-        (``algorithm.adv_estimator != "gae"``). Collective."""
+        (the advantage estimator does not need one). Collective."""
         if self.critic is None:
-            raise RuntimeError("compute_values needs a critic: set algorithm.adv_estimator=gae")
+            raise RuntimeError(f"compute_values needs a critic; algorithm.adv_estimator={self.estimator.name!r} "
+                               "does not use one (gae does)")
         b = self._to_device(batch)
         require_fields(b, FORWARD_FIELDS, "compute_values")
         values = torch.cat(self._forward_all(b, lambda mb: fsdp.response_values(self.critic, mb))).cpu()
@@ -183,14 +186,15 @@ class TrainerWorker:
 
         Computed on the **global** batch (every rank's samples, gathered), so batch-level whitening
         (GAE, REINFORCE++) and ``uid`` groups do not depend on how the batch was sharded. Needs
-        ``token_level_scores``, ``response_mask``, ``uid`` (+ ``values`` for gae, ``old_log_probs`` and
-        ``ref_log_prob`` for KL-in-reward, ``remax_baseline`` for remax). Collective.
+        ``token_level_scores``, ``response_mask``, ``uid``, the estimator's ``input_fields`` (``values`` for
+        gae, ``remax_baseline`` for remax) and ``old_log_probs``, ``ref_log_prob`` for KL-in-reward.
+        Collective.
         """
         b = as_batch_dict(batch)
         algo = self.algorithm
-        needed = ADVANTAGE_FIELDS + ((schema.VALUES,) if algo.adv_estimator == "gae" else ()) \
-            + ((schema.OLD_LOG_PROBS, schema.REF_LOG_PROB) if algo.use_kl_in_reward else ()) \
-            + ((schema.REMAX_BASELINE,) if algo.adv_estimator == "remax" else ())
+        inputs = tuple(f for f in self.estimator.input_fields if f not in ADVANTAGE_FIELDS)
+        needed = ADVANTAGE_FIELDS + inputs \
+            + ((schema.OLD_LOG_PROBS, schema.REF_LOG_PROB) if algo.use_kl_in_reward else ())
         require_fields(b, needed, "compute_advantages")
         n_local = batch_size(b)
         every = {k: collectives.all_gather_rows(b[k].cpu()) for k in needed if k != schema.UID}
@@ -211,9 +215,8 @@ class TrainerWorker:
             metrics.update(kl_metrics)
             self.kl_controller.update(kl_metrics["kl_in_reward/kl"], n_steps=len(uid))
         advantages, returns = _estimate_advantages(
-            algo.adv_estimator, token_level_rewards=rewards, response_mask=mask, uid=uid,
-            values=every.get(schema.VALUES), gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std,
-            remax_baseline=every.get(schema.REMAX_BASELINE))
+            self.estimator, token_level_rewards=rewards, response_mask=mask, gamma=algo.gamma, lam=algo.lam,
+            norm_adv_by_std=algo.norm_adv_by_std, uid=uid, **{f: every[f] for f in inputs})
         rows = slice(offset, offset + n_local)
         metrics.update(masked_stats(advantages, mask, "advantages"))
         metrics.update(masked_stats(returns, mask, "returns"))
@@ -263,7 +266,8 @@ class TrainerWorker:
         (``vf_loss``, ``vf_clipfrac``, ``vpred_mean``, ``grad_norm``, ``lr``). Needs ``values`` (before the
         update) and ``returns`` besides the prompt/response fields. Raises RuntimeError without a critic."""
         if self.critic is None:
-            raise RuntimeError("update_critic needs a critic: set algorithm.adv_estimator=gae")
+            raise RuntimeError(f"update_critic needs a critic; algorithm.adv_estimator={self.estimator.name!r} "
+                               "does not use one (gae does)")
         b = self._to_device(batch)
         require_fields(b, CRITIC_FIELDS + ((schema.UID,) if mini_batch_sizes is None else ()), "update_critic")
         sums = StepSums()
@@ -290,7 +294,7 @@ class TrainerWorker:
         ``update_actor``; returns their metrics merged. Raises RuntimeError without a TransferQueue handle.
         Collective.
         """
-        from trainers.tq_batch import REMAX_BASELINE, fetch_batch
+        from trainers.tq_batch import fetch_batch
         from transferqueue.client import TQClient
         from transferqueue.records import BatchMeta, TQHandle
 
@@ -298,8 +302,7 @@ class TrainerWorker:
             raise RuntimeError("train_step needs the trainer built with a TransferQueue handle (tq_handle)")
         if self._tq_client is None:
             self._tq_client = TQClient(TQHandle.from_dict(self.tq_handle))
-        extra = (REMAX_BASELINE,) if self.algorithm.adv_estimator == "remax" else ()
-        batch = fetch_batch(self._tq_client, BatchMeta.from_wire(meta), extra)
+        batch = fetch_batch(self._tq_client, BatchMeta.from_wire(meta), self.estimator.roller_extras)
         batch.update(self.compute_log_prob(batch))
         if self.critic is not None:
             batch.update(self.compute_values(batch))

@@ -57,15 +57,24 @@ class ShmCache:
                 pass
         return self.maps[name][1]
 
+    def read_view(self, name: str, field: str) -> np.ndarray:
+        """``view`` for reading a get's run: raises RemoteError when the block cannot be opened (the unit
+        destroyed it: the field was cleared, and its room taken, since the unit named it)."""
+        try:
+            return self.view(name)
+        except (OSError, ValueError) as exc:  # gone, or truncated to nothing: mmap refuses an empty file
+            raise RemoteError(f"get: field {field!r} was cleared while being read (block {name} is gone: "
+                              f"{type(exc).__name__})") from None
+
     def check_leases(self, replies: list) -> None:
-        """After copying a get's shared-memory runs: raise RemoteError if a block was cleared and leased
-        again while we read it (its header's lease number moved on; the copy may hold another put's
-        bytes). ``replies``: the units' ``(header, frames)`` get replies."""
+        """After copying a get's shared-memory runs and before decoding any of it: raise RemoteError if a
+        block was cleared and leased again while we read it (its header's lease number moved on; the copy
+        may hold another put's bytes). ``replies``: the units' ``(header, frames)`` get replies."""
         for head, _ in replies:
             for col in head["columns"]:
                 for run in col["runs"]:
                     if len(run) == 4:  # a shared-memory run: [block, offset, nbytes, lease number]
-                        (now,) = struct.unpack_from("<Q", self.view(run[0]), 0)
+                        (now,) = struct.unpack_from("<Q", self.read_view(run[0], col["name"]), 0)
                         if now != run[3]:
                             raise RemoteError(f"get: field {col['name']!r} was cleared while being read "
                                               f"(block {run[0]} leased again)")
@@ -155,10 +164,13 @@ def host_tensor(arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr) if arr.size else torch.empty(0, dtype=torch.uint8)
 
 
-def assemble_field(j: int, name: str, count: int, routes, replies, received, alloc, shm: ShmCache):
-    """Build field ``name`` (column ``j`` of every unit's reply) in meta order: one fresh buffer from
-    ``alloc(nbytes, dtype)``, one copy. ``routes``: ``(unit, positions)``; ``received``: p2p tensors per
-    reply. Returns what ``Batch`` holds for the field; raises RemoteError for inconsistent replies."""
+def assemble_field(j: int, name: str, count: int, routes, replies, received, alloc,
+                   shm: ShmCache) -> tuple[dict, np.ndarray | torch.Tensor]:
+    """Copy field ``name`` (column ``j`` of every unit's reply) in meta order into one fresh buffer from
+    ``alloc(nbytes, dtype)``. ``routes``: ``(unit, positions)``; ``received``: p2p tensors per reply.
+    Returns ``(descriptor, buffer)``, not yet decoded: the caller checks the leases of the shared-memory
+    runs first (``ShmCache.check_leases``), then ``wire.decode_column`` turns it into what ``Batch``
+    holds. Raises RemoteError for inconsistent replies."""
     cols = [head["columns"][j] for head, _ in replies]
     dtypes = {col["dtype"] for col in cols}
     if len(dtypes) != 1:
@@ -172,7 +184,7 @@ def assemble_field(j: int, name: str, count: int, routes, replies, received, all
         row = math.prod(shape) * wire.ITEMSIZE[dtype]  # the common case: one fixed shape, no per-row work
         out = alloc(count * row, dtype)
         _copy_routes(out, j, routes, replies, received, shm, lambda p: p * row)
-        return wire.decode_column({"name": name, "dtype": dtype, "count": count, "shape": shape}, out)
+        return {"name": name, "dtype": dtype, "count": count, "shape": shape}, out
     row_nb = np.zeros(count, dtype=np.int64)
     shapes: list = [None] * count
     for col, (_, pos) in zip(cols, routes, strict=True):
@@ -188,7 +200,7 @@ def assemble_field(j: int, name: str, count: int, routes, replies, received, all
         desc["shape"] = shapes[0]
     else:
         desc["shapes"] = shapes
-    return wire.decode_column(desc, out)
+    return desc, out
 
 
 def _copy_routes(out, j: int, routes, replies, received, shm: ShmCache, offset) -> None:
@@ -218,7 +230,7 @@ def run_sources(head: dict, frames: list, received: list, j: int, shm: ShmCache)
             buf = received[pi]
             pi += 1
         else:
-            buf = shm.view(seg)[off:off + nbytes]
+            buf = shm.read_view(seg, head["columns"][j]["name"])[off:off + nbytes]
         if len(buf) != nbytes:
             raise RemoteError(f"run of {len(buf)} bytes where {nbytes} were announced")
         src.append(buf)

@@ -16,6 +16,7 @@ two round trips each (unit, index); ``reserve`` of fresh ids happens once per ``
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 import uuid
@@ -27,13 +28,14 @@ import torch
 
 from transferqueue import wire
 from transferqueue.buffers import BufferPool, ShmCache, assemble_field
+from transferqueue.config import MIN_REQUEST_IDS
 from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQError, TQHandle
 from transferqueue.server import node_id
 from transferqueue.storage import ALIGN, HEADER
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
 
 FULL_RETRY_S = 0.01
-RESERVE_IDS = 4096  # sample ids a client reserves from the index at a time
+RESERVE_IDS = MIN_REQUEST_IDS  # sample ids a client reserves from the index at a time (4096)
 SPARE_MAX_BYTES = 8 << 20  # a client keeps one leased spare block per unit for puts up to this size
 
 
@@ -83,6 +85,8 @@ class TQClient:
         self.links: dict = {}
         self._ids_lock = threading.Lock()
         self._id_next = self._id_end = 0
+        self._ids_lapse = 0.0  # monotonic time the index drops this client's reserved range
+        self._ids_lease_s = float("inf")  # the index's reservation lease, once a reply told it
         self._spare_lock = threading.Lock()
         self._spares: dict[int, tuple[str, int, float] | _Asked] = {}  # unit -> (block, size, valid until)
         self.num_units = len(handle.unit_addresses)
@@ -112,7 +116,7 @@ class TQClient:
             raise ValueError(f"{len(sample_ids)} sample_ids for {count} samples")
         names = list(data)
         if sample_ids is None:
-            ids = yield from self._new_ids(count)
+            ids = yield from self._new_ids(count, timeout_s + self.handle.request_timeout_s)
         else:
             ids = [int(i) for i in sample_ids]
             yield [Call(INDEX, {"op": "prepare_put", "partition": partition, "ids": ids, "count": count,
@@ -128,18 +132,23 @@ class TQClient:
             raise
         return BatchMeta(partition, ids, names, [dict(t) for t in tags] if tags is not None else [{}] * count)
 
-    def _new_ids(self, count: int) -> Flow:
+    def _new_ids(self, count: int, budget_s: float) -> Flow:
         """Fresh sample ids from this client's reserved range, reserving ``max(count, RESERVE_IDS)`` more
-        from the index when it runs out (one round trip per many puts)."""
+        from the index when it runs out (one round trip per many puts), or when the put, which may take
+        ``budget_s``, could outlast the range's lease (``transferqueue.reservation_lease_s``: the index
+        then drops the range, and a notify naming its ids would be refused)."""
+        now = time.monotonic()
         with self._ids_lock:
-            if self._id_end - self._id_next >= count:
+            if self._id_end - self._id_next >= count and now + budget_s < self._ids_lapse:
                 self._id_next += count
                 return list(range(self._id_next - count, self._id_next))
-        n = max(count, RESERVE_IDS)
+        # puts this long could never use a range's rest: reserve just this put's ids, leaving none to lapse
+        n = count if budget_s >= self._ids_lease_s else max(count, RESERVE_IDS)
         [(head, _)] = yield [Call(INDEX, {"op": "reserve", "count": n})]
-        start = head["start"]
+        start, lapse = head["start"], now + head["lease_s"]  # ``now``: before the index started the lease
         with self._ids_lock:
-            self._id_next, self._id_end = start + count, start + n
+            self._id_next, self._id_end, self._ids_lapse = start + count, start + n, lapse
+            self._ids_lease_s = head["lease_s"]
         return list(range(start, start + count))
 
     def _store(self, data, names, ids, timeout_s, stored: list[int]) -> Flow:
@@ -372,10 +381,14 @@ class TQClient:
             received = [[] for _ in routes]
         else:
             replies, received = yield from self._get_p2p(routes, calls)
-        batch = Batch(meta, {n: self._assemble(j, n, len(meta), routes, replies, received)
-                             for j, n in enumerate(names)})
-        self.shm.check_leases(replies)
-        return batch
+        try:
+            filled = [self._assemble(j, n, len(meta), routes, replies, received) for j, n in enumerate(names)]
+            self.shm.check_leases(replies)  # before decoding: a raced block may hold another put's bytes
+            values = [wire.decode_column(desc, out) for desc, out in filled]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, struct.error) as exc:
+            # a reply that does not add up: only the project's typed errors leave the client
+            raise RemoteError(f"get_data: malformed reply from a storage unit: {type(exc).__name__}: {exc}") from exc
+        return Batch(meta, dict(zip(names, values, strict=True)))
 
     def _get_p2p(self, routes, calls: list[Call]) -> Flow:
         """Send the gets with this client's links, then receive every ``p2p`` run of the replies in order."""
@@ -403,7 +416,8 @@ class TQClient:
             for link in links:
                 link.lock.release()
 
-    def _assemble(self, j: int, name: str, count: int, routes, replies, received) -> Any:
+    def _assemble(self, j: int, name: str, count: int, routes, replies, received) -> tuple[dict, Any]:
+        """Copy field ``name`` of the replies into one new buffer: ``(descriptor, buffer)``, not decoded yet."""
         def alloc(nbytes: int, dtype: str):
             if self.device is not None and dtype != wire.OBJECT_DTYPE:
                 return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

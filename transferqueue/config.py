@@ -15,6 +15,30 @@ class TransferQueueConfig:
     ``shm_min_bytes``: puts smaller than this go over ZMQ frames even on one node (a shared-memory put
     costs one more round trip). ``sampler_modules``: modules the index imports at start so their
     ``register_sampler`` calls add custom samplers. ``start_timeout_s``: how long to wait for servers.
+
+    Bounds on what requests may make the servers hold (a request past one gets an error reply naming the
+    key and its value; the server keeps serving and keeps everything it had accepted). The defaults are
+    far above what a training job uses:
+
+    * ``max_request_ids``: sample ids one request may name or allocate (``put``/``get`` ids on a unit,
+      ``notify``/``prepare_put`` ids on the index, a ``reserve`` or new-sample ``prepare_put`` count,
+      ``get_meta`` batch size, ``sample_info`` limit; not ``clear``, which only frees). A bigger ``put``
+      must be split. At least 4096 (a client reserves fresh ids 4096 at a time).
+    * ``max_client_reserved_ids``: ids one client connection may hold reserved (fresh ids it has not put
+      yet; each reservation counts as at least 64 ids, its bookkeeping); ``max_reserved_ids``: the same,
+      summed over every client.
+    * ``reservation_lease_s``: a reservation lapses this long after it was made; its unused ids are
+      never handed out (ids are never reused). That is how the index forgets clients that went away;
+      a client takes ids from a reservation only while its put can finish before the lease ends.
+    * ``max_fields`` per partition and ``max_tasks`` (consumer tasks, over all partitions): each adds a bit
+      to every sample's field/consumption mask. ``max_partitions``: partitions the index holds at once.
+      ``max_name_chars``: length of a partition, field or task name.
+    * ``max_subscriptions``: cached (task, field set) views per partition; past it the least recently
+      used one is dropped (rebuilt by one scan on its next ``get_meta``), never an error.
+    * ``max_parked``, ``max_parked_bytes``: long-poll ``get_meta`` requests waiting at the index, and the
+      bytes of their headers.
+    * ``max_p2p_links``: device-path links (one process group each) a storage unit holds; a client's link
+      lives as long as the unit.
     """
 
     num_storage_units: int = 2
@@ -29,6 +53,18 @@ class TransferQueueConfig:
     start_timeout_s: float = 60.0
     p2p_backend: str = ""
     p2p_device: str = "cpu"
+    max_request_ids: int = 1 << 17
+    max_client_reserved_ids: int = 1 << 20
+    max_reserved_ids: int = 1 << 24
+    reservation_lease_s: float = 600.0
+    max_fields: int = 256
+    max_tasks: int = 256
+    max_partitions: int = 1 << 16
+    max_name_chars: int = 1024
+    max_subscriptions: int = 64
+    max_parked: int = 10_000
+    max_parked_bytes: int = 64 * 1024**2
+    max_p2p_links: int = 1024
 
     def __post_init__(self):
         if self.num_storage_units < 1:
@@ -51,3 +87,35 @@ class TransferQueueConfig:
             raise ValueError("transferqueue.p2p_backend=nccl needs transferqueue.p2p_device=cuda")
         if not self.host or any(c in self.host for c in "/ :"):
             raise ValueError(f"transferqueue.host must be a host name or IPv4 address, got {self.host!r}")
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        """ValueError naming the key for a bound that is not a positive int (a positive number for the
+        lease) or that contradicts another (the reserved-ids bounds must hold two full-size reservations)."""
+        for key in LIMIT_KEYS:
+            if key == "reservation_lease_s":
+                continue
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"transferqueue.{key} must be a positive int, got {value!r}")
+        if self.max_request_ids < MIN_REQUEST_IDS:
+            raise ValueError(f"transferqueue.max_request_ids must be >= {MIN_REQUEST_IDS} (clients reserve ids "
+                             f"{MIN_REQUEST_IDS} at a time), got {self.max_request_ids}")
+        if self.max_client_reserved_ids < 2 * self.max_request_ids:
+            raise ValueError(f"transferqueue.max_client_reserved_ids must be >= 2 * max_request_ids "
+                             f"({2 * self.max_request_ids}), got {self.max_client_reserved_ids}")
+        if self.max_reserved_ids < self.max_client_reserved_ids:
+            raise ValueError(f"transferqueue.max_reserved_ids must be >= max_client_reserved_ids "
+                             f"({self.max_client_reserved_ids}), got {self.max_reserved_ids}")
+        if not isinstance(self.reservation_lease_s, int | float) or not self.reservation_lease_s > 0:
+            raise ValueError(f"transferqueue.reservation_lease_s must be > 0, got {self.reservation_lease_s!r}")
+
+    def limits(self) -> dict:
+        """The bounds the servers enforce (``LIMIT_KEYS``), as plain values for a server's spec."""
+        return {k: getattr(self, k) for k in LIMIT_KEYS}
+
+
+MIN_REQUEST_IDS = 4096
+LIMIT_KEYS = ("max_request_ids", "max_client_reserved_ids", "max_reserved_ids", "reservation_lease_s", "max_fields",
+              "max_tasks", "max_partitions", "max_name_chars", "max_subscriptions", "max_parked", "max_parked_bytes",
+              "max_p2p_links")

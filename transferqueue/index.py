@@ -16,15 +16,16 @@ O(samples indexed). Only ids, names, schemas, tags, byte counts and shapes ever 
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Hashable
 from operator import attrgetter
 
+from transferqueue.config import TransferQueueConfig
 from transferqueue.records import BatchMeta, FieldSchema
+from transferqueue.reservations import Reservations
 from transferqueue.samplers import get_sampler
 from transferqueue.table import NO_TAGS, Partition, Sample, Subscription
-from transferqueue.wire import OBJECT_DTYPE, id_range, row_nbytes
+from transferqueue.wire import OBJECT_DTYPE, check_id_count, row_nbytes
 
 _NBYTES = attrgetter("nbytes")
 _DICT, _UID_TYPES = frozenset({dict}), frozenset({str, int})
@@ -54,14 +55,18 @@ def _set_lengths(samples: list[Sample], lengths: list[tuple[str, list[int]]]) ->
 
 class MetadataIndex:
     """The table itself. All methods raise ValueError for bad input (unknown/cleared ids, fields already
-    written, unknown sampler...); the server turns those into error replies."""
+    written, unknown sampler, a request past one of ``limits``' bounds...); the server turns those into
+    error replies. ``limits``: the ``transferqueue`` config whose ``max_*`` and ``reservation_lease_s``
+    bounds apply (defaults when None)."""
 
-    def __init__(self):
+    def __init__(self, limits: TransferQueueConfig | None = None):
+        self.limits = limits or TransferQueueConfig()
+        self.max_request_ids = self.limits.max_request_ids  # read on every notify
+        self.max_fields = self.limits.max_fields
         self.partitions: dict[str, Partition] = {}
         self.next_id = 0
         self.produced = 0
-        self.reserved: dict[int, bytearray] = {}  # start -> one byte per id: 0 free, 1 used
-        self.reserved_starts: list[int] = []
+        self.reservations = Reservations(self.limits)
         self.task_bits: dict[str, int] = {}
         self.consumed: dict[str, int] = {}
         self.cleared = 0
@@ -71,15 +76,40 @@ class MetadataIndex:
         if not isinstance(task, str) or not task:
             raise ValueError(f"task must be a non-empty string, got {task!r}")
         if task not in self.task_bits:
+            self._check_name("task", task)
+            if len(self.task_bits) >= self.limits.max_tasks:
+                raise ValueError(f"task {task!r:.100} would be task number {len(self.task_bits) + 1}: past "
+                                 f"transferqueue.max_tasks={self.limits.max_tasks}")
             self.task_bits[task] = 1 << len(self.task_bits)
         return self.task_bits[task]
 
+    def _check_name(self, what: str, name: str) -> None:
+        if len(name) > self.limits.max_name_chars:
+            raise ValueError(f"{what} {name:.64}...: a name of {len(name)} characters, past "
+                             f"transferqueue.max_name_chars={self.limits.max_name_chars}")
+
+    def _check_count(self, what: str, n: int) -> None:
+        check_id_count(what, n, self.max_request_ids)
+
+    def _check_new_fields(self, part: Partition, columns: list[dict]) -> None:
+        """ValueError (before anything changes) when ``columns`` would take ``part`` past ``max_fields``."""
+        if len(part.bits) + len(columns) > self.max_fields:  # usually false: no per-column work
+            new = len({c["name"] for c in columns if c["name"] not in part.bits})
+            if len(part.bits) + new > self.max_fields:
+                raise ValueError(f"partition {part.name!r}: {new} new fields would make {len(part.bits) + new}, "
+                                 f"past transferqueue.max_fields={self.max_fields}")
+
     def _partition(self, name: str, create: bool = False) -> Partition:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"partition must be a non-empty string, got {name!r}")
+            raise ValueError(f"partition must be a non-empty string, got {name!r:.100}")
         if name not in self.partitions:
             if not create:
-                raise ValueError(f"unknown partition {name!r}")
+                raise ValueError(f"unknown partition {name!r:.100}")
+            lim = self.limits
+            self._check_name("partition", name)
+            if len(self.partitions) >= lim.max_partitions:
+                raise ValueError(f"partition {name!r:.100} would be partition number {len(self.partitions) + 1}: "
+                                 f"past transferqueue.max_partitions={lim.max_partitions}")
             self.partitions[name] = Partition(name)
         return self.partitions[name]
 
@@ -91,12 +121,14 @@ class MetadataIndex:
         if sample_ids is None:
             if not isinstance(count, int) or count < 0:
                 raise ValueError(f"count must be a non-negative int, got {count!r}")
+            self._check_count("prepare_put", count)
             ids = list(range(self.next_id, self.next_id + count))
             self.next_id += count
             self.produced += count
             for sid in ids:
                 part.samples[sid] = Sample(sid)
             return ids
+        self._check_count("prepare_put", len(sample_ids))
         mask = part.field_mask(fields, create=False) or 0
         for sid in sample_ids:
             s = part.samples.get(sid)
@@ -110,54 +142,13 @@ class MetadataIndex:
             raise ValueError("sample_ids contain duplicates")
         return list(sample_ids)
 
-    def reserve(self, count: int) -> int:
-        """Reserve ``count`` fresh ids for one client, which creates samples with them at ``notify(new=True)``
-        without a round trip per put; returns the first id. Raises ValueError for ``count < 1``."""
-        if not isinstance(count, int) or not 1 <= count <= 1 << 24:
-            raise ValueError(f"reserve count must be an int in [1, 2**24], got {count!r}")
-        start = self.next_id
+    def reserve(self, count: int, owner: bytes = b"") -> int:
+        """Reserve ``count`` fresh ids for client ``owner`` (its connection's identity), which creates samples
+        with them at ``notify(new=True)`` without a round trip per put; returns the first id. See
+        ``Reservations.reserve`` for the bounds and the lease."""
+        self.reservations.reserve(self.next_id, count, owner)
         self.next_id += count
-        self.reserved[start] = bytearray(count)
-        self.reserved_starts.append(start)
-        return start
-
-    def _claim(self, sample_ids: list[int]) -> None:
-        """Mark reserved ids used; ValueError (nothing marked) if one was not reserved or is used/cleared.
-
-        The usual put claims ids ``a, a+1, ..., a+n-1`` inside one reserved range: that costs one bisect,
-        one list comparison and a byte-slice search. Anything else (ids spanning ranges, out of order,
-        not plain ints, a used or unreserved id) takes the per-id path, which also picks the error."""
-        n = len(sample_ids)
-        first = sample_ids[0] if n else None
-        i = bisect.bisect_right(self.reserved_starts, first) - 1 if isinstance(first, int) else -1
-        if i >= 0:
-            start = self.reserved_starts[i]
-            used, off = self.reserved[start], first - start
-            if off + n <= len(used) and used.find(1, off, off + n) < 0 and id_range(sample_ids) == first:
-                used[off:off + n] = b"\x01" * n
-                if 0 not in used:
-                    del self.reserved[start]
-                    self.reserved_starts.remove(start)
-                return
-        self._claim_each(sample_ids)
-
-    def _claim_each(self, sample_ids: list[int]) -> None:
-        slots = []
-        for sid in sample_ids:
-            i = bisect.bisect_right(self.reserved_starts, sid) - 1 if isinstance(sid, int) else -1
-            start = self.reserved_starts[i] if i >= 0 else None
-            used = self.reserved.get(start) if start is not None else None
-            if used is None or sid - start >= len(used) or used[sid - start]:
-                raise ValueError(f"sample id {sid!r} was not reserved, or was already used or cleared")
-            slots.append((start, sid - start))
-        if len(set(slots)) != len(slots):
-            raise ValueError("sample_ids contain duplicates")
-        for start, off in slots:
-            self.reserved[start][off] = 1
-        for start in {start for start, _ in slots}:
-            if 0 not in self.reserved[start]:
-                del self.reserved[start]
-                self.reserved_starts.remove(start)
+        return self.next_id - count
 
     def notify(self, partition: str, sample_ids: list[int], columns: list[dict], tags: list[dict] | None,
                new: bool = False) -> None:
@@ -169,11 +160,14 @@ class MetadataIndex:
         part = self._partition(partition, create=new)
         if tags is not None and len(tags) != len(sample_ids):
             raise ValueError(f"{len(tags)} tag dicts for {len(sample_ids)} samples")
+        if len(sample_ids) > self.max_request_ids:  # the fast path pays one comparison
+            self._check_count("notify", len(sample_ids))
+        self._check_new_fields(part, columns)
         if new:
             uids = self._check_new(part, columns, tags)
-            self._claim(sample_ids)
+            self.reservations.claim(sample_ids)
         else:
-            samples = self._existing(part, sample_ids, tags)
+            samples = self._existing(part, sample_ids, tags, columns)
             self._check_dtypes(part, columns)
         mask = part.field_mask([c["name"] for c in columns], create=True)
         lengths = []
@@ -219,12 +213,21 @@ class MetadataIndex:
                 raise ValueError(f"tags must be maps whose uid is a str or int, got {t!r:.100}")
         return [t.get("uid") for t in tags]
 
-    def _existing(self, part: Partition, sample_ids: list[int], tags) -> list[Sample]:
-        """The samples of ``sample_ids``; ValueError for an unknown/cleared id or a bad tag dict or uid."""
+    def _existing(self, part: Partition, sample_ids: list[int], tags, columns: list[dict]) -> list[Sample]:
+        """The samples of ``sample_ids``; ValueError for an unknown/cleared id, a field of ``columns`` some
+        sample has already (fields are write-once: so no notify can merge tags into a sample without
+        adding a field, and a sample's tags grow at most ``max_fields`` times), or a bad tag dict or uid."""
         samples = list(map(part.samples.get, sample_ids))
         if None in samples:
             sid = sample_ids[samples.index(None)]
             raise ValueError(f"sample id {sid!r} is unknown or cleared in partition {part.name!r}")
+        written = 0
+        for col in columns:
+            written |= part.bits.get(col["name"], 0)
+        if written and any(s.mask & written for s in samples):
+            s = next(s for s in samples if s.mask & written)
+            taken = [c["name"] for c in columns if s.mask & part.bits.get(c["name"], 0)]
+            raise ValueError(f"sample {s.sid}: fields {taken} already written (fields are write-once)")
         for s, t in zip(samples, tags or (), strict=False):
             if not isinstance(t, dict):
                 raise ValueError(f"sample {s.sid}: tags must be a map, got {type(t).__name__}")
@@ -308,15 +311,21 @@ class MetadataIndex:
 
     # ------------------------------------------------------------------------------------- get_meta
     def subscription(self, part: Partition, task: str, fields: list[str]) -> Subscription | None:
-        """The subscription of (task, fields), built with one scan on first use; None for unknown fields."""
+        """The subscription of (task, fields), built with one scan on first use; None for unknown fields.
+        ``part.subs`` is kept in least-recently-used order; past ``max_subscriptions`` the first one goes
+        (it is a cache: rebuilt by one scan when asked for again)."""
         mask = part.field_mask(fields, create=False)
         if mask is None:
             return None
         bit = self._task_bit(task)
-        sub = part.subs.get((bit, mask))
+        subs, key = part.subs, (bit, mask)
+        sub = subs.pop(key, None)
         if sub is None:
-            sub = part.subs[(bit, mask)] = Subscription(part, bit, mask, list(fields))
+            if len(subs) >= self.limits.max_subscriptions:
+                del subs[next(iter(subs))]
+            sub = Subscription(part, bit, mask, list(fields))
             sub.add_many(part.samples.values())
+        subs[key] = sub
         return sub
 
     def get_meta(self, partition: str, fields: list[str], batch_size: int, task: str, sampler: str = "sequential",
@@ -328,6 +337,7 @@ class MetadataIndex:
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self._check_count("get_meta batch_size", batch_size)
         if not fields or not all(isinstance(f, str) for f in fields):
             raise ValueError(f"fields must be a non-empty list of names, got {fields!r}")
         chooser = get_sampler(sampler)
@@ -401,6 +411,7 @@ class MetadataIndex:
     def sample_info(self, partition: str, sample_ids: list[int] | None, limit: int) -> list[dict]:
         """``{"id", "fields", "tags", "consumed_by"}`` for up to ``limit`` samples (metadata only)."""
         part = self._partition(partition)
+        self._check_count("sample_info", limit if sample_ids is None else len(sample_ids))
         ids = list(itertools.islice(part.samples, limit)) if sample_ids is None else sample_ids
         names = {bit: n for n, bit in part.bits.items()}
         tasks = {bit: n for n, bit in self.task_bits.items()}

@@ -14,11 +14,10 @@ from dataclasses import asdict
 from itertools import repeat
 
 from transferqueue import wire
+from transferqueue.config import TransferQueueConfig
 from transferqueue.index import MetadataIndex
 from transferqueue.records import CurveKeys, IndexStats
 from transferqueue.server import Reply, RouterServer
-
-MAX_PARKED = 10_000
 
 
 def _ids_or_none(value, what: str) -> list[int] | None:
@@ -32,15 +31,19 @@ def _ids_or_none(value, what: str) -> list[int] | None:
 class IndexServer(RouterServer):
     """Ops: ``reserve``, ``prepare_put``, ``notify``, ``get_meta``, ``clear``, ``reset_consumption``, ``stats``,
     ``sample_info``, ``ping``. ``sampler_modules``: modules imported at start (they call
-    ``samplers.register_sampler``)."""
+    ``samplers.register_sampler``). ``limits``: the config whose bounds apply (see ``TransferQueueConfig``);
+    lapsed reservations are dropped every ``reservation_lease_s / 4``."""
 
     def __init__(self, address: str, curve: CurveKeys | None = None, sampler_modules: tuple[str, ...] = (),
-                 local_address: str = ""):
+                 local_address: str = "", limits: TransferQueueConfig | None = None):
         for mod in sampler_modules:
             importlib.import_module(mod)
         super().__init__(address, curve, local_address=local_address)
-        self.index = MetadataIndex()
-        self.parked: list[tuple[float, bytes, dict]] = []
+        self.index = MetadataIndex(limits)
+        self.limits = self.index.limits
+        self.timer_s = self.limits.reservation_lease_s / 4
+        self.parked: list[tuple[float, bytes, dict, int]] = []  # (deadline, identity, header, header bytes)
+        self.parked_bytes = 0
 
     def handle(self, identity: bytes, header: dict, frames: list) -> Reply | None:
         if frames:
@@ -56,14 +59,16 @@ class IndexServer(RouterServer):
         if op == "notify":
             ids = _ids_or_none(header.get("ids"), "ids") or []
             cols = header.get("columns")
-            if not isinstance(cols, list):
-                raise wire.WireError("notify: columns must be a list")
-            ix.notify(header.get("partition"), ids, [wire.validate_column(c, len(ids)) for c in cols],
+            if not isinstance(cols, list) or not cols:
+                raise wire.WireError("notify: columns must be a non-empty list")
+            ix.notify(header.get("partition"), ids,
+                      [wire.validate_column(c, len(ids), self.limits.max_name_chars) for c in cols],
                       header.get("tags"), new=bool(header.get("new")))
             self._retry(header.get("partition"))
             return {}, []
         if op == "reserve":
-            return {"start": ix.reserve(header.get("count"))}, []
+            return {"start": ix.reserve(header.get("count"), identity),
+                    "lease_s": self.limits.reservation_lease_s}, []
         if op == "clear":
             removed = ix.clear(header.get("partition"), _ids_or_none(header.get("ids"), "ids"))
             return {"ids": removed}, []
@@ -88,9 +93,15 @@ class IndexServer(RouterServer):
             raise wire.WireError(f"get_meta: timeout_s must be a number >= 0, got {timeout_s!r}")
         if len(meta) or timeout_s == 0:
             return {"meta": meta.to_wire()}, []
-        if len(self.parked) >= MAX_PARKED:
-            raise ValueError(f"too many parked get_meta requests ({MAX_PARKED})")
-        self.parked.append((time.monotonic() + timeout_s, identity, header))
+        lim, size = self.limits, len(wire.pack(header))
+        if len(self.parked) >= lim.max_parked:
+            raise ValueError(f"get_meta: {len(self.parked)} requests wait already, the most "
+                             f"transferqueue.max_parked={lim.max_parked} allows")
+        if self.parked_bytes + size > lim.max_parked_bytes:
+            raise ValueError(f"get_meta: waiting requests hold {self.parked_bytes} header bytes; {size} more would "
+                             f"pass transferqueue.max_parked_bytes={lim.max_parked_bytes}")
+        self.parked.append((time.monotonic() + timeout_s, identity, header, size))
+        self.parked_bytes += size
         return None
 
     def _try(self, header: dict):
@@ -102,39 +113,38 @@ class IndexServer(RouterServer):
                                    header.get("batch_size"), header.get("task"),
                                    header.get("sampler", "sequential"), options)
 
+    def _answer(self, entry: tuple, expired: bool) -> bool:
+        """Try parked request ``entry`` again; answer it when it is filled, fails or (``expired``) is due.
+        Returns whether it was answered. A sampler error becomes an error reply (the options were checked
+        when it was parked, but a custom sampler may raise later): it never reaches the loop."""
+        _, identity, header, size = entry
+        try:
+            meta = self._try(header)
+        except Exception as exc:
+            reply = {"ok": False, "rid": header.get("rid"), "error": f"{type(exc).__name__}: {exc}"}
+        else:
+            if not len(meta) and not expired:
+                return False
+            if not len(meta):
+                meta.reason = f"timed out after {header.get('timeout_s')} s: {meta.reason}"
+            reply = {"ok": True, "rid": header.get("rid"), "meta": meta.to_wire()}
+        self.send(identity, reply)
+        self.parked_bytes -= size
+        return True
+
     def _retry(self, partition: str | None) -> None:
-        still = []
-        for deadline, identity, header in self.parked:
-            if header.get("partition") != partition:
-                still.append((deadline, identity, header))
-                continue
-            try:
-                meta = self._try(header)
-            except Exception as exc:  # options were validated when parked; defensive
-                self.send(identity, {"ok": False, "rid": header.get("rid"), "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            if len(meta):
-                self.send(identity, {"ok": True, "rid": header.get("rid"), "meta": meta.to_wire()})
-            else:
-                still.append((deadline, identity, header))
-        self.parked = still
+        self.parked = [e for e in self.parked if e[2].get("partition") != partition or not self._answer(e, False)]
 
     def tick(self) -> None:
         if not self.parked:
             return
         now = time.monotonic()
-        if all(deadline > now for deadline, _, _ in self.parked):
+        if all(e[0] > now for e in self.parked):
             return
-        still = []
-        for deadline, identity, header in self.parked:
-            if deadline > now:
-                still.append((deadline, identity, header))
-                continue
-            meta = self._try(header)
-            if not len(meta):
-                meta.reason = f"timed out after {header.get('timeout_s')} s: {meta.reason}"
-            self.send(identity, {"ok": True, "rid": header.get("rid"), "meta": meta.to_wire()})
-        self.parked = still
+        self.parked = [e for e in self.parked if e[0] > now or not self._answer(e, True)]
+
+    def timer(self, now: float) -> None:
+        self.index.reservations.expire(now)
 
     def stats(self) -> IndexStats:
         ix = self.index
@@ -142,4 +152,5 @@ class IndexServer(RouterServer):
             num_samples=sum(len(p.samples) for p in ix.partitions.values()),
             produced=ix.produced, consumed=dict(ix.consumed), cleared=ix.cleared, bytes_stored=ix.bytes_stored,
             ready=ix.ready_counts(), partitions={n: len(p.samples) for n, p in ix.partitions.items()},
-            requests={k: list(v) for k, v in self.requests.items()}, waiting=len(self.parked))
+            requests={k: list(v) for k, v in self.requests.items()}, waiting=len(self.parked),
+            reserved_ids=ix.reservations.total)

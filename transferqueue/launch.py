@@ -35,16 +35,18 @@ logger = logging.getLogger(__name__)
 def build_server(spec: dict):
     """The server object described by ``spec`` (``role`` index|unit, ``address``, ``curve``, ...)."""
     curve = CurveKeys(**spec["curve"]) if spec.get("curve") else None
+    limits = TransferQueueConfig(**spec.get("limits", {}))  # validated again in the server's process
     if spec["role"] == "index":
         from transferqueue.index_server import IndexServer
 
         return IndexServer(spec["address"], curve, tuple(spec.get("sampler_modules", ())),
-                           local_address=spec.get("local_address", ""))
+                           local_address=spec.get("local_address", ""), limits=limits)
     if spec["role"] == "unit":
         from transferqueue.storage import StorageUnit
 
         return StorageUnit(spec["address"], spec["capacity_bytes"], curve, lease_s=spec.get("lease_s", 60.0),
-                           p2p=spec.get("p2p"), local_address=spec.get("local_address", ""))
+                           p2p=spec.get("p2p"), local_address=spec.get("local_address", ""),
+                           max_request_ids=limits.max_request_ids, max_name_chars=limits.max_name_chars)
     raise ValueError(f"unknown server role {spec['role']!r}")
 
 
@@ -101,12 +103,13 @@ def _server_main() -> None:
 
 def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None) -> list[dict]:
     base = {"address": f"tcp://{cfg.host}:0", "curve": asdict(curve) if curve else None,
-            "lease_s": cfg.request_timeout_s}
+            "lease_s": cfg.request_timeout_s, "limits": cfg.limits()}
     specs = [dict(base, role="index", sampler_modules=list(cfg.sampler_modules))]
     for i in range(cfg.num_storage_units):
         p2p = None
         if cfg.p2p_backend:
-            p2p = {"backend": cfg.p2p_backend, "device": "cpu" if cfg.p2p_device == "cpu" else f"cuda:{i}"}
+            p2p = {"backend": cfg.p2p_backend, "device": "cpu" if cfg.p2p_device == "cpu" else f"cuda:{i}",
+                   "max_links": cfg.max_p2p_links}
         specs.append(dict(base, role="unit", capacity_bytes=cfg.capacity_bytes, p2p=p2p))
     return specs
 

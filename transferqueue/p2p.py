@@ -75,7 +75,8 @@ class Link:
 class UnitP2P:
     """The storage unit's side: links by id, receives puts, sends gets (``isend``; completion polled)."""
 
-    def __init__(self, backend: str, device: str, host: str, timeout_s: float):
+    def __init__(self, backend: str, device: str, host: str, timeout_s: float, max_links: int = 1024,
+                 max_name_chars: int = 1024):
         if backend not in BACKENDS:
             raise ValueError(f"transferqueue.p2p_backend must be one of {BACKENDS}, got {backend!r}")
         self.backend, self.host, self.timeout_s = backend, host, timeout_s
@@ -83,6 +84,7 @@ class UnitP2P:
         if self.device.type == "cuda" and torch.cuda.device_count():  # unit i asks for cuda:i; wrap around
             self.device = torch.device("cuda", (self.device.index or 0) % torch.cuda.device_count())
         self.links: dict[str, Link] = {}
+        self.max_links, self.max_name_chars = max_links, max_name_chars  # ``transferqueue.max_*``
         self.inflight: list = []
         self.run_dir = tempfile.mkdtemp(prefix="hflow-tq-p2p-")
         self.tcp_store = None
@@ -91,7 +93,13 @@ class UnitP2P:
         """Reply to ``p2p_connect`` plus the action that joins the group once the reply is out."""
         link_id = header.get("link")
         if not isinstance(link_id, str) or not link_id or link_id in self.links:
-            raise ValueError(f"p2p_connect: link must be a new non-empty string, got {link_id!r}")
+            raise ValueError(f"p2p_connect: link must be a new non-empty string, got {link_id!r:.100}")
+        if len(link_id) > self.max_name_chars:
+            raise ValueError(f"p2p_connect: a link id of {len(link_id)} characters, past "
+                             f"transferqueue.max_name_chars={self.max_name_chars}")
+        if len(self.links) >= self.max_links:
+            raise ValueError(f"p2p_connect: this unit holds {len(self.links)} links, the most "
+                             f"transferqueue.max_p2p_links={self.max_links} allows")
         if header.get("backend") != self.backend:
             raise ValueError(f"p2p_connect: this unit speaks {self.backend}, not {header.get('backend')!r}")
         if header.get("node") == here:

@@ -214,7 +214,8 @@ class IndexStats:
     ``ready``: ``{partition: {"task|field,field": ready-and-unconsumed samples}}``; ``produced``: samples
     allocated; ``consumed``: ``{task: samples handed out}``; ``cleared``: samples removed; ``bytes_stored``:
     bytes reported by puts and not yet cleared; ``requests``: ``{op: [count, total_s, max_s]}``;
-    ``waiting``: long-polls now parked.
+    ``waiting``: long-polls now parked; ``reserved_ids``: ids clients hold reserved (as counted against
+    ``transferqueue.max_reserved_ids``).
     """
 
     num_samples: int
@@ -226,3 +227,4 @@ class IndexStats:
     partitions: dict[str, int]
     requests: dict[str, list[float]]
     waiting: int
+    reserved_ids: int = 0

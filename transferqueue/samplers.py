@@ -110,7 +110,9 @@ class SeqlenBalancedSampler:
         ids = SAMPLERS[base].select(view, batch_size, options)
         if isinstance(ids, str):
             return ids
-        order = balanced_order([view.length(i) for i in ids], num_ranks)
+        # more ranks than samples leave ranks empty either way: the same order, with work and memory bound
+        # by the batch, not by a ``num_ranks`` a request may set to anything
+        order = balanced_order([view.length(i) for i in ids], min(num_ranks, len(ids)))
         return [ids[p] for p in order]
 
 

@@ -52,6 +52,7 @@ class RouterServer:
 
     tick_s = 0.05
     gc_every_s = 5.0
+    timer_s = 0.0  # > 0: ``timer`` runs about this often (a subclass sets it)
 
     def __init__(self, address: str, curve: CurveKeys | None = None, hwm: int = 1000, local_address: str = ""):
         self.ctx = zmq.Context()  # own context: one ZAP handler per server
@@ -89,6 +90,9 @@ class RouterServer:
     def tick(self) -> None:
         """Called after every request and at least every ``tick_s`` (timers, parked requests)."""
 
+    def timer(self, now: float) -> None:
+        """Called about every ``timer_s`` (when > 0) with ``time.monotonic()``, for slow housekeeping."""
+
     def send(self, identity: bytes, header: dict, frames: list | tuple = ()) -> None:
         try:
             self.sock.send_multipart([identity, wire.pack(header), *frames], copy=False, flags=zmq.NOBLOCK)
@@ -104,14 +108,19 @@ class RouterServer:
         poller.register(self.sock, zmq.POLLIN)
         gc.disable()
         next_gc = time.monotonic() + self.gc_every_s
+        next_timer = time.monotonic() + self.timer_s if self.timer_s > 0 else float("inf")
         try:
             while not self._stopped:
                 if poller.poll(int(self.tick_s * 1000)):
                     self._one()
                 self.tick()
-                if time.monotonic() > next_gc:
+                now = time.monotonic()
+                if now > next_gc:
                     gc.collect(1)
                     next_gc = time.monotonic() + self.gc_every_s
+                if now > next_timer:
+                    self.timer(now)
+                    next_timer = now + self.timer_s
         finally:
             self.close()
 

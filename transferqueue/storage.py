@@ -17,7 +17,9 @@ client retries until its timeout, then raises ``Full``), so memory never grows w
 freed by ``clear`` are recycled through size-class free lists, so steady-state puts write into
 pre-faulted pages. A lease that ends unused (expired, a spare revoked to make room, or named by a
 rejected put) destroys its block: a block is never handed to a second client while the first may still
-write into it.
+write into it. The bookkeeping of stored rows (``CHUNK_COST`` per chunk, ``ROW_COST`` per row of a chunk
+with per-row offsets) counts against a second budget of ``capacity_bytes``, so puts of zero-byte rows
+cannot grow a unit's memory without bound either.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from transferqueue.wire import as_ids, id_range
 SHM_DIR = "/dev/shm"
 ALIGN = 64
 HEADER = ALIGN  # bytes at the start of every block the unit owns: the lease number (uint64, little-endian)
+CHUNK_COST = 512  # bookkeeping bytes a chunk is counted as (a Chunk object and its table entry)
+ROW_COST = 128  # ... and each row of a chunk that keeps per-row offsets, sizes and shapes
 
 
 class FullError(ValueError):
@@ -100,14 +104,18 @@ class StorageUnit(RouterServer):
     """Serves ``alloc``, ``put``, ``get``, ``clear``, ``stats`` and ``ping``; everything else is rejected."""
 
     def __init__(self, address: str, capacity_bytes: int, curve: CurveKeys | None = None,
-                 lease_s: float = 60.0, p2p: dict | None = None, local_address: str = ""):
+                 lease_s: float = 60.0, p2p: dict | None = None, local_address: str = "",
+                 max_request_ids: int = 1 << 17, max_name_chars: int = 1024):
         super().__init__(address, curve, local_address=local_address)
+        self.max_request_ids = max_request_ids  # ids one put or get may name (``transferqueue.max_request_ids``)
+        self.max_name_chars = max_name_chars  # ``transferqueue.max_name_chars``
         self.p2p = None
         if p2p:
             from transferqueue.p2p import UnitP2P
 
             host = address.split("//")[-1].rsplit(":", 1)[0] if address.startswith("tcp://") else "127.0.0.1"
-            self.p2p = UnitP2P(p2p["backend"], p2p.get("device", "cpu"), host, lease_s)
+            self.p2p = UnitP2P(p2p["backend"], p2p.get("device", "cpu"), host, lease_s,
+                               max_links=p2p.get("max_links", 1024), max_name_chars=max_name_chars)
         self.capacity_bytes = capacity_bytes
         self.lease_s = lease_s
         self.tables: dict[str, FieldTable] = {}
@@ -118,6 +126,7 @@ class StorageUnit(RouterServer):
         self.sending: list[tuple[zmq.MessageTracker, ShmBlock]] = []  # zero-copy reply frames ZMQ may read
         self.draining: list[ShmBlock] = []  # cleared blocks that such frames still read: not reused yet
         self.stored_bytes = 0
+        self.meta_bytes = 0  # bookkeeping of stored chunks (CHUNK_COST, ROW_COST), within capacity_bytes
         self._received = False  # a p2p put's bytes were taken off the link (no drain on failure)
 
     # ----------------------------------------------------------------------------------- capacity
@@ -210,7 +219,7 @@ class StorageUnit(RouterServer):
             return self._clear(header)
         if op == "stats":
             return {"used_bytes": self.used_bytes, "stored_bytes": self.stored_bytes,
-                    "capacity_bytes": self.capacity_bytes, "fields": len(self.tables),
+                    "capacity_bytes": self.capacity_bytes, "meta_bytes": self.meta_bytes, "fields": len(self.tables),
                     "chunks": sum(len(t.chunks) for t in self.tables.values()), "requests": self.requests}, []
         if op == "ping":
             return {}, []
@@ -251,10 +260,12 @@ class StorageUnit(RouterServer):
         lo = id_range(raw_ids)  # consecutive ids: no per-id work below
         ids = as_ids(raw_ids) if lo is None else np.arange(lo, lo + len(raw_ids), dtype=np.int64)
         n = len(ids)
+        if n > self.max_request_ids:  # the fast path pays one comparison
+            wire.check_id_count("put", n, self.max_request_ids)
         cols = header.get("columns")
         if not isinstance(cols, list) or not cols:
             raise wire.WireError("put: columns must be a non-empty list")
-        cols = [wire.validate_column(c, n) for c in cols]
+        cols = [wire.validate_column(c, n, self.max_name_chars) for c in cols]
         if len({c["name"] for c in cols}) != len(cols):
             raise wire.WireError("put: duplicate column names")
         if lo is None and len(set(ids.tolist())) != n:
@@ -265,10 +276,17 @@ class StorageUnit(RouterServer):
         try:
             if lease is not None and (not isinstance(lease, int) or lease < 0):
                 raise wire.WireError(f"put: lease must be a non-negative int (bytes), got {lease!r}")
+            runs = [(0, n)] if lo is not None else contiguous_runs(ids)
+            per_row = 0  # columns whose chunks keep per-row offsets (variable shapes, a frame per row)
             for c in cols:
+                per_row += "shape" not in c or c["split"]
                 table = self.tables.get(c["name"])
                 if table is not None and (table.overlapping(lo, lo + n) if lo is not None else table.locate(ids)[2].any()):
                     raise ValueError(f"put: field {c['name']!r} already stored for some of these ids")
+            meta = CHUNK_COST * len(runs) * len(cols) + ROW_COST * n * per_row
+            if self.meta_bytes + meta > self.capacity_bytes:
+                raise FullError(f"storage unit full: bookkeeping of stored rows takes {self.meta_bytes} of "
+                                f"{self.capacity_bytes} bytes, this put's {meta} more")
             shm = header.get("shm")
             if link is not None:
                 holder, placed = self._p2p_placement(cols, link, frames)
@@ -284,7 +302,7 @@ class StorageUnit(RouterServer):
             if link is not None and self.p2p is not None and not self._received:
                 self.p2p.drain(link, [c["nbytes"] for c in cols])  # the client is sending: consume it
             raise
-        runs = [(0, n)] if lo is not None else contiguous_runs(ids)
+        self.meta_bytes += meta
         for c, (bufs, buf_of_row, off) in zip(cols, placed, strict=True):
             table = self.tables.setdefault(c["name"], FieldTable())
             for chunk in chunks_of_column(c, ids, runs, holder, bufs, buf_of_row, off):
@@ -359,6 +377,7 @@ class StorageUnit(RouterServer):
         raw_ids = header.get("ids")
         lo = id_range(raw_ids)
         ids = as_ids(raw_ids) if lo is None else np.arange(lo, lo + len(raw_ids), dtype=np.int64)
+        wire.check_id_count("get", len(ids), self.max_request_ids)
         names = header.get("fields")
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise wire.WireError("get: fields must be a non-empty list of names")
@@ -371,7 +390,7 @@ class StorageUnit(RouterServer):
         for name in names:
             table = self.tables.get(name)
             if table is None:
-                raise ValueError(f"get: field {name!r} is not stored on this unit")
+                raise ValueError(f"get: field {name!r} is not stored on this unit (never put, or cleared)")
             ch = table.covering(lo, lo + n) if lo is not None else None
             if ch is not None:  # the common case: consecutive ids put together
                 segments = [(ch, lo - ch.start, lo + n - ch.start)]
@@ -457,7 +476,10 @@ class StorageUnit(RouterServer):
                 for c in np.unique(cidx).tolist():
                     removed += table.chunks[c].kill(rows[cidx == c])  # ids are unique, so rows are too
             for ch in table.drop_dead():
+                self.meta_bytes -= CHUNK_COST + (ROW_COST * ch.count if ch.off is not None else 0)
                 self._release(ch.holder)
+        for name in [name for name, table in self.tables.items() if not table.chunks]:
+            del self.tables[name]  # a field name is not kept once nothing of it is stored
         return {"removed": removed}, []
 
     def close(self) -> None:

@@ -9,7 +9,8 @@ driver on ``zmq.asyncio`` sockets of the current loop. One code path for both AP
 Each ``Channel`` holds one DEALER socket per server and is used by one flow at a time (a bounded pool
 per client), so replies arrive in order; replies whose ``rid`` is stale (from a timed-out request) are
 dropped. Error replies raise ``RemoteError`` (``Full`` when the server says so); a missing reply raises
-``Timeout``.
+``Timeout``; a request cut off by ``close`` raises ``Closed`` (never a ZMQ error or, in the async API, a
+``CancelledError`` the caller did not ask for).
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def _check(reply: list, rid: int, tolerate: bool) -> tuple[dict, list] | TQError
     return header, reply[1:]
 
 
+def _socket_error(exc: zmq.ZMQError, closed: bool) -> TQError:
+    """The typed error for a socket failure: Closed after ``close``, else TQError naming it."""
+    if closed:
+        return Closed("client was closed during the request")
+    return TQError(f"socket error: {type(exc).__name__}: {exc}")
+
+
 def _stamp(call: Call) -> tuple[int, list]:
     rid = next(_rids)
     call.header["rid"] = rid
@@ -171,6 +179,12 @@ class SyncDriver:
             self._release(chan)
 
     def _call_all(self, chan: Channel, calls: list[Call], deadline: float) -> list:
+        try:
+            return self._exchange(chan, calls, deadline)
+        except zmq.ZMQError as exc:  # e.g. close() destroyed the context under a waiting request
+            raise _socket_error(exc, self.closed) from None
+
+    def _exchange(self, chan: Channel, calls: list[Call], deadline: float) -> list:
         rids = []
         for call in calls:
             rid, msg = _stamp(call)
@@ -262,6 +276,16 @@ class AsyncDriver:
                 del self.pools[key]
 
     async def _call_all(self, chan: Channel, calls: list[Call], deadline: float) -> list:
+        try:
+            return await self._exchange(chan, calls, deadline)
+        except zmq.ZMQError as exc:
+            raise _socket_error(exc, self.closed) from None
+        except asyncio.CancelledError:
+            if self.closed:  # close() destroyed the context, which cancels its sockets' pending futures
+                raise Closed("client was closed during the request") from None
+            raise
+
+    async def _exchange(self, chan: Channel, calls: list[Call], deadline: float) -> list:
         rids = []
         for call in calls:
             rid, msg = _stamp(call)

@@ -129,15 +129,19 @@ def row_nbytes(desc: dict) -> list[int]:
     return [math.prod(s) * item for s in desc["shapes"]]
 
 
-def validate_column(desc: Any, count: int) -> dict:
+def validate_column(desc: Any, count: int, max_name_chars: int = 1024) -> dict:
     """Check one column descriptor for ``count`` samples; returns it normalised (``count`` added).
 
-    Raises WireError naming the field for: non-map descriptor, missing/unknown dtype, bad shape(s), a
-    shapes list whose length is not ``count``, or ``nbytes`` that disagrees with dtype and shapes.
+    Raises WireError naming the field for: non-map descriptor, a name longer than ``max_name_chars``
+    (``transferqueue.max_name_chars``), missing/unknown dtype, bad shape(s), a shapes list whose length
+    is not ``count``, or ``nbytes`` that disagrees with dtype and shapes.
     """
     if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
         raise WireError(f"column descriptor must be a map with a string name, got {desc!r:.200}")
     name, dtype = desc["name"], desc.get("dtype")
+    if len(name) > max_name_chars:
+        raise WireError(f"field {name:.64}...: a name of {len(name)} characters, past "
+                        f"transferqueue.max_name_chars={max_name_chars}")
     if dtype != OBJECT_DTYPE and dtype not in ITEMSIZE:
         raise WireError(f"field {name!r}: unknown dtype {dtype!r}")
     if ("shape" in desc) == ("shapes" in desc):
@@ -221,13 +225,18 @@ def encode_column(name: str, value: Any, count: int) -> tuple[dict, list]:
 
 
 def decode_column(desc: dict, out: np.ndarray) -> Any:
-    """Turn a filled uint8 buffer ``out`` of a column into the user-facing value (see ``Batch``)."""
+    """Turn a filled uint8 buffer ``out`` of a column into the user-facing value (see ``Batch``). Raises
+    WireError when an ``object`` row is not exactly one msgpack value."""
     rows = row_nbytes(desc)
     if desc["dtype"] == OBJECT_DTYPE:
         res, pos = [], 0
         raw = out.tobytes()
-        for n in rows:
-            res.append(msgpack.unpackb(raw[pos:pos + n], raw=False, strict_map_key=False))
+        for i, n in enumerate(rows):
+            try:
+                res.append(msgpack.unpackb(raw[pos:pos + n], raw=False, strict_map_key=False))
+            except Exception as exc:  # msgpack raises several unrelated types (ExtraData, ValueError, ...)
+                raise WireError(f"field {desc['name']!r}: row {i} is not one msgpack value: "
+                                f"{type(exc).__name__}: {exc}") from None
             pos += n
         return res
     dtype = DTYPES[desc["dtype"]]
@@ -265,3 +274,11 @@ def as_ids(value, what: str = "ids") -> np.ndarray:
     if not isinstance(value, list) or not all(type(v) is int and 0 <= v <= MAX_ID for v in value):
         raise WireError(f"{what} must be a list of non-negative ints (below 2**63)")
     return np.asarray(value, dtype=np.int64) if value else np.zeros(0, dtype=np.int64)
+
+
+def check_id_count(what: str, n: int, limit: int) -> None:
+    """Raise ValueError, naming the bound, when one request names or allocates more than ``limit`` ids
+    (``transferqueue.max_request_ids``)."""
+    if n > limit:
+        raise ValueError(f"{what}: {n} ids in one request, past transferqueue.max_request_ids={limit} "
+                         "(split the request)")

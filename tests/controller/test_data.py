@@ -138,3 +138,24 @@ def test_prompt_fields_repeat_each_prompt_n_times(tok):
     assert decode_ground_truth(fields["ground_truth"][5]) == prompts[1].ground_truth
     with pytest.raises(ValueError, match="2 prompts but 1 uids"):
         prompt_fields(prompts, 3, tok.pad_token_id, ["u0"])
+
+
+def test_a_prompt_leaving_no_room_in_the_context_is_rejected_naming_its_row(tok):
+    ds = _dataset(tok, 4)
+    longest = max(len(p.input_ids) for p in ds.prompts)
+    ds.check_context(longest + 1)  # one token of room is enough: the response is truncated, not refused
+    with pytest.raises(ValueError, match=rf"data row 1: prompt is {longest} tokens .* context length of {longest}"):
+        ds.check_context(longest)
+
+
+def test_start_check_rejects_no_room_and_top_k_beyond_the_vocabulary():
+    """``controller.job.check_data`` reads the model's config (no weights) before any pool starts."""
+    from controller.config import load_config
+    from controller.job import StartError, check_data
+
+    base = ["data.size=32", "trainer.total_steps=1"]
+    assert check_data(load_config(preset="tiny", overrides=base)) == 32
+    with pytest.raises(StartError, match="no room for a response within the model's context length of 8"):
+        check_data(load_config(preset="tiny", overrides=[*base, "model.tiny.max_position_embeddings=8"]))
+    with pytest.raises(StartError, match=r"rollout.top_k=100000 exceeds the model's vocabulary"):
+        check_data(load_config(preset="tiny", overrides=[*base, "rollout.top_k=100000"]))

@@ -177,6 +177,15 @@ def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
     assert len(steps) == 1 and steps[0]["num_groups"] == 3
 
 
+def test_prompts_near_the_context_limit_are_truncated_not_failed(tmp_path, ray_cluster):
+    """The tiny prompts are 9 tokens; a context of 11 leaves 2 of rollout.max_response_length=4: every
+    response is cut (finish_reason=length) and the run completes (it used to fail every group)."""
+    context = ("model.tiny.max_position_embeddings=11", "rollout.max_response_length=4")
+    code, steps, summary = run(tmp_path, "sync", *SMALL, "trainer.total_steps=1", *context)
+    assert code == EXIT_OK and summary["num_failed_groups"] == 0
+    assert steps[0]["response_clip_ratio"] > 0 and steps[0]["response_length_mean"] <= 2
+
+
 def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_cluster):
     """Scraped over HTTP all through a run: every series is served, and in every scrape produced samples
     are at least consumed + dropped ones (a backlog panel never goes negative)."""

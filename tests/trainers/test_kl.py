@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from trainers.config import KL_ESTIMATORS as CONFIG_KL_ESTIMATORS
 from trainers.config import AlgorithmConfig
 from trainers.kl import (
     KL_ESTIMATORS,
@@ -37,7 +36,7 @@ def expected_value_and_gradient(estimator, pi=PI, pi_ref=PI_REF):
 
 
 def test_k3_expectation_is_the_reverse_kl_0_5108():
-    value, _ = expected_value_and_gradient("k3")
+    value, _ = expected_value_and_gradient("k3_unclamped")
     assert value == pytest.approx(0.5108, abs=1e-4)
     reverse_kl = sum(p * math.log(p / q) for p, q in zip(PI, PI_REF, strict=True))
     assert value == pytest.approx(reverse_kl, abs=1e-12)
@@ -60,7 +59,7 @@ def test_k2_as_loss_gives_reverse_kl_gradient(estimator):
     assert torch.allclose(grad, logits.grad, atol=1e-12)
 
 
-@pytest.mark.parametrize("estimator", ["k3", "low_var_kl"])
+@pytest.mark.parametrize("estimator", ["k3_unclamped", "low_var_kl"])
 def test_k3_as_loss_gives_forward_kl_gradient(estimator):
     _, grad = expected_value_and_gradient(estimator)
     assert torch.allclose(grad, torch.tensor([-0.400, 0.400], dtype=torch.float64), atol=1e-9)
@@ -70,7 +69,41 @@ def test_k3_as_loss_gives_forward_kl_gradient(estimator):
     assert torch.allclose(grad, logits.grad, atol=1e-12)
 
 
-@pytest.mark.parametrize("estimator", sorted(KL_ESTIMATORS))
+def test_verl_names_kl_and_abs_hand_computed():
+    # log pi - log pi_ref per token: ln(0.5/0.9) = -0.587787, ln(0.5/0.1) = +1.609438.
+    log_pi = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))
+    log_ref = torch.log(torch.tensor(PI_REF, dtype=torch.float64))
+    assert torch.allclose(kl_penalty(log_pi, log_ref, "kl"), torch.tensor([-0.587787, 1.609438], dtype=torch.float64),
+                          atol=1e-6)
+    assert torch.allclose(kl_penalty(log_pi, log_ref, "abs"), torch.tensor([0.587787, 1.609438], dtype=torch.float64),
+                          atol=1e-6)
+
+
+def test_k3_is_verls_clamped_k3_and_k3_unclamped_is_not():
+    log_probs, ref = torch.tensor([0.0, -1.0]), torch.tensor([-30.0, -1.5])
+    # log_r = log ref - log pi = -30 (clamped to -20) and -0.5: k3 = e^-0.5 - 1 + 0.5 = 0.106531.
+    expected = torch.tensor([math.exp(-20) - 1 + 20, math.exp(-0.5) - 1 + 0.5]).clamp(max=10.0)
+    assert torch.allclose(kl_penalty(log_probs, ref, "k3"), expected, atol=1e-6)
+    assert torch.equal(kl_penalty(log_probs, ref, "k3"), kl_penalty(log_probs, ref, "low_var_kl"))
+    assert kl_penalty(log_probs, ref, "k3_unclamped")[0].item() == pytest.approx(math.exp(-30) - 1 + 30)
+
+
+@pytest.mark.parametrize("base", ["k1", "kl", "abs", "k3", "low_var_kl", "k3_unclamped"])
+def test_straight_through_plus_variants_keep_the_value_and_take_k2s_gradient(base):
+    value, grad = expected_value_and_gradient(f"{base}+")
+    assert value == pytest.approx(expected_value_and_gradient(base)[0], abs=1e-12)
+    # k2's expected gradient: grad KL(pi || pi_ref) = [-0.549, 0.549] (test_k2_as_loss_gives_reverse_kl_gradient)
+    assert torch.allclose(grad, expected_value_and_gradient("k2")[1], atol=1e-12)
+    assert torch.allclose(grad, torch.tensor([-0.549, 0.549], dtype=torch.float64), atol=5e-4)
+
+
+def test_kl_in_reward_estimator_is_validated_under_its_own_key():
+    with pytest.raises(ValueError, match=r"algorithm\.kl_in_reward_estimator='k4' is not one of \[.*'abs'"):
+        AlgorithmConfig(kl_in_reward_estimator="k4")
+    assert AlgorithmConfig(kl_estimator="k3+", kl_in_reward_estimator="kl").kl_estimator == "k3+"
+
+
+@pytest.mark.parametrize("estimator", [n for n in KL_ESTIMATORS if n != "abs"])  # |x|: no gradient at 0
 def test_identical_policies_give_zero_value_and_zero_gradient(estimator):
     value, grad = expected_value_and_gradient(estimator, pi=[0.3, 0.7], pi_ref=[0.3, 0.7])
     assert value == pytest.approx(0.0, abs=1e-12)
@@ -82,13 +115,12 @@ def test_low_var_kl_stays_finite_and_bounded():
     ref = torch.tensor([-90.0, 0.0, -1.0])
     out = kl_penalty(log_probs, ref, "low_var_kl")
     assert torch.isfinite(out).all() and out.max().item() == 10.0 and out[2].item() == 0.0
-    assert kl_penalty(log_probs, ref, "k3")[1] > 1e30  # the unclamped k3 explodes
+    assert kl_penalty(log_probs, ref, "k3_unclamped")[1] > 1e30  # the unclamped k3 explodes
 
 
 def test_kl_penalty_errors_and_registry():
-    assert set(KL_ESTIMATORS) == set(CONFIG_KL_ESTIMATORS)
-    with pytest.raises(ValueError, match="KL estimator 'kl'"):
-        kl_penalty(torch.zeros(2), torch.zeros(2), "kl")
+    with pytest.raises(ValueError, match="kl_estimator='kl9'"):
+        kl_penalty(torch.zeros(2), torch.zeros(2), "kl9")
     with pytest.raises(ValueError, match="differ"):
         kl_penalty(torch.zeros(2), torch.zeros(3), "k1")
 
@@ -143,7 +175,7 @@ def test_kl_loss_token_mean_and_padding():
     log_probs[0, 2] = float("nan")  # padding garbage
     log_probs.requires_grad_(True)
     mask = torch.tensor([[1, 1, 0]])
-    loss, m = kl_loss(log_probs, log_ref, mask, estimator="k3")
+    loss, m = kl_loss(log_probs, log_ref, mask, estimator="k3_unclamped")
     k3 = [q / p - 1 - math.log(q / p) for p, q in ((0.5, 0.9), (0.5, 0.1))]
     assert loss.item() == pytest.approx(sum(k3) / 2, abs=1e-6)
     assert m["num_tokens"] == 2.0

@@ -232,3 +232,30 @@ def test_overlong_penalty_shapes_token_level_rewards():
 def test_overlong_buffer_longer_than_responses_is_rejected():
     with pytest.raises(ValueError, match="algorithm.overlong_buffer_len=6"):
         make_worker(algorithm=AlgorithmConfig(overlong_buffer_len=6))
+
+
+def test_policy_loss_selector_reaches_the_actor_loss():
+    # GPG's loss is -A log pi (no ratio): at step 0 the training forward reproduces old_log_probs, so the
+    # logged pg_loss is the token mean of -A * old_log_probs (vanilla would log -mean(A) at ratio 1).
+    worker = make_worker(algorithm=AlgorithmConfig(adv_estimator="gpg", policy_loss="gpg"))
+    batch = with_training_fields(worker, make_batch(seed=1))
+    mask = batch[schema.RESPONSE_MASK].bool()
+    expected = -(batch[schema.ADVANTAGES] * batch[schema.OLD_LOG_PROBS])[mask].double().mean().item()
+    assert expected != pytest.approx(-batch[schema.ADVANTAGES][mask].double().mean().item(), abs=1e-3)
+    metrics = worker.update_actor(batch)
+    assert metrics["actor/pg_loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_the_worker_asks_the_estimator_plugin():
+    remax = make_worker(algorithm=AlgorithmConfig(adv_estimator="remax"))
+    assert remax.critic is None and remax.estimator.roller_extras == (schema.REMAX_BASELINE,)
+    with pytest.raises(ValueError, match="compute_advantages needs batch fields \\['remax_baseline'\\]"):
+        remax.compute_advantages(make_batch(seed=4))
+    # A plug-in from outside the package, by module:name: s_i - max(s_group) on every valid token.
+    worker = make_worker(algorithm=AlgorithmConfig(adv_estimator="tests.trainers.plugin_estimator:group_max_baseline"))
+    batch = make_batch(seed=4)
+    fields, _ = worker.compute_advantages(batch)
+    scores = batch[schema.TOKEN_LEVEL_SCORES].sum(-1)
+    best = torch.stack([scores[i // 4 * 4 : i // 4 * 4 + 4].max() for i in range(len(scores))])
+    expected = (scores - best).unsqueeze(-1) * batch[schema.RESPONSE_MASK]
+    torch.testing.assert_close(fields[schema.ADVANTAGES], expected)

@@ -16,3 +16,20 @@ class NewestFirst:
 
 
 register_sampler("newest_first", NewestFirst())
+
+
+class FailsWhenRetried:
+    """Answers its first call with a reason (so a long-poll parks) and raises on every later one: a custom
+    sampler that fails while its request waits at the index."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def select(self, view, batch_size: int, options: dict) -> list[int] | str:
+        self.calls += 1
+        if self.calls > 1:
+            raise ValueError("fails_when_retried: failing on purpose")
+        return "not yet"
+
+
+register_sampler("fails_when_retried", FailsWhenRetried())

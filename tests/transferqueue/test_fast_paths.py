@@ -191,3 +191,54 @@ def test_a_get_that_races_a_clear_and_a_new_put_raises_instead_of_returning_thei
             monkeypatch.setattr(TQClient, "_assemble", assemble)
             got = reader.get("x", 16, "t", "b")["x"]  # the new put reads back intact
             assert torch.equal(got, torch.ones(16, 4096))
+
+
+def test_an_object_field_raced_by_a_clear_raises_the_typed_error_not_a_msgpack_one(monkeypatch):
+    """The same race on an ``object`` field: the freed block now holds another put's msgpack bytes, which
+    decoded with the old row lengths are not one object each (``msgpack.ExtraData``). The lease check runs
+    before anything is decoded, so the reader gets the typed "cleared while being read" error."""
+    cfg = TransferQueueConfig(num_storage_units=1, capacity_bytes=16 << 20)
+    with start_transferqueue(cfg) as servers:
+        handle = dataclasses.replace(servers.handle, shm_min_bytes=0)
+        with TQClient(handle) as reader, TQClient(handle) as other:
+            meta = reader.put({"s": ["a"] * 16}, partition="a")  # 2 msgpack bytes per row
+            assemble = TQClient._assemble
+            raced = []
+
+            def clear_and_put_first(self, *args):
+                if not raced:
+                    raced.append(other.clear("a"))
+                    other.put({"s": [1] * 32}, partition="b")  # 1 byte per row, into the freed block
+                return assemble(self, *args)
+
+            monkeypatch.setattr(TQClient, "_assemble", clear_and_put_first)
+            with pytest.raises(RemoteError, match="cleared while being read"):
+                reader.get_data(meta)
+            assert raced == [16]
+            monkeypatch.setattr(TQClient, "_assemble", assemble)
+            assert reader.get("s", 32, "t", "b")["s"] == [1] * 32
+
+
+def test_a_get_whose_block_was_destroyed_by_a_clear_raises_the_typed_error(monkeypatch):
+    """Between the get reply and the reader's first mapping of the block, the ids are cleared and another
+    put needs the room: the unit destroys (unlinks) the pooled block. Opening it fails; the reader gets
+    the typed "cleared while being read" error, not FileNotFoundError."""
+    cfg = TransferQueueConfig(num_storage_units=1, capacity_bytes=1024 * KiB, request_timeout_s=10.0)
+    with start_transferqueue(cfg) as servers:
+        handle = dataclasses.replace(servers.handle, shm_min_bytes=0)
+        with TQClient(handle) as writer, TQClient(handle) as reader:
+            meta = writer.put({"x": torch.zeros(64, 1024)}, partition="a")  # 256 KiB + a 256 KiB spare
+            assemble = TQClient._assemble
+            raced = []
+
+            def clear_and_fill_first(self, *args):
+                if not raced:
+                    raced.append(writer.clear("a"))
+                    writer._spares.clear()  # the writer's spare is revoked too: only room matters here
+                    raced.append(len(writer.put({"x": torch.ones(200, 1024)}, partition="b", timeout_s=2)))
+                return assemble(self, *args)
+
+            monkeypatch.setattr(TQClient, "_assemble", clear_and_fill_first)
+            with pytest.raises(RemoteError, match="cleared while being read"):
+                reader.get_data(meta)
+            assert raced == [64, 200]

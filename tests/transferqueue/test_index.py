@@ -125,7 +125,7 @@ def test_reserved_ids_are_created_once_at_notify():
     with pytest.raises(ValueError, match="already used or cleared"):
         ix.notify("q", ids[:1], [col("x", 1)], None, new=True)
     ix.notify("q", [start + 2, start + 3], [col("x", 2)], None, new=True)  # the rest of the range
-    assert ix.reserved == {}
+    assert ix.reservations.used == {}
 
 
 def test_seqlen_balanced_partitions_equal_counts_and_near_equal_tokens():
@@ -177,7 +177,7 @@ def test_claim_of_a_contiguous_run_across_two_reserved_ranges():
     assert b == a + 4
     ix.notify("p", list(range(a + 2, a + 6)), [col("x", 4)], None, new=True)  # 2 ids of each range
     ix.notify("p", [a, a + 1, b + 2, b + 3], [col("x", 4)], None, new=True)  # the rest, not contiguous
-    assert ix.reserved == {} and ix.reserved_starts == [] and ix.produced == 8
+    assert ix.reservations.used == {} and ix.reservations.starts == [] and ix.produced == 8
     assert sorted(ix.partitions["p"].samples) == list(range(a, a + 8))
 
 
@@ -191,11 +191,11 @@ def test_claim_of_a_run_with_a_used_or_unreserved_id_marks_nothing():
         ix.notify("p", list(range(start + 4, start + 9)), [col("x", 5)], None, new=True)
     with pytest.raises(ValueError, match="duplicates"):
         ix.notify("p", [start, start], [col("x", 2)], None, new=True)
-    assert ix.reserved[start] == bytearray([0, 0, 0, 1, 0, 0, 0, 0]) and ix.produced == 1
+    assert ix.reservations.used[start] == bytearray([0, 0, 0, 1, 0, 0, 0, 0]) and ix.produced == 1
     assert list(ix.partitions["p"].samples) == [start + 3] and ix.bytes_stored == col("x", 1)["nbytes"]
     ix.notify("p", [start + 1, start + 2], [col("x", 2)], None, new=True)  # the ids themselves are intact
     ix.notify("p", list(range(start + 4, start + 8)) + [start], [col("x", 5)], None, new=True)
-    assert ix.reserved == {} and ix.produced == 8
+    assert ix.reservations.used == {} and ix.produced == 8
 
 
 def test_new_samples_get_their_own_tags_and_bytes():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import glob
+import threading
+import time
 
 import pytest
 import torch
@@ -50,3 +53,35 @@ def test_custom_sampler_module_is_loaded_by_the_index_process():
         assert got.sample_ids == meta.sample_ids[::-1][:2]
         with pytest.raises(RemoteError, match="unknown sampler"):
             client.get_meta(["x"], 2, "t", "p", sampler="not-registered")
+
+
+def test_close_during_a_waiting_request_raises_closed_in_both_apis(tq_servers):
+    """``close`` from elsewhere while a long-poll waits: the caller gets ``Closed`` — not the ZMQ error of
+    its destroyed socket (sync), nor a ``CancelledError`` it never asked for (async)."""
+    got = []
+    sync_client = TQClient(tq_servers.handle)
+
+    def wait() -> None:
+        try:
+            sync_client.get_meta(["x"], 1, "t", "close-sync", timeout_s=5)
+        except Exception as exc:
+            got.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    sync_client.close()
+    waiter.join(timeout=10)
+
+    async def main(client: TQClient) -> BaseException | None:
+        task = asyncio.create_task(client.aget_meta(["x"], 1, "t", "close-async", timeout_s=5))
+        await asyncio.sleep(0.5)
+        client.close()
+        try:
+            await task
+        except BaseException as exc:  # noqa: BLE001 - CancelledError is what must not come out
+            return exc
+        return None
+
+    got.append(asyncio.run(main(TQClient(tq_servers.handle))))
+    assert [type(e) for e in got] == [Closed, Closed]

@@ -1,0 +1,81 @@
+"""One registry per algorithm extension point: the single source of truth for its names.
+
+Each extension point of the trainers (advantage estimators, policy losses, KL estimators, loss
+aggregation modes) is a typed plug-in object — a small frozen dataclass carrying its function *and* its
+wiring (e.g. an estimator's ``needs_critic``) — registered under a name in one :class:`Registry`. Config
+validates names against the registry (``AlgorithmConfig.__post_init__``), call sites ask the plug-in
+(``estimator.needs_critic``), never compare its name as a string.
+
+Plug-ins from outside the package: a config value ``module:name`` (e.g.
+``algorithm.adv_estimator=my_pkg.algos:my_estimator``) imports ``module`` — whose import registers its
+plug-ins with the usual decorator (``@register_adv_estimator("my_estimator")``) — and then looks ``name``
+up in the registry. Every process that resolves the spec imports the module itself (the controller when
+it validates the config, each trainer rank when it builds its worker), so the module must be importable
+there (on ``PYTHONPATH`` or installed; the config is validated before the job adds the current directory).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Names → plug-ins of one kind. ``key`` is the config key that selects one (for error messages)."""
+
+    def __init__(self, kind: str, key: str):
+        self.kind, self.key = kind, key
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str, plugin: T) -> T:
+        """Add ``plugin`` under ``name``; raises ValueError on an empty name, a ``:`` in it (reserved for
+        ``module:name`` specs) or a name already taken."""
+        if not name or ":" in name:
+            raise ValueError(f"{self.kind} name {name!r} must be non-empty and contain no ':'")
+        if name in self._items:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._items[name] = plugin
+        return plugin
+
+    def get(self, spec: str, key: str | None = None) -> T:
+        """The plug-in for ``spec``: a registered name, or ``module:name`` (imports ``module``, which
+        registers its plug-ins, then looks ``name`` up). Raises ValueError naming the config key (``key``,
+        default the registry's), the value and the registered names when there is no such plug-in or the
+        module cannot be imported."""
+        key = key or self.key
+        if not isinstance(spec, str):
+            raise ValueError(f"{key} must be a string, got {spec!r}")
+        name = spec
+        if ":" in spec:
+            module_name, _, name = spec.partition(":")
+            if not module_name or not name:
+                raise ValueError(f"{key}={spec!r}: a plug-in from outside must look like 'module:name'")
+            try:
+                importlib.import_module(module_name)
+            except Exception as exc:  # a user's module may fail to import in any way: a config error either way
+                raise ValueError(f"{key}={spec!r}: cannot import {module_name!r}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            if name not in self._items:
+                raise ValueError(f"{key}={spec!r}: importing {module_name!r} registered no {self.kind} "
+                                 f"named {name!r}; registered: {self.names()}")
+        if name not in self._items:
+            raise ValueError(f"{key}={spec!r} is not one of {self.names()} (or 'module:name' of a plug-in "
+                             "module that registers it)")
+        return self._items[name]
+
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._items)
