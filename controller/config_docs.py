@@ -18,7 +18,6 @@ KEY_DOCS: dict[str, str] = {
     # root
     "mode": "the schedule: sync | one-step-off | fully-async (README, 'Choosing a mode')",
     "run_dir": "where the run writes its outputs; empty = runs/<timestamp>; must be new or empty",
-    "seed": "not read by the job yet: data.seed, rollout.seed and model.tiny.seed are the seeds that act",
     # model
     "model.path": "tiny | smollm2-135m-instruct | a local Hugging Face model directory",
     "model.dtype": "parameter dtype of trainers and rollers: float32 | bfloat16 | float16",

@@ -120,3 +120,9 @@ def test_malformed_config_files_are_config_errors(tmp_path):
     listed.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="must hold a mapping"):
         load_config(config_file=str(listed))
+
+
+def test_no_root_seed_key():
+    # The seeds that act are data.seed, rollout.seed and model.tiny.seed; a root `seed` did nothing.
+    with pytest.raises(ValueError, match="seed"):
+        load_config(overrides=["seed=3"])
