@@ -46,8 +46,9 @@ def test_partial_final_batch_is_a_step_unless_drop_last(tok):
     assert len(batches) == 1 and len(batches[0].prompts) == 3
     assert num_available_steps(3, 4, 1, drop_last=False) == 1
     assert num_available_steps(3, 4, 1, drop_last=True) == 0
-    assert num_available_steps(10, 4, 3, drop_last=False) == 9
-    assert num_available_steps(10, 4, 3, drop_last=True) == 6
+    # Epochs form one stream: only the run's last step may be partial (30 prompts -> 7 full steps + 2).
+    assert num_available_steps(10, 4, 3, drop_last=False) == 8
+    assert num_available_steps(10, 4, 3, drop_last=True) == 7
     with pytest.raises(ValueError, match="data.drop_last=True"):
         _dataset(tok, 3, train_batch_size=4, drop_last=True).check_total_steps(1)
 
@@ -56,14 +57,14 @@ def test_batches_yield_exactly_total_steps_over_epochs(tok):
     dataset = _dataset(tok, 10, train_batch_size=4, epochs=3, seed=5)
     batches = list(dataset.batches(total_steps=7))
     assert [b.global_step for b in batches] == list(range(7))
-    assert [b.epoch for b in batches] == [0, 0, 0, 1, 1, 1, 2]
-    assert [len(b.prompts) for b in batches] == [4, 4, 2, 4, 4, 2, 4]
-    for epoch in (0, 1):  # every prompt exactly once per epoch, in a different order each epoch
-        seen = [p.index for b in batches if b.epoch == epoch for p in b.prompts]
-        assert sorted(seen) == list(range(10))
-    order0 = [p.index for b in batches if b.epoch == 0 for p in b.prompts]
-    order1 = [p.index for b in batches if b.epoch == 1 for p in b.prompts]
-    assert order0 != order1
+    assert [b.epoch for b in batches] == [0, 0, 0, 1, 1, 2, 2]  # step 2 spans epochs 0 and 1
+    assert [len(b.prompts) for b in batches] == [4] * 7
+    stream = [p.index for b in batches for p in b.prompts]
+    order0, order1 = stream[:10], stream[10:20]
+    assert sorted(order0) == sorted(order1) == list(range(10))  # every prompt exactly once per epoch
+    assert order0 != order1                                      # in a different order each epoch
+    last = list(dataset.batches(total_steps=8))[-1]
+    assert len(last.prompts) == 2 and last.epoch == 2             # only the run's last step is partial
     # Resuming at step 4 yields the same batches as the uninterrupted run.
     resumed = list(dataset.batches(total_steps=7, start_step=4))
     assert resumed == batches[4:]

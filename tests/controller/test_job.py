@@ -235,3 +235,14 @@ def test_tiny_model_learns_the_prompt_dependent_task(tmp_path, ray_cluster, mode
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.2, rewards[:5]
     assert last > 0.9, (last, summary["wall_s"])
+
+
+def test_epochs_are_one_stream_of_prompts(tmp_path, ray_cluster):
+    # 6 prompts x 2 epochs in steps of 4: 3 full steps, the middle one spanning both epochs (a run once
+    # checked 4 steps available at start, counting each epoch's short batch, then ran out at step 4).
+    small = ("data.size=6", "data.epochs=2", "data.train_batch_size=4", "trainer.ppo_mini_batch_size=4")
+    code, steps, _ = run(tmp_path / "four", "sync", *small, "trainer.total_steps=4")
+    assert code == EXIT_CONFIG and steps == []
+    code, steps, summary = run(tmp_path / "three", "sync", *small, "trainer.total_steps=3")
+    assert code == EXIT_OK and [s["num_groups"] for s in steps] == [4, 4, 4]
+    assert summary["status"] == "completed"
