@@ -44,12 +44,12 @@ class Runtime:
     def __init__(self, cfg: HFlowConfig, num_batches: int):
         import ray
 
-        from checkpointengine import trainer_hooks
         from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
         from rollers.actor import remote_roller
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
+        from trainers.weight_sync import attach_sender
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
 
@@ -77,7 +77,7 @@ class Runtime:
                                   remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
                 for name in self.roller_names
             ]
-            sync_handle = self.trainer.execute(trainer_hooks.attach_sender, cfg.checkpointengine,
+            sync_handle = self.trainer.execute(attach_sender, cfg.checkpointengine,
                                                self.roller_names)[0]
             ray.get([r.attach_receiver.remote(sync_handle, name)
                      for r, name in zip(self.rollers, self.roller_names, strict=True)])
