@@ -17,10 +17,11 @@ import aiohttp
 import pytest
 import torch
 
+from checkpointengine import broadcast as bc
 from common.models import ModelConfig, load_model, load_tokenizer
 from rollers import sglang_protocol as proto
 from rollers.engine import EngineError, GenerationRequest, SamplingParams
-from rollers.sglang_engine import SGLangEngine, free_port
+from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher
 from tests.rollers.engine_helpers import TIMEOUT_S, run
 
@@ -327,10 +328,10 @@ def test_trainer_path_flattened_bucket_broadcast(torch_only):
 
     async def main():
         async with connected(torch_only.url) as client:
-            port, name = free_port(), "trainer-bucket"
-            join = asyncio.create_task(asyncio.to_thread(
-                proto.init_weights_group, "127.0.0.1", port, 0, 2, name, "gloo", 60))
-            await client.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo")
+            name = "trainer-bucket"
+            store = bc.create_sender_store("127.0.0.1", 0, 2, 60)
+            join = asyncio.create_task(asyncio.to_thread(bc.create_sender_group, store, 2, name, "gloo", 60))
+            await client.init_weights_update_group("127.0.0.1", store.port, 1, 2, name, "gloo")
             group = await join
             version = await client.get_weight_version() + 1
             try:
@@ -348,7 +349,7 @@ def test_trainer_path_flattened_bucket_broadcast(torch_only):
                 outs = [await client.generate(r) for r in requests]
             finally:
                 await client.destroy_weights_update_group(name)
-                torch.distributed.destroy_process_group(group)
+                bc.destroy_group(group)
             return outs
 
     outs = run(main())
