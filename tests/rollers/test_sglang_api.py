@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 
 import aiohttp
@@ -23,6 +24,7 @@ from rollers import sglang_protocol as proto
 from rollers.engine import EngineError, GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher
+from tests.listening import is_loopback, listening_sockets
 from tests.rollers.engine_helpers import TIMEOUT_S, run
 
 MAX_BODY_BYTES = 1 << 20
@@ -509,3 +511,19 @@ def test_client_against_an_older_sglang_api():
     # (/model_info and /begin_weight_update got aiohttp's 404 before reaching ``handle``.)
     assert calls == ["/health", "/get_model_info", "/pause_generation", "/update_weights_from_disk",
                      "/flush_cache", "/flush_cache", "/flush_cache", "/continue_generation"]
+
+
+def test_load_weights_group_listens_on_loopback_only(torch_only):
+    """``load_weights`` forms its broadcast group with ``checkpointengine.broadcast`` (one implementation of
+    SGLang's group); the rendezvous store it hosts listens on 127.0.0.1 only, never on every interface."""
+    weights = _perturbed(torch_only.model, seed=606)
+
+    async def main():
+        async with connected(torch_only.url) as client:
+            before = set(listening_sockets(os.getpid()))
+            await _push(client, weights)
+            group = client._own_group[1]  # kept for the next update: its store is still listening
+            opened = {a for a in set(listening_sockets(os.getpid())) - before if a.endswith(f":{group.master_port}")}
+            assert opened and all(is_loopback(a) for a in opened), opened
+
+    run(main())
