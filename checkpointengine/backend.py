@@ -140,12 +140,19 @@ def register_backend(name: str, backend: WeightSyncBackend) -> WeightSyncBackend
     return BACKENDS.register(name, backend)
 
 
+_builtin_loaded = False
+
+
 def _load_builtin() -> None:
-    """Import every module of ``checkpointengine.backends`` (each registers its backend). Idempotent."""
+    """Import every module of ``checkpointengine.backends`` once (each registers its backend)."""
+    global _builtin_loaded
+    if _builtin_loaded:
+        return
     package = importlib.import_module("checkpointengine.backends")
     for info in pkgutil.iter_modules(package.__path__):
         if not info.name.startswith("_"):
             importlib.import_module(f"{package.__name__}.{info.name}")
+    _builtin_loaded = True
 
 
 def get_backend(spec: str, key: str = "checkpointengine.backend") -> WeightSyncBackend:

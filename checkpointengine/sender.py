@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointengine.backend import get_backend
-from checkpointengine.bucket import RowShard
+from checkpointengine.bucket import RowShard, dtype_from_name
 from checkpointengine.config import CheckpointEngineConfig
 from checkpointengine.control import LOOPBACK, ControlServer, Round
 from checkpointengine.naming import WeightNameMapper
@@ -52,7 +52,8 @@ class WeightSender:
     """One trainer rank's sender. ``rank`` 0 creates everything (``rollers``: the roller names it serves;
     ``mapper``: trainer → engine names and coverage check); other ranks pass the leader's ``handle``.
 
-    Raises ValueError for a non-leader without a handle, or ``send_shards`` on a backend other than shm.
+    Raises ValueError for a non-leader without a handle, an unknown backend, or ``send_shards`` on a
+    backend that does not ``supports_shards``.
     """
 
     def __init__(self, cfg: CheckpointEngineConfig, rollers: Iterable[str] = (), *, rank: int = 0,
@@ -61,7 +62,7 @@ class WeightSender:
         self.cfg = cfg
         self.rank = rank
         self.mapper = mapper or WeightNameMapper()
-        self.engine_dtype = getattr(torch, cfg.dtype)
+        self.engine_dtype = dtype_from_name(cfg.dtype)
         self.rollers: list[str] = list(dict.fromkeys(rollers))
         self.control: ControlServer | None = None
         self._stats = {"num_syncs": 0, "num_failed_syncs": 0, "num_roller_failures": 0, "last_sync_s": 0.0,
