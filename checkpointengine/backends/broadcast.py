@@ -14,7 +14,7 @@ from checkpointengine import broadcast as bc
 from checkpointengine.backend import BackendReceiver, BackendSender, WeightSyncBackend, register_backend
 from checkpointengine.backends._whole import whole_buckets, whole_entries
 from checkpointengine.control import LOOPBACK
-from checkpointengine.protocol import BucketReady, GroupInit
+from checkpointengine.protocol import BucketReady, GroupInit, ProtocolError
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class BroadcastReceiver(BackendReceiver):
 
     def bucket_tensors(self, msg, frames, unpacker, copy, consumed):
         if self.group is None:
-            raise RuntimeError(f"bucket {msg.index} of a broadcast update before the group was formed")
+            raise ProtocolError(f"bucket {msg.index} of a broadcast update before the group was formed")
         entries = msg.entries
         out = bc.receive_tensors(self.group, [e.name for e in entries], [e.dtype for e in entries],
                                  [e.shape for e in entries])
