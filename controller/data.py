@@ -2,8 +2,12 @@
 
 ``PromptDataset.from_config(data_cfg, tokenizer)`` loads ``data.task`` (``rollers.tasks``), applies the
 chat template (``common.models.apply_chat_template``, with ``data.system_prompt`` as a system turn when
-set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row index and
-length, or, with ``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
+set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row (``data row
+N``, counting from 1, or ``FILE:LINE`` for a ``.jsonl`` file) and length, or, with
+``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
+``check_context(context_length)`` rejects a prompt that leaves no room for a response in the model's
+context (run at start by ``controller.job.check_data``); one with some room is served, its responses
+truncated at the limit.
 
 Step arithmetic (one step = ``data.train_batch_size`` prompts; epochs are reshuffled with
 ``data.seed + epoch`` when ``data.shuffle``)::
@@ -41,12 +45,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prompt:
-    """One tokenized prompt. ``index``: its row in the task's records (stable across epochs);
-    ``input_ids``: chat-templated token ids, unpadded; ``ground_truth``: the task's JSON-able answer."""
+    """One tokenized prompt. ``index``: its row in the task's records (stable across epochs, from 0);
+    ``input_ids``: chat-templated token ids, unpadded; ``ground_truth``: the task's JSON-able answer;
+    ``where``: how messages name its row (``data row N`` counting from 1, or a file's ``FILE:LINE``)."""
 
     index: int
     input_ids: tuple[int, ...]
     ground_truth: dict[str, Any]
+    where: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,19 +123,20 @@ class PromptDataset:
         prompts, skipped = [], []
         for index, record in enumerate(records):
             ids = apply_chat_template(tokenizer, record.prompt, cfg.system_prompt or None)
+            where = record.source or f"data row {index + 1}"
             if len(ids) > cfg.max_prompt_length:
                 if not cfg.skip_long_prompts:
                     raise ValueError(
-                        f"data row {index}: prompt is {len(ids)} tokens after the chat template, longer than "
+                        f"{where}: prompt is {len(ids)} tokens after the chat template, longer than "
                         f"data.max_prompt_length={cfg.max_prompt_length} (raise it, or set "
                         "data.skip_long_prompts=true to skip such rows)"
                     )
-                skipped.append(index)
+                skipped.append(index + 1)
                 continue
-            prompts.append(Prompt(index, tuple(ids), record.ground_truth))
+            prompts.append(Prompt(index, tuple(ids), record.ground_truth, where))
         if skipped:
             logger.warning(
-                "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s)",
+                "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s, counting from 1)",
                 len(skipped), len(records), cfg.max_prompt_length, skipped[:10], "..." if len(skipped) > 10 else "",
             )
         return cls(prompts, cfg, num_skipped=len(skipped))
@@ -143,6 +150,20 @@ class PromptDataset:
 
     def num_available_steps(self) -> int:
         return num_available_steps(len(self), self.cfg.train_batch_size, self.cfg.epochs, self.cfg.drop_last)
+
+    def check_context(self, context_length: int) -> None:
+        """Raise ValueError naming the first prompt (row and length) that leaves no room for one response
+        token within the model's ``context_length`` (prompt + response, tokens). A prompt with some room is
+        served: a response cut by the context limit is truncated (``finish_reason=length``)."""
+        for prompt in self.prompts:
+            if len(prompt.input_ids) >= context_length:
+                raise ValueError(
+                    f"{prompt.where or f'data row {prompt.index + 1}'}: prompt is {len(prompt.input_ids)} tokens "
+                    "after the chat template, "
+                    f"leaving no room for a response within the model's context length of {context_length} "
+                    "tokens (lower data.max_prompt_length below it, and set data.skip_long_prompts=true to skip "
+                    "such rows)"
+                )
 
     def check_total_steps(self, total_steps: int) -> int:
         """``check_total_steps`` for this dataset (size after skipped rows)."""

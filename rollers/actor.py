@@ -50,8 +50,10 @@ class RollerActor:
         from common.models import load_model
         from rollers.torch_engine import TorchEngine
 
-        return TorchEngine(load_model(self.model_cfg), self.tokenizer, max_batch_slots=self.rollers_cfg.max_batch_slots,
-                           seed=self.rollout_cfg.seed)
+        engine = TorchEngine(load_model(self.model_cfg), self.tokenizer,
+                             max_batch_slots=self.rollers_cfg.max_batch_slots, seed=self.rollout_cfg.seed)
+        self.rollout_cfg.check_model(engine.vocab_size)  # ValueError naming rollout.top_k
+        return engine
 
     def _set_engine(self, engine) -> None:
         self.engine = engine

@@ -122,6 +122,21 @@ def _check_keys(body: dict, accepted: tuple[str, ...], where: str) -> None:
         )
 
 
+def body_flag(body: dict, key: str, default: bool) -> bool:
+    """``body[key]`` as a bool (absent or null: ``default``). Raises ProtocolError for another type (a
+    string ``"false"`` must not read as true)."""
+    value = body.get(key)
+    return default if value is None else _typed(value, bool, key)
+
+
+def body_group_name(body: dict) -> str:
+    """``body["group_name"]`` (default ``DEFAULT_GROUP_NAME``). Raises ProtocolError unless a non-empty string."""
+    name = body.get("group_name", DEFAULT_GROUP_NAME)
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"group_name must be a non-empty string, got {name!r}")
+    return name
+
+
 def sampling_from_sglang(params: Any) -> SamplingParams:
     """Parse SGLang ``sampling_params`` into ``SamplingParams``. Raises ProtocolError naming the field."""
     params = {} if params is None else _typed(params, dict, "sampling_params")
@@ -166,11 +181,13 @@ class ParsedGenerate:
     return_text_in_logprobs: bool
 
 
-def parse_generate_body(body: Any, vocab_size: int, default_rid: str) -> ParsedGenerate:
+def parse_generate_body(body: Any, vocab_size: int, default_rid: str,
+                        max_input_len: int | None = None) -> ParsedGenerate:
     """Validate a ``/generate`` body (a single request of token ids). Raises ProtocolError naming the field.
 
-    ``input_ids``: non-empty list of ints in ``[0, vocab_size)``; batches (a list of lists) and ``text``
-    are rejected (this server does not tokenize); ``logprob_start_len`` only ``-1`` (output tokens) and
+    ``input_ids``: non-empty list of ints in ``[0, vocab_size)``, shorter than ``max_input_len`` when
+    given (the context length: checked before any id); batches (a list of lists) and ``text`` are rejected
+    (this server does not tokenize); ``logprob_start_len`` only ``-1`` (output tokens) and
     ``top_logprobs_num`` only 0 are supported.
     """
     body = _typed(body, dict, "request body")
@@ -178,6 +195,9 @@ def parse_generate_body(body: Any, vocab_size: int, default_rid: str) -> ParsedG
     input_ids = _typed(body.get("input_ids"), list, "input_ids")
     if not input_ids:
         raise ProtocolError("input_ids is empty")
+    if max_input_len is not None and len(input_ids) >= max_input_len:
+        raise ProtocolError(f"input_ids: {len(input_ids)} tokens leave no room for a response within the "
+                            f"context length of {max_input_len} tokens")
     for tok in input_ids:
         if isinstance(tok, list):
             raise ProtocolError("input_ids: batch requests (a list of lists) are not supported here")
@@ -189,10 +209,8 @@ def parse_generate_body(body: Any, vocab_size: int, default_rid: str) -> ParsedG
         raise ProtocolError(f"top_logprobs_num must be 0, got {body['top_logprobs_num']!r}")
     rid = body.get("rid")
     rid = default_rid if rid is None else _typed(rid, str, "rid")
-    flags = {}
-    for key in ("stream", "return_logprob", "return_text_in_logprobs", "log_metrics"):
-        value = body.get(key)
-        flags[key] = False if value is None else _typed(value, bool, key)
+    flags = {key: body_flag(body, key, False)
+             for key in ("stream", "return_logprob", "return_text_in_logprobs", "log_metrics")}
     sampling = sampling_from_sglang(body.get("sampling_params"))
     return ParsedGenerate(
         request=GenerationRequest(request_id=rid, input_ids=tuple(input_ids), sampling=sampling),

@@ -90,8 +90,17 @@ def test_max_prompt_length_error_names_row_and_length(tok):
     records[1] = TaskRecord("repeat the word a " * 10, {"answer": "a"})
     long_len = len(apply_chat_template(tok, records[1].prompt))
     cfg = DataConfig(task="tiny-repeat", max_prompt_length=12, train_batch_size=1)
-    with pytest.raises(ValueError, match=f"data row 1: prompt is {long_len} tokens.*max_prompt_length=12"):
+    with pytest.raises(ValueError, match=f"data row 2: prompt is {long_len} tokens.*max_prompt_length=12"):
         PromptDataset.from_records(records, cfg, tok)
+
+
+def test_long_prompt_of_a_jsonl_file_is_named_by_its_line(tok, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "repeat the word a", "answer": "a"}\n\n'
+                    + '{"prompt": "%s", "answer": "a"}\n' % ("repeat the word a " * 10))
+    cfg = DataConfig(task=str(path), max_prompt_length=12, train_batch_size=1)
+    with pytest.raises(ValueError, match="data.jsonl:3: prompt is .* tokens.*max_prompt_length=12"):
+        PromptDataset.from_config(cfg, tok)
 
 
 def test_skip_long_prompts_counts_and_logs(tok, caplog):
@@ -102,7 +111,7 @@ def test_skip_long_prompts_counts_and_logs(tok, caplog):
         dataset = PromptDataset.from_records(records, cfg, tok)
     assert len(dataset) == 3 and dataset.num_skipped == 1
     assert [p.index for p in dataset.prompts] == [0, 1, 3]
-    assert "skipped 1 of 4 prompts" in caplog.text
+    assert "skipped 1 of 4 prompts" in caplog.text and "(rows [3], counting from 1)" in caplog.text
     everything_long = DataConfig(task="tiny-repeat", max_prompt_length=2, skip_long_prompts=True)
     with pytest.raises(ValueError, match="no prompts left after skipping 4"):
         PromptDataset.from_records(records, everything_long, tok)
@@ -129,3 +138,24 @@ def test_prompt_fields_repeat_each_prompt_n_times(tok):
     assert decode_ground_truth(fields["ground_truth"][5]) == prompts[1].ground_truth
     with pytest.raises(ValueError, match="2 prompts but 1 uids"):
         prompt_fields(prompts, 3, tok.pad_token_id, ["u0"])
+
+
+def test_a_prompt_leaving_no_room_in_the_context_is_rejected_naming_its_row(tok):
+    ds = _dataset(tok, 4)
+    longest = max(len(p.input_ids) for p in ds.prompts)
+    ds.check_context(longest + 1)  # one token of room is enough: the response is truncated, not refused
+    with pytest.raises(ValueError, match=rf"data row 1: prompt is {longest} tokens .* context length of {longest}"):
+        ds.check_context(longest)
+
+
+def test_start_check_rejects_no_room_and_top_k_beyond_the_vocabulary():
+    """``controller.job.check_data`` reads the model's config (no weights) before any pool starts."""
+    from controller.config import load_config
+    from controller.job import StartError, check_data
+
+    base = ["data.size=32", "trainer.total_steps=1"]
+    assert check_data(load_config(preset="tiny", overrides=base)) == 32
+    with pytest.raises(StartError, match="no room for a response within the model's context length of 8"):
+        check_data(load_config(preset="tiny", overrides=[*base, "model.tiny.max_position_embeddings=8"]))
+    with pytest.raises(StartError, match=r"rollout.top_k=100000 exceeds the model's vocabulary"):
+        check_data(load_config(preset="tiny", overrides=[*base, "rollout.top_k=100000"]))
