@@ -46,12 +46,12 @@ class Runtime:
     def __init__(self, cfg: HFlowConfig, num_batches: int, on_stage: Callable[[str], None] = lambda what: None):
         import ray
 
-        from checkpointengine import trainer_hooks
         from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
         from rollers.actor import remote_roller
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
+        from trainers.weight_sync import attach_sender
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
 
@@ -86,7 +86,7 @@ class Runtime:
                 for name in self.roller_names
             ]
             on_stage(f"connecting weight sync ({cfg.checkpointengine.backend}) and starting the rollers' loops")
-            sync_handle = self.trainer.execute(trainer_hooks.attach_sender, cfg.checkpointengine,
+            sync_handle = self.trainer.execute(attach_sender, cfg.checkpointengine,
                                                self.roller_names)[0]
             ray.get([r.attach_receiver.remote(sync_handle, name)
                      for r, name in zip(self.rollers, self.roller_names, strict=True)])

@@ -203,11 +203,11 @@ class Stages:
 
     async def sync_weights(self, pause_mode: str | None = None) -> None:
         """Push the trainer's weights (``weight_version``) to every roller and wait for every ack."""
-        from checkpointengine import trainer_hooks
+        from trainers.weight_sync import send_weights
 
         start = time.monotonic()
         mode = pause_mode or self.cfg.checkpointengine.pause_mode
-        send = asyncio.to_thread(self.rt.trainer.execute, trainer_hooks.send_weights, self.version)
+        send = asyncio.to_thread(self.rt.trainer.execute, send_weights, self.version)
         receives = [r.update_weights.remote(self.version, mode) for r in self.rt.rollers]
         reports = await asyncio.gather(send, *receives)
         sent = reports[0][0] or {}
