@@ -4,7 +4,7 @@ the controller's calls.
 Engines: ``rollers.engine=torch`` builds the in-process ``TorchEngine``; ``sglang`` launches (or connects to,
 ``rollers.sglang_url``) an SGLang server and uses ``SGLangEngine``. Weight updates arrive through the
 checkpoint engine: ``attach_receiver(handle, name)`` once, then ``update_weights(weight_version, pause_mode)``
-per sync (pause → receive every bucket → load → commit → flush → resume, ``checkpointengine.apply_update``).
+per sync (pause → receive every bucket → load → commit → flush → resume, ``rollers.weight_update.apply_update``).
 """
 
 from __future__ import annotations
@@ -106,9 +106,10 @@ class RollerActor:
         self.receiver = WeightReceiver(WeightSyncHandle.from_dict(handle), name)
 
     async def update_weights(self, weight_version: int, pause_mode: str) -> dict:
-        """Receive and apply ``weight_version`` (``checkpointengine.apply_update``); returns duration and bytes.
+        """Receive and apply ``weight_version`` (``rollers.weight_update.apply_update``); returns duration and
+        bytes.
         Raises WeightUpdateError (the old version is kept) or RuntimeError without ``attach_receiver``."""
-        from checkpointengine import apply_update
+        from rollers.weight_update import apply_update
 
         if self.receiver is None:
             raise RuntimeError(f"roller {self.roller_id}: attach_receiver was never called")

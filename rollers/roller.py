@@ -184,7 +184,7 @@ def response_digest(fields: dict[str, Any], row: int) -> str:
 def build_response_fields(
     outputs: Sequence[GenerationOutput], scores: Sequence[float], pad_token_id: int, pad_to: int | None = None
 ) -> dict[str, Any]:
-    """The response fields of DESIGN.md's sample schema for finished engine outputs.
+    """The response fields of the sample schema (``common/schema.py``) for finished engine outputs.
 
     ``outputs``: one per sample, each with >= 1 token and ``finish_reason`` set; ``scores``: one reward
     per sample; ``pad_to``: response width (default: the longest output). Returns, with B samples and

@@ -4,7 +4,7 @@ Each row of a batch is sampled with its own ``torch.Generator`` and one uniform 
 CDF over the filtered, sorted distribution), so a request's samples depend only on its own seed and
 logits, never on which other requests share the batch.
 
-Log-probs follow DESIGN.md's sample schema: ``log_softmax(logits / T)`` of the sampled token over the
+Log-probs follow the sample schema (``common/schema.py``): ``log_softmax(logits / T)`` of the sampled token over the
 full vocabulary (top-k/top-p only restrict which tokens can be drawn; they do not renormalise the
 reported log-prob), raw ``log_softmax(logits)`` when greedy (``T == 0``, or below ``GREEDY_BELOW``), in fp32.
 """

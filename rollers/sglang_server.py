@@ -43,6 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
+from checkpointengine import broadcast as bc
 from rollers import sglang_protocol as proto
 from rollers.engine import PAUSE_MODES, Engine, EngineError
 
@@ -406,15 +407,13 @@ class SGLangServer:
             return _error(f"group_name {group_name!r} is already initialised")
         try:
             self._groups[group_name] = await asyncio.to_thread(
-                proto.init_weights_group, address, port, rank, world, group_name, backend, self.group_timeout_s)
+                bc.init_weights_update_group, address, port, rank, world, group_name, backend, self.group_timeout_s)
         except Exception as exc:  # torch raises RuntimeError/DistStoreError/DistNetworkError subclasses
             return self._result(False, f"Failed to initialize custom process group: {exc}.")
         return self._result(True, "Succeeded to initialize custom process group.")
 
     def _destroy_group(self, name: str) -> None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group(self._groups.pop(name))
+        bc.destroy_group(self._groups.pop(name))
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         try:

@@ -78,7 +78,7 @@ class TrainerConfig:
 class AlgorithmConfig:
     """Advantage estimator, losses, KL, and the staleness knobs of the asynchronous schedules.
 
-    Staleness (DESIGN.md, "Staleness, defined"): ``max_staleness`` bounds trainer version − a sample's
+    Staleness (defined in ``controller/admission.py``): ``max_staleness`` bounds trainer version − a sample's
     ``min_weight_version``; ``stale_policy`` says what happens to a group that still exceeds it;
     ``require_batches`` is how many train batches the fully-async trainer takes per update;
     ``trigger_sync_steps`` pushes weights every that many updates (needs
