@@ -31,10 +31,10 @@ KEY_DOCS: dict[str, str] = {
     "model.tiny.tie_word_embeddings": "tiny model: share input and output embeddings",
     "model.tiny.seed": "tiny model: seed of its random initial weights (every process builds the same model)",
     # data
-    "data.task": "a registered task (tiny_repeat), a task plug-in module:name, a reasoning-gym task name, or a "
-                 ".jsonl / .parquet file of prompts and answers (controller/tasks.py)",
-    "data.task_kwargs": "options of the task: a reasoning-gym task's (e.g. min_terms), tiny_repeat's num_symbols, "
-                        "a plug-in's keyword arguments",
+    "data.task": "a registered task (tiny_repeat), a task plug-in module:name, a reasoning-gym task, or a "
+                 ".jsonl / .parquet file",
+    "data.task_kwargs": "options of the task: a reasoning-gym task's (e.g. min_terms), tiny_repeat's "
+                        "num_symbols",
     "data.size": "examples generated for a procedural task (a file uses all its rows)",
     "data.seed": "seed of a procedural task's examples and of the per-epoch shuffle",
     "data.prompt_key": "a data file's column holding the prompt",
@@ -53,8 +53,8 @@ KEY_DOCS: dict[str, str] = {
     "rollout.top_k": "sample among the k most likely tokens; -1 = off",
     "rollout.max_response_length": "longest response in tokens; a longer one is cut (finish_reason=length)",
     "rollout.seed": "base of the per-sample seeds (responses do not depend on batching or schedule)",
-    "rollout.reward": "auto (the reward data.task names) | reasoning_gym | tiny_repeat | math_verify | "
-                      "module:function (README, 'Rewards')",
+    "rollout.reward": "auto (data.task's reward) | reasoning_gym | tiny_repeat | math_verify | "
+                      "module:function",
     "rollout.reward_timeout_s": "seconds one group's scoring may take before the group is marked failed",
     "rollout.max_resubmits": "times one sample may be paused (abort mode) and resumed before it fails",
     # rollers

@@ -62,7 +62,7 @@ def test_stages_count_samples_where_they_are_seen(tmp_path):
 
     async def steps():
         for step in range(2):
-            meta = await st.generate(2, train_version=st.version)
+            meta = await st.generate(2, train_weight_version=st.weight_version)
             assert get("hflow_samples_produced_total") == 2 * n * (step + 1)
             assert get("hflow_samples_consumed_total") == 2 * n * step
             await st.update(meta)
@@ -80,9 +80,9 @@ def test_a_short_step_is_logged_with_its_reason(tmp_path, caplog):
     st.outstanding = 3  # three groups admitted
 
     async def steps():
-        await st.update(await st.generate(2, train_version=0))  # a full step: no line
+        await st.update(await st.generate(2, train_weight_version=0))  # a full step: no line
         st.exhausted = True  # the feeder had one prompt left for step 2
-        await st.update(await st.generate(1, train_version=1))
+        await st.update(await st.generate(1, train_weight_version=1))
 
     with caplog.at_level(logging.WARNING, logger="controller.schedules"):
         asyncio.run(steps())
