@@ -1,5 +1,6 @@
-"""A user's reward (``rollout.reward=module:function``): found next to the user's work without PYTHONPATH,
-and a reward that cannot be loaded is a config error before any pool starts (exit 2, one line)."""
+"""A user's reward (``rollout.reward=module:function``) or task (``data.task=module:name``): found next to the
+user's work without PYTHONPATH, and a reward that cannot be loaded is a config error before any pool starts
+(exit 2, one line)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,23 @@ def test_reward_module_in_the_current_directory_is_used(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["reward_mean"] == 0.25
+
+
+def test_task_plugin_in_the_current_directory_is_used_with_its_reward(tmp_path):
+    """``data.task=module:name``: the feeder loads the user's task, and ``rollout.reward=auto`` becomes the
+    reward the task registered with (here a user function), resolved by the controller for the rollers."""
+    (tmp_path / "my_task.py").write_text(
+        "from controller.tasks import TaskRecord, register_task\n\n"
+        "def score(response_text, ground_truth):\n    return ground_truth['value']\n\n"
+        "@register_task('fixed', reward='my_task:score')\n"
+        "def fixed(size, seed, value=0.0):\n"
+        "    return [TaskRecord(f'repeat the word {w}', {'value': value}) for w in 'abcdefgh'[:size]]\n")
+    out = hflow(tmp_path, "data.task=my_task:fixed", "data.size=4", "data.task_kwargs={value: 0.75}",
+                "trainer.total_steps=1", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2",
+                f"run_dir={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["reward_mean"] == 0.75
 
 
 def test_kl_without_reference_is_a_config_error(tmp_path):
