@@ -58,6 +58,14 @@ class DataConfig:
         if not self.task:
             raise ValueError("data.task must name a registered task (e.g. 'tiny_repeat'), a task plug-in "
                              "'module:name', a reasoning-gym task, or a .jsonl/.parquet file")
+        is_file = self.task.endswith((".jsonl", ".parquet"))
+        if not is_file and (self.prompt_key, self.answer_key) != ("prompt", "answer"):
+            raise ValueError(f"data.prompt_key / data.answer_key name the columns of a .jsonl/.parquet data.task; "
+                             f"data.task={self.task!r} is not a file (got prompt_key={self.prompt_key!r}, "
+                             f"answer_key={self.answer_key!r})")
+        if is_file and self.task_kwargs:
+            raise ValueError(f"data.task_kwargs configure a procedural task; data.task={self.task!r} is a file "
+                             f"(got task_kwargs={self.task_kwargs!r})")
 
 
 @dataclass

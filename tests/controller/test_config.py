@@ -28,6 +28,8 @@ def test_override_and_mode():
         ("model.path=/does/not/exist", "model.path"),
         ("rollout.n", "key.subkey=value"),
         ("ray.address=nohost", "ray.address"),
+        ("data.answer_key=solution", "data.answer_key"),
+        ("data.task=x.jsonl data.task_kwargs={min_terms:2}", "data.task_kwargs"),
         ("ray.address=127.0.0.1:99999", "ray.address"),
         ("ray.connect_timeout_s=nan", "ray.connect_timeout_s"),
         ("ray.connect_timeout_s=0", "ray.connect_timeout_s"),
@@ -35,7 +37,7 @@ def test_override_and_mode():
 )
 def test_bad_overrides_name_the_key(override, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
-        load_config(overrides=[override])
+        load_config(overrides=override.split(" "))
 
 
 def test_cross_field_validation():
