@@ -26,7 +26,7 @@ def test_the_planes_and_the_sglang_api_share_the_table():
     assert wire.DTYPES is DTYPES
     assert proto.dtype_from_sglang("torch.bfloat16") is torch.bfloat16
     assert proto.dtype_to_sglang(torch.float16) == "float16"
-    with pytest.raises(proto.ProtocolError, match="not a torch dtype"):
+    with pytest.raises(proto.SGLangAPIError, match="not a torch dtype"):
         proto.dtype_from_sglang("Size")  # an attribute of torch that is no dtype
 
 
