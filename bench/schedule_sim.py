@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 MODES = ("sync", "one-step-off", "fully-async")
+MACRO_CAP = 8  # fully-async: new groups and pauses are noticed within this many decode steps
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,9 @@ class _World:
 
     # ------------------------------------------------------------------------------ processes
 
-    def roller(self, r: int):
+    def roller(self, r: int, macro_cap: int | None):
+        """Decode in macro steps of k tokens (until the next sequence ends, at most ``macro_cap`` where
+        work may arrive or a sync may pause mid-generation: fully-async), one event per macro step."""
         c, n = self.costs, self.wl.n
         max_groups = max(1, c.max_batch_slots // n)
         groups: list[_Group] = []
@@ -242,10 +245,13 @@ class _World:
             for s in active:
                 if s.min_version is None:
                     s.min_version = version
-            step = c.decode_base_s + c.decode_per_seq_s * len(active)
+            k = min(s.remaining for s in active)
+            if macro_cap is not None:
+                k = min(k, macro_cap)
+            step = k * (c.decode_base_s + c.decode_per_seq_s * len(active))
             finished = []
             for s in active:
-                s.remaining -= 1
+                s.remaining -= k
                 if s.remaining == 0:
                     s.group.left -= 1
                     if s.group.left == 0:
@@ -351,7 +357,7 @@ def simulate(mode: str, costs: Costs, wl: Workload, num_rollers: int = 1, num_tr
         raise ValueError(f"warmup_steps={wl.warmup_steps} must be in [0, num_steps={wl.num_steps})")
     w = _World(costs, wl, num_rollers, num_trainers)
     for r in range(num_rollers):
-        w.sim.start(w.roller(r))
+        w.sim.start(w.roller(r, MACRO_CAP if mode == "fully-async" else None))
     if mode == "fully-async":
         w.sim.start(_admitter(w))
     w.sim.start(_TRAINERS[mode](w))
@@ -396,10 +402,12 @@ def validate(results_path: Path) -> list[dict]:
 
 def plan(costs: Costs, wl: Workload, gpus: int) -> dict[str, SimResult]:
     """The best split of ``gpus`` per schedule: async modes place R rollers and T = gpus − R trainer
-    ranks on separate GPUs; sync may also colocate (every GPU serves both phases in turn, R = T = gpus)."""
+    ranks on separate GPUs (R in eighths of the budget, or every R below 16 GPUs); sync may also colocate
+    (every GPU serves both phases in turn, R = T = gpus)."""
     best: dict[str, SimResult] = {}
+    grid = range(1, gpus) if gpus < 16 else sorted({max(1, gpus * i // 8) for i in range(1, 8)})
     for mode in MODES:
-        options = [(r, gpus - r) for r in range(1, gpus)]
+        options = [(r, gpus - r) for r in grid]
         if mode == "sync":
             options.append((gpus, gpus))
         for r, t in options:

@@ -308,6 +308,7 @@ class Stages:
             "num_groups": len(by_uid),
             "multi_version_samples": sum(t[schema.MIN_WEIGHT_VERSION] != t[schema.MAX_WEIGHT_VERSION] for t in tags),
             "response_length_mean": sum(lengths) / len(lengths),
+            "response_lengths": lengths,
             "uids": sorted(by_uid),
             "responses_digest": _digest(tags),
             **group_reward_stats(by_uid),
