@@ -14,7 +14,8 @@ samples (``--steps`` × B × n); only ``--mode`` and the split differ.
   of its list once (``--sweep small``) and the best by samples/s is repeated to ``--reps`` runs; ``sync``
   may give each phase every core (its phases alternate), the overlapping modes split the cores.
   ``--sweep none`` uses the first split of each list (what the small sweep picked on this machine).
-* **metrics** per run (``bench/modes_runs.py`` defines them; steady-state window after ``--warmup-steps``):
+* **metrics** per run (``bench/modes_runs.py`` defines them; steady-state window: updates after
+  ``--warmup-steps`` up to the last ``--tail-steps``, whose generation falls inside the window too):
   samples/s, trained tokens/s, trainer idle (waiting for data), roller idle, weight-sync share, staleness
   mean/max, wall time; per mode the median of its best split's runs and the spread (min-max).
 * **limit_sps** = cores / (core-seconds per trained sample of generation + of training), each measured
@@ -124,7 +125,7 @@ def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     if code != 0:
         log(f"  failed ({code}); log: {out.name}")
         return {"error": f"exit {code}", "log": out.name, "split": asdict(split) | {"key": split.key}}
-    res = read_run(run_dir, args.warmup_steps)
+    res = read_run(run_dir, args.warmup_steps, args.tail_steps)
     res["split"] = asdict(split) | {"key": split.key}
     res["process_s"] = time.monotonic() - start
     log(f"  {res['samples_per_s']:.3f} samples/s (window {res['window_s']:.0f} s, process {res['process_s']:.0f} s)")
@@ -142,7 +143,7 @@ def summarize(runs: list[dict]) -> dict:
     out["spread_sps"] = [min(r["samples_per_s"] for r in ok), max(r["samples_per_s"] for r in ok)]
     out["staleness_max"] = max(r["staleness_max"] for r in ok)
     out["num_runs"], out["split"] = len(ok), ok[0]["split"]
-    out["num_steps"], out["warmup_steps"] = ok[0]["num_steps"], ok[0]["warmup_steps"]
+    out["num_steps"], out["warmup_steps"], out["tail_steps"] = ok[0]["num_steps"], ok[0]["warmup_steps"], ok[0]["tail_steps"]
     out["num_samples"] = ok[0]["num_samples"]
     return out
 
@@ -226,7 +227,7 @@ def calibrate(results: dict, args, cfg) -> dict:
         for wl_name, phases, replicas in e["overhead"]:
             spec = results["workloads"][wl_name]["sim_workload"]
             wl = Workload(**{**spec, "lengths": tuple(map(tuple, spec["lengths"])) if not spec["empirical"]
-                             else tuple(spec["lengths"]), "num_steps": 4, "warmup_steps": 0})
+                             else tuple(spec["lengths"]), "num_steps": 4, "warmup_steps": 0, "tail_steps": 0})
             bare = Costs(**{**asdict(costs), "train_s_per_sample": 0.0, "sync_s": 0.0})
             sim_gen = simulate("sync", bare, wl, replicas).wall_s / 4
             overheads.append(max(0.0, (statistics.median(phases) - sim_gen) * replicas / spec["prompts_per_step"]))
@@ -269,10 +270,12 @@ def trl_peer(args, cfg, cores: int) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="3 steps (1 warm-up), 2 runs per mode, no sweep (the sweep's usual best splits), "
+                   help="4 steps (1 warm-up, 1 tail), 2 runs per mode, no sweep (the sweep's usual best splits), "
                         "long-tail workload in sync and fully-async only")
     p.add_argument("--steps", type=int, default=8, help="trainer steps per run (same trained samples per mode)")
-    p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the steady-state window")
+    p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the steady-state window")
+    p.add_argument("--tail-steps", type=int, default=1,
+                   help="last steps left out (the drain; >= algorithm.max_staleness of the preset, 1)")
     p.add_argument("--reps", type=int, default=3, help="runs of each mode's best split (median, spread)")
     p.add_argument("--sweep", choices=("small", "none"), default="small")
     p.add_argument("--workloads", default="main,longtail")
@@ -287,7 +290,7 @@ def parse_args(argv=None):
     p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup_steps, args.reps, args.sweep = 3, 1, 2, "none"
+        args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 4, 1, 1, 2, "none"
         args.longtail_modes = args.longtail_modes or "sync,fully-async"
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.longtail_modes = ([m.strip() for m in args.longtail_modes.split(",") if m.strip()]
@@ -299,8 +302,8 @@ def parse_args(argv=None):
     for w in args.workloads:
         if w not in ("main", "longtail"):
             p.error(f"--workloads: {w!r} is not one of ['main', 'longtail']")
-    if not 1 <= args.warmup_steps < args.steps:
-        p.error(f"--warmup-steps must be in [1, --steps={args.steps})")
+    if not (1 <= args.warmup_steps and 0 <= args.tail_steps and args.warmup_steps + args.tail_steps < args.steps):
+        p.error(f"need --warmup-steps >= 1, --tail-steps >= 0 and their sum < --steps={args.steps}")
     parse_lengths(args.longtail)
     return args
 

@@ -3,9 +3,12 @@
 A run directory (``hflow-async ... run_dir=DIR``) holds ``metrics.jsonl`` (one record per trainer step),
 ``summary.json`` and ``timeline.json`` (``[start, end]`` wall-clock seconds of every trainer update, every
 weight sync, and every roller's busy intervals, >= 1 request in flight). Everything here is measured over
-the **steady-state window**: from the end of update number ``warmup_steps`` to the end of the last update,
-so start-up, model loading and the first steps (one-step-off's first batch has nobody to overlap with) are
-left out, and every mode is measured over the same number of trained samples.
+the **steady-state window**: from the end of update ``warmup_steps`` to the end of update
+``num_steps - tail_steps``, so start-up, model loading and the first steps are left out, and so is the
+drain at the end (the last ``tail_steps`` updates: one-step-off's last update has no generation to overlap,
+and fully-async's last ``max_staleness`` updates train the backlog while admission has stopped at the
+run's total); every mode is measured over the same number of trained samples, whose generation falls
+inside the window as much as their training does.
 
 Metric definitions (all shares are of the window's wall time):
 
@@ -42,7 +45,7 @@ def _overlap(intervals, t0: float, t1: float) -> float:
     return total
 
 
-def read_run(run_dir: Path, warmup_steps: int) -> dict:
+def read_run(run_dir: Path, warmup_steps: int, tail_steps: int) -> dict:
     """The steady-state metrics of one completed run (see the module docstring), plus the phase timings
     the limit and the simulator need: ``gen_phase_s`` (sync only: sync end → next update start, per step),
     ``update_s`` and ``sync_s`` (per event, window). Raises ValueError when the run did not complete or
@@ -53,12 +56,14 @@ def read_run(run_dir: Path, warmup_steps: int) -> dict:
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timeline = json.loads((run_dir / "timeline.json").read_text())
     updates, syncs = timeline["update"], timeline["sync"]
-    if len(steps) <= warmup_steps or len(updates) != len(steps):
-        raise ValueError(f"{run_dir}: {len(steps)} steps ({len(updates)} updates timed), need > {warmup_steps}")
+    last = len(steps) - tail_steps
+    if last <= warmup_steps or len(updates) != len(steps):
+        raise ValueError(f"{run_dir}: {len(steps)} steps ({len(updates)} updates timed), need > "
+                         f"{warmup_steps} + {tail_steps}")
     t0 = updates[warmup_steps - 1][1] if warmup_steps else updates[0][0]
-    t1 = updates[-1][1]
+    t1 = updates[last - 1][1]
     window = max(t1 - t0, 1e-9)
-    kept = steps[warmup_steps:]
+    kept = steps[warmup_steps:last]
     samples = sum(s["num_samples"] for s in kept)
     tokens = sum(s["num_samples"] * s["response_length_mean"] for s in kept)
     sync_t = _overlap(syncs, t0, t1)
@@ -66,12 +71,13 @@ def read_run(run_dir: Path, warmup_steps: int) -> dict:
     roller_busy = [_overlap(iv, t0, t1) / window for iv in rollers.values()]
     gen_phases = []
     if summary.get("mode") == "sync":  # the phases alternate: generation is sync end → next update start
-        for k in range(max(warmup_steps, 1), len(updates)):
+        for k in range(max(warmup_steps, 1), last):
             gen_phases.append(updates[k][0] - syncs[k - 1][1])
     return {
         "run_dir": str(run_dir),
         "num_steps": len(steps),
         "warmup_steps": warmup_steps,
+        "tail_steps": tail_steps,
         "window_s": window,
         "wall_s": summary.get("wall_s"),
         "num_samples": samples,
@@ -86,8 +92,8 @@ def read_run(run_dir: Path, warmup_steps: int) -> dict:
         "response_length_mean": tokens / samples if samples else 0.0,
         "samples_per_step": samples / len(kept),
         "gen_phase_s": gen_phases,
-        "update_s": [e - s for s, e in updates[warmup_steps:]],
-        "sync_s": [e - s for s, e in syncs if s >= t0 - 1e-6],
+        "update_s": [e - s for s, e in updates[warmup_steps:last]],
+        "sync_s": [e - s for s, e in syncs if t0 - 1e-6 <= s <= t1],
         "timeline": {"t0": t0, "t1": t1, **timeline},
     }
 

@@ -78,7 +78,8 @@ class Costs:
 class Workload:
     """``prompts_per_step`` (B) groups of ``n`` samples per update; ``lengths``: response-length buckets
     ``(weight, min_tokens, max_tokens)`` (as ``rollout.forced_response_lengths``) or, with ``empirical``,
-    a list of observed lengths drawn uniformly; ``warmup_steps`` are left out of the steady-state window."""
+    a list of observed lengths drawn uniformly; the steady-state window runs from the end of update
+    ``warmup_steps`` to the end of update ``num_steps - tail_steps`` (as ``bench/modes_runs.py``)."""
 
     prompts_per_step: int
     n: int
@@ -86,6 +87,7 @@ class Workload:
     num_steps: int = 8
     max_staleness: int = 1
     warmup_steps: int = 1
+    tail_steps: int = 0
     empirical: bool = False
     seed: int = 0
 
@@ -353,8 +355,9 @@ def simulate(mode: str, costs: Costs, wl: Workload, num_rollers: int = 1, num_tr
         raise ValueError(f"mode={mode!r} is not one of {list(MODES)}")
     if num_rollers < 1 or num_trainers < 1:
         raise ValueError(f"need >= 1 roller and trainer rank, got {num_rollers} and {num_trainers}")
-    if not 0 <= wl.warmup_steps < wl.num_steps:
-        raise ValueError(f"warmup_steps={wl.warmup_steps} must be in [0, num_steps={wl.num_steps})")
+    if not 0 <= wl.warmup_steps < wl.num_steps - wl.tail_steps or wl.tail_steps < 0:
+        raise ValueError(f"need 0 <= warmup_steps={wl.warmup_steps} < num_steps={wl.num_steps} - "
+                         f"tail_steps={wl.tail_steps}")
     w = _World(costs, wl, num_rollers, num_trainers)
     for r in range(num_rollers):
         w.sim.start(w.roller(r, MACRO_CAP if mode == "fully-async" else None))
@@ -362,11 +365,12 @@ def simulate(mode: str, costs: Costs, wl: Workload, num_rollers: int = 1, num_tr
         w.sim.start(_admitter(w))
     w.sim.start(_TRAINERS[mode](w))
     w.sim.run(lambda: w.done)
+    last = wl.num_steps - wl.tail_steps
     t0 = w.updates[wl.warmup_steps - 1][1] if wl.warmup_steps else 0.0
-    t1 = w.updates[-1][1]
+    t1 = w.updates[last - 1][1]
     window = max(t1 - t0, 1e-12)
-    samples = sum(len(lags) for lags in w.lags[wl.warmup_steps:])
-    lags = [x for step in w.lags[wl.warmup_steps:] for x in step]
+    samples = sum(len(lags) for lags in w.lags[wl.warmup_steps:last])
+    lags = [x for step in w.lags[wl.warmup_steps:last] for x in step]
     sync_t = _overlap(w.syncs, t0, t1)
     roller_idle = sum(1 - _overlap(b, t0, t1) / window for b in w.busy) / num_rollers
     return SimResult(mode, num_rollers, num_trainers, samples / window, t1, sum(lags) / len(lags), max(lags),
@@ -390,7 +394,8 @@ def validate(results_path: Path) -> list[dict]:
             if cal is None:
                 continue
             wl = Workload(**{**spec, "lengths": tuple(spec["lengths"]),
-                             "num_steps": best["num_steps"], "warmup_steps": best["warmup_steps"]})
+                             "num_steps": best["num_steps"], "warmup_steps": best["warmup_steps"],
+                             "tail_steps": best.get("tail_steps", 0)})
             pred = simulate(mode, Costs.from_dict(cal), wl, split["num_replicas"], 1)
             meas = best["samples_per_s"]
             rows.append({"workload": wl_name, "mode": mode, "split": split["key"], "measured_sps": meas,

@@ -105,7 +105,7 @@ def _worker(spec_path: str, result_path: str) -> None:
     n, B = spec["n"], spec["prompts_per_step"]
     args = GRPOConfig(
         output_dir="trl_out", per_device_train_batch_size=B * n, gradient_accumulation_steps=1,
-        num_generations=n, generation_batch_size=B * n, steps_per_generation=1, num_iterations=1,
+        num_generations=n, generation_batch_size=B * n, num_iterations=1,
         max_completion_length=spec["max_response_length"], temperature=spec["temperature"], top_p=1.0,
         learning_rate=spec["lr"], beta=0.0, max_steps=spec["num_steps"], logging_steps=1, report_to="none",
         use_cpu=True, bf16=False, seed=spec["seed"], save_strategy="no", shuffle_dataset=False,

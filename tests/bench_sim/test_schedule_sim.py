@@ -51,6 +51,19 @@ def test_one_step_off_overlaps_generation_with_training():
     assert res.staleness_max == 1 and res.staleness_mean == 1
 
 
+def test_tail_steps_end_the_window_early():
+    # the window (and wall_s) ends at update num_steps - tail_steps; the steady rate is unchanged
+    costs = _costs(train_s_per_sample=0.001)
+    gen = L * (costs.decode_base_s + costs.decode_per_seq_s * B * N)
+    steady = B * N / max(gen, B * N * 0.001)
+    res = simulate("one-step-off", costs, Workload(B, N, ((1, L, L),), num_steps=6, warmup_steps=1, tail_steps=1))
+    assert res.samples_per_s == pytest.approx(steady)
+    tail = Workload(B, N, ((1, L, L),), num_steps=6, warmup_steps=1, tail_steps=3)
+    assert simulate("sync", costs, tail).wall_s == pytest.approx(3 * (gen + B * N * 0.001))
+    with pytest.raises(ValueError, match="tail_steps"):
+        simulate("sync", costs, Workload(B, N, ((1, L, L),), num_steps=3, warmup_steps=1, tail_steps=2))
+
+
 @pytest.mark.parametrize("train_s", [0.001, 0.2])
 def test_fully_async_steady_rate_is_the_slower_of_generation_and_training(train_s):
     costs = _costs(train_s_per_sample=train_s, max_batch_slots=B * N)
