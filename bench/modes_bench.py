@@ -160,7 +160,8 @@ def bench_workload(name: str, args, cores: int) -> dict:
             best[mode] = {"error": swept[0][1]["error"]}
             continue
         split, first = max(good, key=lambda sr: sr[1]["samples_per_s"])
-        reps = [first] + [run_one(name, mode, split, i, args) for i in range(1, args.reps)]
+        num_reps = args.longtail_reps if name == "longtail" else args.reps
+        reps = [first] + [run_one(name, mode, split, i, args) for i in range(1, num_reps)]
         all_runs += [dict(r, mode=mode) for r in reps[1:]]
         best[mode] = summarize(reps)
     return {"best": best, "runs": all_runs}
@@ -168,11 +169,12 @@ def bench_workload(name: str, args, cores: int) -> dict:
 
 def limit(runs: list[dict], cores: int) -> dict:
     """``limit_sps`` from the sync runs' phases (see the module docstring); nan without a sync run."""
-    gen, train = [], []
+    gen, train, used = [], [], []
     for r in runs:
         if "error" in r or r["mode"] != "sync" or not r["gen_phase_s"]:
             continue
         s = r["split"]
+        used.append(s["key"])
         per_step = r["samples_per_step"]
         gen.append(statistics.median(r["gen_phase_s"]) / per_step * min(cores, s["num_replicas"] * s["roller_threads"]))
         train.append(statistics.median(r["update_s"]) / per_step * min(cores, s["trainer_threads"]))
@@ -180,7 +182,7 @@ def limit(runs: list[dict], cores: int) -> dict:
         return {"limit_sps": math.nan}
     cs_gen, cs_train = min(gen), min(train)
     return {"limit_sps": cores / (cs_gen + cs_train), "core_s_per_sample_gen": cs_gen,
-            "core_s_per_sample_train": cs_train, "cores": cores}
+            "core_s_per_sample_train": cs_train, "cores": cores, "from_sync_splits": sorted(set(used))}
 
 
 def sim_workload(name: str, runs: list[dict], args, cfg) -> dict:
@@ -200,8 +202,9 @@ def sim_workload(name: str, runs: list[dict], args, cfg) -> dict:
 
 
 def calibrate(results: dict, args, cfg) -> dict:
-    """Per split: decode curve (measured alone, in a subprocess with the split's roller threads), per-sample
-    training, weight-sync and per-group overhead seconds from that split's runs."""
+    """Per workload and split (``"main/r1x1-t1"``): decode curve (measured alone, in a subprocess with the
+    split's roller threads), per-sample training, weight-sync and per-group overhead seconds from the runs
+    of that split on that workload (a long-tail sample costs more to train than a main-workload one)."""
     out, decode_cache = {}, {}
     for wl_name, wl in results["workloads"].items():
         for r in wl["runs"]:
@@ -211,7 +214,7 @@ def calibrate(results: dict, args, cfg) -> dict:
             t = s["roller_threads"]
             if t not in decode_cache:
                 decode_cache[t] = run_calibration(cfg.model.path, t, cfg.rollers.max_batch_slots)
-            entry = out.setdefault(s["key"], {"update": [], "sync": [], "overhead": []})
+            entry = out.setdefault(f"{wl_name}/{s['key']}", {"update": [], "sync": [], "overhead": []})
             entry["update"] += [u / r["samples_per_step"] for u in r["update_s"]]
             entry["sync"] += r["sync_s"]
             entry["decode"] = decode_cache[t]
@@ -270,8 +273,8 @@ def trl_peer(args, cfg, cores: int) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="4 steps (1 warm-up, 1 tail), 2 runs per mode, no sweep (the sweep's usual best splits), "
-                        "long-tail workload in sync and fully-async only")
+                   help="3 steps (1 warm-up, no tail), 2 runs per mode, no sweep (the sweep's usual best splits); "
+                        "long-tail workload: sync and fully-async, 1 run each")
     p.add_argument("--steps", type=int, default=8, help="trainer steps per run (same trained samples per mode)")
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the steady-state window")
     p.add_argument("--tail-steps", type=int, default=1,
@@ -281,6 +284,7 @@ def parse_args(argv=None):
     p.add_argument("--workloads", default="main,longtail")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--longtail-modes", default=None, help="modes on the long-tail workload (default: --modes)")
+    p.add_argument("--longtail-reps", type=int, default=None, help="runs per mode there (default: --reps)")
     p.add_argument("--longtail", default=LONGTAIL, help="forced lengths weight:min-max,... (long-tail workload)")
     p.add_argument("--longtail-max", type=int, default=LONGTAIL_MAX, help="rollout.max_response_length there")
     p.add_argument("--no-trl", action="store_true", help="skip the TRL peer (and its install)")
@@ -290,8 +294,10 @@ def parse_args(argv=None):
     p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 4, 1, 1, 2, "none"
+        args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 3, 1, 0, 2, "none"
         args.longtail_modes = args.longtail_modes or "sync,fully-async"
+        args.longtail_reps = args.longtail_reps or 1
+    args.longtail_reps = args.longtail_reps or args.reps
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.longtail_modes = ([m.strip() for m in args.longtail_modes.split(",") if m.strip()]
                            if args.longtail_modes else list(args.modes))

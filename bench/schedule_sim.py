@@ -390,7 +390,7 @@ def validate(results_path: Path) -> list[dict]:
         spec = wl_data["sim_workload"]
         for mode, best in wl_data["best"].items():
             split = best["split"]
-            cal = data["calibration"].get(split["key"])
+            cal = data["calibration"].get(f"{wl_name}/{split['key']}")
             if cal is None:
                 continue
             wl = Workload(**{**spec, "lengths": tuple(spec["lengths"]),

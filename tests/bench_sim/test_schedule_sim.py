@@ -125,7 +125,7 @@ def test_validate_reads_a_benchmark_result(tmp_path):
     best = {"split": {"key": "r1x1-t1", "num_replicas": 1}, "num_steps": 6, "warmup_steps": 1,
             "samples_per_s": measured, "staleness_max": 0}
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"calibration": {"r1x1-t1": cal},
+    path.write_text(json.dumps({"calibration": {"main/r1x1-t1": cal},
                                 "workloads": {"main": {"sim_workload": spec, "best": {"sync": best}}}}))
     (row,) = validate(path)
     assert row["error"] == pytest.approx(0, abs=1e-9) and row["predicted_staleness_max"] == 0
