@@ -263,7 +263,7 @@ def trl_peer(args, cfg, cores: int) -> dict:
             "n": cfg.rollout.n, "prompts_per_step": cfg.data.train_batch_size,
             "max_response_length": cfg.rollout.max_response_length, "temperature": cfg.rollout.temperature,
             "lr": cfg.trainer.lr, "num_steps": args.steps, "warmup_steps": args.warmup_steps,
-            "num_threads": cores, "seed": cfg.seed}
+            "num_threads": cores, "seed": cfg.rollout.seed}
     log("TRL GRPOTrainer: running")
     res = run_trl(spec, args.out / "runs" / "trl", args.run_timeout, log)
     log(f"  TRL: {res.get('samples_per_s', res.get('error'))}")

@@ -1,7 +1,7 @@
 """Weight-sync benchmark: SmolLM2-135M (fp32, ~0.54 GB) from a 2-rank FSDP2 trainer to 1 and 2 rollers.
 
 Every process is real: two trainer ranks (gloo, FSDP2 ``fully_shard`` per decoder layer) and one torch
-engine per roller. Per backend it times full updates (``trainer_hooks.send_weights`` on both ranks,
+engine per roller. Per backend it times full updates (``trainers.weight_sync.send_weights`` on both ranks,
 ``apply_update`` = pause → receive and load → commit → flush → resume on every roller) with idle
 rollers and with rollers busy decoding 8 requests, against a raw memcpy of the same bytes.
 ``sync_s`` is the slowest of: the leader's update (first Want → last Ack) and each roller's
@@ -34,15 +34,15 @@ def _trainer_rank(rank: int, world: int, port: int, conn) -> None:
     setup_process_env(num_threads=1)
     import torch
 
-    from checkpointengine import trainer_hooks
     from checkpointengine.config import CheckpointEngineConfig
     from common.models import ModelConfig
     from trainers import fsdp
+    from trainers import weight_sync as trainer_hooks
 
     fsdp.init_distributed(rank, world, "127.0.0.1", port, "gloo", 600.0)
     policy = fsdp.build_fsdp_model(ModelConfig(path=MODEL), fsdp.POLICY, torch.device("cpu"))
     worker = SimpleNamespace(policy=policy, named_local_shards=lambda: fsdp.named_local_shards(policy),
-                             named_full_tensors=lambda: fsdp.named_full_tensors(policy))
+                             named_full_tensors=lambda: fsdp.named_full_tensors(policy), weight_sender=None)
     conn.send(("ready", rank))
     while True:
         cmd, *args = conn.recv()
@@ -65,10 +65,11 @@ def _roller(name: str, conn) -> None:
 
 
 async def _roller_loop(name: str, conn) -> None:
-    from checkpointengine import WeightReceiver, WeightSyncHandle, apply_update
+    from checkpointengine import WeightReceiver, WeightSyncHandle
     from common.models import ModelConfig, load_model, load_tokenizer
     from rollers.engine import GenerationRequest, SamplingParams
     from rollers.torch_engine import TorchEngine
+    from rollers.weight_update import apply_update
 
     cfg = ModelConfig(path=MODEL)
     engine = TorchEngine(load_model(cfg), load_tokenizer(cfg), max_batch_slots=8)

@@ -9,8 +9,10 @@ here are built the way SGLang builds them (``init_custom_process_group``): a TCP
 rank 0 and a process group of its own, independent of the process's default group, so a trainer's own
 FSDP group and a roller's engine are unaffected.
 
-The server side of our SGLang-API server calls ``init_weights_update_group`` and ``receive_tensors``;
-the trainer side calls ``create_sender_group`` and ``broadcast_tensors``.
+This is the one implementation of that group (on torch's private ``_new_process_group_helper``, as
+SGLang's is): the ``broadcast`` backend uses it on both sides (``backends/broadcast.py``), the rollers'
+SGLang-API server joins with ``init_weights_update_group`` and ``SGLangEngine.load_weights`` forms one
+with ``create_sender_store`` + ``create_sender_group`` (a store that listens on loopback only).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def receive_tensors(group: WeightUpdateGroup, names: Sequence[str], dtypes: Sequ
         raise ValueError(f"names/dtypes/shapes differ in length: {len(names)}/{len(dtypes)}/{len(shapes)}")
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        tensor = torch.empty(tuple(shape), dtype=dtype_from_name(dtype.removeprefix("torch.")),
+        tensor = torch.empty(tuple(shape), dtype=dtype_from_name(dtype),
                              device=group.device)
         _broadcast(group, tensor).wait()
         out.append((name, tensor))

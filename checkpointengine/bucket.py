@@ -20,38 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.dtypes import dtype_from_name, dtype_name  # noqa: F401 (the weight plane's dtype names)
+
 ALIGN_BYTES = 64
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Wire name of ``dtype`` (``torch.bfloat16`` → ``"bfloat16"``); raises TypeError for others."""
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise TypeError(f"dtype {dtype} cannot be sent; supported: {sorted(DTYPES)}") from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of ``dtype_name``; raises ValueError naming an unknown dtype."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; supported: {sorted(DTYPES)}") from None
-
 
 def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES

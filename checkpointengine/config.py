@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKENDS = ("shm", "zmq", "broadcast", "disk")
-ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+from checkpointengine.backend import get_backend
+from common.dtypes import FLOAT_DTYPES
+
 PAUSE_MODES = ("abort", "retract", "in_place")
 GROUP_BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
 class CheckpointEngineConfig:
-    """Weight plane. ``bucket_bytes``: bucket size in bytes; ``dtype``: dtype weights arrive in at the
+    """Weight plane. ``backend``: a registered weight-sync backend (``checkpointengine.backend``: shm |
+    zmq | broadcast | disk, or ``module:name`` of a plug-in module); ``bucket_bytes``: bucket size in bytes; ``dtype``: dtype weights arrive in at the
     engine; ``pause_mode``: what a roller does with in-flight requests during an update (SGLang's
     ``/pause_generation`` modes); ``timeout_s``: every wait of an update; ``num_slots``: bucket buffers
     the sender cycles through (2 = double buffering: packing bucket k+1 overlaps sending k);
@@ -33,10 +35,9 @@ class CheckpointEngineConfig:
     reuse_receive_buffers: bool = True
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"checkpointengine.backend={self.backend!r} is not one of {list(BACKENDS)}")
-        if self.dtype not in ENGINE_DTYPES:
-            raise ValueError(f"checkpointengine.dtype={self.dtype!r} is not one of {list(ENGINE_DTYPES)}")
+        get_backend(self.backend, "checkpointengine.backend")  # ValueError listing the registered backends
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"checkpointengine.dtype={self.dtype!r} is not one of {list(FLOAT_DTYPES)}")
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(
                 f"checkpointengine.pause_mode={self.pause_mode!r} is not one of {list(PAUSE_MODES)}"

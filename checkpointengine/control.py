@@ -24,6 +24,7 @@ from checkpointengine.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass

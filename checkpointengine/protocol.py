@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
+from checkpointengine.backend import NoFields, WeightSyncBackend, get_backend
 from checkpointengine.bucket import TensorEntry
 
 
@@ -59,8 +61,8 @@ class Begin:
 
 @dataclass(frozen=True)
 class BucketReady:
-    """Bucket ``index`` is ready: in shm ``slot`` (shm), in the next frame (zmq), about to be broadcast
-    tensor by tensor (broadcast), or in file ``path`` (disk)."""
+    """Bucket ``index`` is ready; where its bytes are is the backend's business: shm ``slot`` (shm), the
+    next frame (zmq), broadcast tensor by tensor (broadcast), file ``path`` (disk)."""
 
     version: int
     index: int
@@ -148,9 +150,10 @@ def decode(data: bytes):
 class WeightSyncHandle:
     """Where the two sides meet; small and serialisable (``to_dict``/``from_dict``), made by the sender.
 
-    ``control_address``: the sender's ZMQ ROUTER; ``shm_paths``: one file per bucket slot (``shm``);
-    ``disk_dir``: where version directories are written (``disk``); ``broadcast_backend``: gloo | nccl;
-    ``reuse_receive_buffers``: rollers copy shm/zmq buckets into the previous update's tensors.
+    ``backend``: the backend's registered name (or ``module:name``); ``control_address``: the sender's
+    ZMQ ROUTER; ``reuse_receive_buffers``: rollers copy packed buckets into the previous update's
+    tensors; ``fields``: the backend's own typed fields (e.g. ``ShmFields(shm_paths)``), see
+    ``checkpointengine.backend``.
     """
 
     backend: str
@@ -158,14 +161,24 @@ class WeightSyncHandle:
     bucket_bytes: int
     engine_dtype: str
     timeout_s: float
-    shm_paths: list[str] = field(default_factory=list)
-    disk_dir: str = ""
-    broadcast_backend: str = "gloo"
     reuse_receive_buffers: bool = True
+    fields: Any = field(default_factory=NoFields)
+
+    @property
+    def plugin(self) -> WeightSyncBackend:
+        """The registered backend this handle names (raises ValueError for an unknown one)."""
+        return get_backend(self.backend, "handle.backend")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fields"}
+        body["fields"] = dataclasses.asdict(self.fields)
+        return body
 
     @classmethod
     def from_dict(cls, data: dict) -> WeightSyncHandle:
-        return cls(**data)
+        """Inverse of ``to_dict``; raises ValueError for an unknown backend or fields that are not its."""
+        data = dict(data)
+        fields = data.pop("fields", {})
+        handle = cls(**data)
+        handle.fields = handle.plugin.fields_from_dict(fields)
+        return handle

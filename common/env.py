@@ -80,6 +80,36 @@ def ray_temp_dir() -> Path:
     return path
 
 
+def ray_session_dir() -> Path | None:
+    """The session directory of the local Ray cluster this process started with ``init_ray``, or None when
+    it joined a cluster someone else started (Ray names a session ``session_<date>_<time>_<pid>``, the pid
+    of the process that started it). Call while connected."""
+    import ray
+
+    name = ray.get_runtime_context().get_session_name()
+    path = ray_temp_dir() / name
+    return path if name.endswith(f"_{os.getpid()}") and path.is_dir() else None
+
+
+def remove_ray_session_dir(path: Path) -> None:
+    """Delete ``path``, a session directory of ``ray_temp_dir()``, after its cluster shut down, and Ray's
+    ``session_latest`` link if it points there. Raises ValueError for a path that is not such a directory;
+    a file that cannot be removed is logged, never raised (the run's outcome stands)."""
+    import logging
+    import shutil
+
+    root = ray_temp_dir()
+    if path.parent != root or not path.name.startswith("session_"):
+        raise ValueError(f"{path} is not a Ray session directory of {root}")
+    if not path.exists():
+        return
+    latest = root / "session_latest"
+    if latest.is_symlink() and Path(os.readlink(latest)).name == path.name:
+        latest.unlink(missing_ok=True)
+    shutil.rmtree(path, onerror=lambda _fn, p, exc_info: logging.getLogger(__name__).warning(
+        "could not remove %s from Ray's session directory: %s", p, exc_info[1]))
+
+
 def default_logical_cpus() -> int:
     """Logical CPUs to advertise to a local Ray cluster.
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from common.dtypes import DTYPES, FLOAT_DTYPES
 from common.env import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,6 @@ logger = logging.getLogger(__name__)
 TINY = "tiny"
 SMOLLM2 = "smollm2-135m-instruct"
 BUILTIN_MODELS = (TINY, SMOLLM2)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Word-level vocabulary of the tiny tokenizer: specials, chat roles, task words, letters and digits.
@@ -87,8 +87,8 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r} is not one of {sorted(FLOAT_DTYPES)}")
         if self.path not in BUILTIN_MODELS and not Path(self.path).is_dir():
             raise ValueError(
                 f"model.path={self.path!r} is neither a built-in model {list(BUILTIN_MODELS)} "
@@ -103,7 +103,7 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 # --------------------------------------------------------------------------------------------- tiny

@@ -1,6 +1,6 @@
 """The sample schema: field names shared by the feeder, rollers, trainers and the TransferQueue.
 
-All tensors are batch-first. Prompts are left-padded, responses right-padded (DESIGN.md, "Sample schema").
+All tensors are batch-first. Prompts are left-padded, responses right-padded.
 
 =====================  ==========================  ===========================================
 field                  shape / type                meaning

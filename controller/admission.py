@@ -1,4 +1,4 @@
-"""Staleness admission control (DESIGN.md, "Staleness, defined").
+"""Staleness admission control, and the definition of staleness used everywhere.
 
 ``weight_version`` is the trainer's count of completed updates. A sample's staleness when trained is the
 trainer's version at that update minus the sample's ``min_weight_version``. The controller starts a new

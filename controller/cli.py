@@ -1,13 +1,14 @@
 """``hflow-async``: the command line.
 
-    hflow-async [--mode {sync,one-step-off,fully-async}] [--preset NAME | --config FILE.yaml] [a.b=c ...]
-    hflow-async show-config [--mode M] [--preset NAME | --config FILE.yaml] [a.b=c ...]
+    hflow-async [run] [--mode {sync,one-step-off,fully-async}] [--preset NAME | --config FILE.yaml] [a.b=c ...]
+    hflow-async show-config [--describe] [--mode M] [--preset NAME | --config FILE.yaml] [a.b=c ...]
     hflow-async export RUN_DIR [--step N] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
             "admission control)."
         ),
         epilog=(
-            "Commands: (none) runs the job; 'show-config' prints the resolved config and exits; "
+            "Commands: 'run' (the default: no command) runs the job; 'show-config' prints the resolved config "
+            "and exits ('show-config --describe': each key with a one-line description); "
             "'export RUN_DIR [--step N] [--out DIR]' writes a trainer checkpoint of a run as a Hugging Face "
             "model directory (see 'hflow-async export --help'). "
             "Overrides are dotted keys, e.g. rollout.n=8 trainer.total_steps=20 run_dir=runs/x. "
@@ -39,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(available_presets())}")
     source.add_argument("--config", default=None, metavar="FILE.yaml", help="a YAML config file")
-    parser.add_argument("args", nargs="*", metavar="[show-config] key=value", help="command and overrides")
+    parser.add_argument("--describe", action="store_true",
+                        help="with show-config: each key followed by its one-line description (a YAML comment)")
+    parser.add_argument("args", nargs="*", metavar="[run | show-config] key=value",
+                        help="a command (default: run) and config overrides")
     return parser
 
 
@@ -88,8 +93,23 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def _check_flags(args: argparse.Namespace, command: str, overrides: list[str]) -> str | None:
+    """What is wrong with flags that contradict each other or the command (None when nothing is)."""
+    modes = [item.partition("=")[2] for item in overrides if item.partition("=")[0].strip() == "mode"]
+    if args.mode is not None and any(m != args.mode for m in modes):
+        return (f"--mode {args.mode} conflicts with the override mode={modes[-1]}; give the mode once "
+                "(either --mode or mode=)")
+    if args.describe and command != "show-config":
+        return "--describe goes with show-config (hflow-async show-config --describe)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # A user's plug-in or reward module in the current directory is importable as `module:name`, as under
+    # `python -m` (the job also hands this directory to its Ray workers: job.make_user_modules_importable).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if argv[:1] == ["export"]:
         return export(argv[1:])
     args = _parser().parse_intermixed_args(argv)
@@ -100,13 +120,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hflow-async: unknown command {command!r}; accepted: run, show-config, export",
                   file=sys.stderr)
             return EXIT_CONFIG_ERROR
+    problem = _check_flags(args, command, overrides)
+    if problem:
+        print(f"hflow-async: {problem}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     try:
         cfg = load_config(mode=args.mode, preset=args.preset, config_file=args.config, overrides=overrides)
     except ValueError as exc:
         print(f"hflow-async: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if command == "show-config":
-        print(to_yaml(cfg), end="")
+        if args.describe:
+            from controller.config_docs import to_described_yaml
+
+            print(to_described_yaml(cfg), end="")
+        else:
+            print(to_yaml(cfg), end="")
         return 0
     from controller.job import run_job
 

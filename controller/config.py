@@ -105,7 +105,6 @@ class HFlowConfig:
 
     mode: str = "one-step-off"
     run_dir: str = ""
-    seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

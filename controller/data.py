@@ -2,15 +2,20 @@
 
 ``PromptDataset.from_config(data_cfg, tokenizer)`` loads ``data.task`` (``rollers.tasks``), applies the
 chat template (``common.models.apply_chat_template``, with ``data.system_prompt`` as a system turn when
-set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row index and
-length, or, with ``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
+set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row (``data row
+N``, counting from 1, or ``FILE:LINE`` for a ``.jsonl`` file) and length, or, with
+``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
+``check_context(context_length)`` rejects a prompt that leaves no room for a response in the model's
+context (run at start by ``controller.job.check_data``); one with some room is served, its responses
+truncated at the limit.
 
-Step arithmetic (one step = ``data.train_batch_size`` prompts; epochs are reshuffled with
-``data.seed + epoch`` when ``data.shuffle``)::
+Step arithmetic. The prompts form one stream: epoch 0's order, then epoch 1's, ... (each epoch reshuffled
+with ``data.seed + epoch`` when ``data.shuffle``), and step k takes the stream's next
+``data.train_batch_size`` prompts, so a step may span two epochs (every schedule admits prompt groups
+from this stream; fully-async's steps are not aligned to batches at all)::
 
-    steps per epoch = ceil(size / batch)            (a final partial batch is a step)
-                    = floor(size / batch)           (data.drop_last=true)
-    available steps = steps per epoch * data.epochs
+    available steps = ceil(size * data.epochs / batch)    (a final partial step is a step)
+                    = floor(size * data.epochs / batch)   (data.drop_last=true)
 
 ``check_total_steps`` rejects a run whose ``trainer.total_steps`` exceeds the available steps, naming
 dataset size, ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps``.
@@ -41,37 +46,35 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prompt:
-    """One tokenized prompt. ``index``: its row in the task's records (stable across epochs);
-    ``input_ids``: chat-templated token ids, unpadded; ``ground_truth``: the task's JSON-able answer."""
+    """One tokenized prompt. ``index``: its row in the task's records (stable across epochs, from 0);
+    ``input_ids``: chat-templated token ids, unpadded; ``ground_truth``: the task's JSON-able answer;
+    ``where``: how messages name its row (``data row N`` counting from 1, or a file's ``FILE:LINE``)."""
 
     index: int
     input_ids: tuple[int, ...]
     ground_truth: dict[str, Any]
+    where: str = ""
 
 
 @dataclass(frozen=True)
 class PromptBatch:
-    """The prompts of one training step (``global_step`` from 0) drawn in ``epoch`` (from 0)."""
+    """The prompts of one training step (``global_step`` from 0); ``epoch`` (from 0) is its first prompt's
+    (a step may span two epochs: see the module docstring)."""
 
     global_step: int
     epoch: int
     prompts: tuple[Prompt, ...]
 
 
-def steps_per_epoch(dataset_size: int, train_batch_size: int, drop_last: bool) -> int:
-    """Training steps one pass over ``dataset_size`` prompts gives; raises ValueError on sizes < 1."""
+def num_available_steps(dataset_size: int, train_batch_size: int, epochs: int, drop_last: bool = False) -> int:
+    """Training steps ``epochs`` passes give (see the module docstring); raises ValueError on sizes or
+    epochs < 1."""
     if dataset_size < 1 or train_batch_size < 1:
         raise ValueError(f"dataset size ({dataset_size}) and train_batch_size ({train_batch_size}) must be >= 1")
-    if drop_last:
-        return dataset_size // train_batch_size
-    return math.ceil(dataset_size / train_batch_size)
-
-
-def num_available_steps(dataset_size: int, train_batch_size: int, epochs: int, drop_last: bool = False) -> int:
-    """Training steps ``epochs`` passes give (see the module docstring); raises ValueError if epochs < 1."""
     if epochs < 1:
         raise ValueError(f"data.epochs must be >= 1, got {epochs}")
-    return steps_per_epoch(dataset_size, train_batch_size, drop_last) * epochs
+    total = dataset_size * epochs
+    return total // train_batch_size if drop_last else math.ceil(total / train_batch_size)
 
 
 def check_total_steps(
@@ -117,19 +120,20 @@ class PromptDataset:
         prompts, skipped = [], []
         for index, record in enumerate(records):
             ids = apply_chat_template(tokenizer, record.prompt, cfg.system_prompt or None)
+            where = record.source or f"data row {index + 1}"
             if len(ids) > cfg.max_prompt_length:
                 if not cfg.skip_long_prompts:
                     raise ValueError(
-                        f"data row {index}: prompt is {len(ids)} tokens after the chat template, longer than "
+                        f"{where}: prompt is {len(ids)} tokens after the chat template, longer than "
                         f"data.max_prompt_length={cfg.max_prompt_length} (raise it, or set "
                         "data.skip_long_prompts=true to skip such rows)"
                     )
-                skipped.append(index)
+                skipped.append(index + 1)
                 continue
-            prompts.append(Prompt(index, tuple(ids), record.ground_truth))
+            prompts.append(Prompt(index, tuple(ids), record.ground_truth, where))
         if skipped:
             logger.warning(
-                "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s)",
+                "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s, counting from 1)",
                 len(skipped), len(records), cfg.max_prompt_length, skipped[:10], "..." if len(skipped) > 10 else "",
             )
         return cls(prompts, cfg, num_skipped=len(skipped))
@@ -137,12 +141,22 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return steps_per_epoch(len(self), self.cfg.train_batch_size, self.cfg.drop_last)
-
     def num_available_steps(self) -> int:
         return num_available_steps(len(self), self.cfg.train_batch_size, self.cfg.epochs, self.cfg.drop_last)
+
+    def check_context(self, context_length: int) -> None:
+        """Raise ValueError naming the first prompt (row and length) that leaves no room for one response
+        token within the model's ``context_length`` (prompt + response, tokens). A prompt with some room is
+        served: a response cut by the context limit is truncated (``finish_reason=length``)."""
+        for prompt in self.prompts:
+            if len(prompt.input_ids) >= context_length:
+                raise ValueError(
+                    f"{prompt.where or f'data row {prompt.index + 1}'}: prompt is {len(prompt.input_ids)} tokens "
+                    "after the chat template, "
+                    f"leaving no room for a response within the model's context length of {context_length} "
+                    "tokens (lower data.max_prompt_length below it, and set data.skip_long_prompts=true to skip "
+                    "such rows)"
+                )
 
     def check_total_steps(self, total_steps: int) -> int:
         """``check_total_steps`` for this dataset (size after skipped rows)."""
@@ -164,12 +178,17 @@ class PromptDataset:
         self.check_total_steps(total_steps)
         if not 0 <= start_step <= total_steps:
             raise ValueError(f"start_step={start_step} must be in [0, trainer.total_steps={total_steps}]")
-        per_epoch, size = self.steps_per_epoch, self.cfg.train_batch_size
+        size, end = self.cfg.train_batch_size, len(self) * self.cfg.epochs
+        orders: dict[int, list[int]] = {}
         for step in range(start_step, total_steps):
-            epoch, within = divmod(step, per_epoch)
-            order = self.epoch_order(epoch)
-            picked = order[within * size:(within + 1) * size]
-            yield PromptBatch(step, epoch, tuple(self.prompts[i] for i in picked))
+            positions = range(step * size, min((step + 1) * size, end))  # in the stream of all epochs
+            picked = []
+            for pos in positions:
+                epoch, within = divmod(pos, len(self))
+                if epoch not in orders:
+                    orders[epoch] = self.epoch_order(epoch)
+                picked.append(self.prompts[orders[epoch][within]])
+            yield PromptBatch(step, positions[0] // len(self), tuple(picked))
 
 
 def prompt_fields(

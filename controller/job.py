@@ -6,7 +6,12 @@ or data error found at start (nothing was trained), an existing run directory in
 stopped by SIGINT (Ctrl-C) / SIGTERM (one line, no traceback; pools stopped).
 
 Every run that created its directory leaves ``summary.json`` with the same keys (``report.SUMMARY_KEYS``,
-null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``.
+null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``; ``startup_s`` (start
+to pools up), ``shutdown_s`` and ``wall_s`` (start through shutdown) are added after shutdown.
+
+Start-up prints one line per thing it starts (Ray, then each pool: ``Runtime(on_stage=...)``). A local Ray
+cluster this job started is shut down with it and its session directory removed, except after a failed
+run, whose Ray logs are kept and named.
 """
 
 from __future__ import annotations
@@ -107,16 +112,21 @@ def make_user_modules_importable(cfg: HFlowConfig) -> None:
 
 
 def check_data(cfg: HFlowConfig) -> int:
-    """Load the dataset as the feeder will, check it provides the run's steps, and load the reward the
-    rollers will use; returns the dataset size. Raises StartError naming the dataset size,
-    ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps`` (or the offending row), or
-    ``rollout.reward`` and why it cannot be loaded, before any pool starts."""
-    from common.models import load_tokenizer
+    """Load the dataset as the feeder will, check it provides the run's steps and fits the model, and load
+    the reward the rollers will use; returns the dataset size. Raises StartError naming the dataset size,
+    ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps``, the offending row (too long, or
+    no room left by the context length), ``rollout.top_k`` beyond the vocabulary, or ``rollout.reward`` and
+    why it cannot be loaded, before any pool starts."""
+    from common.models import load_hf_config, load_tokenizer
     from controller.data import PromptDataset
+    from rollers.model_limits import context_length
     from rollers.rewards import build_reward_fn
 
     try:
+        hf_config = load_hf_config(cfg.model)
+        cfg.rollout.check_model(int(hf_config.vocab_size))
         dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
+        dataset.check_context(context_length(hf_config))
         dataset.check_total_steps(num_batches(cfg))
         build_reward_fn(cfg.rollout.reward, cfg.data.task)
     except ValueError as exc:
@@ -205,9 +215,56 @@ def _write_summary(report, summary: dict) -> None:
         report.close()
 
 
+def _complete_summary(report, **keys) -> None:
+    """Add ``keys`` (known only after shutdown) to the written summary, then print it in one line."""
+    try:
+        report.amend(**keys)
+        report.announce()
+    except Exception:  # noqa: BLE001 - never mask the run's own outcome
+        logger.warning("could not add %s to the summary", sorted(keys), exc_info=True)
+
+
+def _start_ray(cfg: HFlowConfig, owns_ray: bool) -> Path | None:
+    """Start (or join) the Ray cluster of ``cfg.ray``; the session directory to remove at shutdown when
+    this job started a local cluster (None when it joined one, or runs inside a caller's). Raises
+    StartError when ``ray.address`` does not answer."""
+    from common.env import RayConnectError, init_ray, ray_session_dir
+
+    local = owns_ray and not cfg.ray.address
+    print(f"hflow-async: {'starting a local Ray cluster' if local else 'joining the Ray cluster'}"
+          f"{'' if local or not cfg.ray.address else ' at ' + cfg.ray.address}", flush=True)
+    try:
+        init_ray(cfg.ray.address or None, cfg.ray.num_cpus or None, cfg.ray.object_store_bytes,
+                 cfg.ray.connect_timeout_s)
+    except RayConnectError as exc:
+        raise StartError(str(exc)) from exc
+    return ray_session_dir() if local else None
+
+
+def _shut_down(rt, metrics, owns_ray: bool, session_dir: Path | None, keep_logs: bool) -> None:
+    """Stop the pools, the metrics endpoint and (when this job started it) Ray; remove the Ray session
+    directory of a cluster this job started, unless ``keep_logs`` (a failed run: its logs say why)."""
+    import ray
+
+    from common.env import remove_ray_session_dir
+
+    if rt is not None:
+        rt.close()
+    metrics.close()
+    if owns_ray and ray.is_initialized():
+        ray.shutdown()
+    if session_dir is not None:
+        if keep_logs:
+            print(f"hflow-async: Ray's logs of this run are in {session_dir}", file=sys.stderr, flush=True)
+        else:
+            remove_ray_session_dir(session_dir)
+
+
 def run_job(cfg: HFlowConfig) -> int:
     """Run ``cfg`` to completion; returns the process exit code (see the module docstring)."""
-    from common.env import RayConnectError, init_ray, setup_process_env
+    from common.env import setup_process_env
+
+    started = time.monotonic()
 
     setup_process_env(num_threads=1)  # before ray is imported: Ray reads its bind settings at import
     import ray
@@ -219,7 +276,8 @@ def run_job(cfg: HFlowConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.run_dir)
     metrics = JobMetrics()
-    rt = report = None
+    rt = report = session_dir = None
+    failed_run = False  # a pool or the algorithm raised: the Ray logs of a cluster this job started are kept
     summary = {"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task}
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
     _STOP.reset()
@@ -239,22 +297,19 @@ def run_job(cfg: HFlowConfig) -> int:
                                  f"metrics.port={cfg.metrics.port}: {exc}") from exc
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
             print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
-        try:
-            init_ray(cfg.ray.address or None, cfg.ray.num_cpus or None, cfg.ray.object_store_bytes,
-                     cfg.ray.connect_timeout_s)
-        except RayConnectError as exc:
-            raise StartError(str(exc)) from exc
+        session_dir = _start_ray(cfg, owns_ray)
         _stop_on_sigterm()  # again: ray.init installs its own SIGTERM handler
         t0 = time.monotonic()
         try:
-            rt = Runtime(cfg, num_batches(cfg))
+            rt = Runtime(cfg, num_batches(cfg), on_stage=lambda what: print(f"hflow-async: {what}", flush=True))
         except ray.exceptions.RayTaskError as err:
             cause = _unwrap(err)
             if isinstance(cause, ValueError):
                 raise StartError(str(cause)) from cause
             raise cause from None
-        print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s; mode {cfg.mode}, "
-              f"{cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
+        summary["startup_s"] = time.monotonic() - started
+        print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
+              f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
         asyncio.run(_run_schedule(cfg, rt, metrics, report, summary))
         rt.trainer.export_model(str(run_dir / MODEL_DIR))
         summary.update(status="completed", model_dir=str(run_dir / MODEL_DIR))
@@ -268,17 +323,18 @@ def run_job(cfg: HFlowConfig) -> int:
     except KeyboardInterrupt:
         code = _interrupted(summary)
     except asyncio.CancelledError as exc:  # the schedule's task, cancelled by a stop signal (else a bug)
-        code = _interrupted(summary) if _STOP.signum is not None else _failed(summary, exc)
+        failed_run = _STOP.signum is None
+        code = _failed(summary, exc) if failed_run else _interrupted(summary)
     except BaseException as exc:  # noqa: BLE001 - report the original error, exit non-zero
+        failed_run = True
         code = _failed(summary, exc)
     finally:
         if report is not None:  # this run created its directory: a summary, whatever the outcome
-            _write_summary(report, {**summary, "config": to_dict(cfg)})
-        if rt is not None:
-            rt.close()
-        metrics.close()
-        if owns_ray and ray.is_initialized():
-            ray.shutdown()
+            _write_summary(report, {**summary, "wall_s": time.monotonic() - started, "config": to_dict(cfg)})
+        stopping = time.monotonic()
+        _shut_down(rt, metrics, owns_ray, session_dir, keep_logs=failed_run)
+        if report is not None:  # known only now: the summary's shutdown time, and wall time through it
+            _complete_summary(report, shutdown_s=time.monotonic() - stopping, wall_s=time.monotonic() - started)
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
     if summary["status"] == "interrupted":

@@ -1,27 +1,45 @@
 """Prometheus metrics of a job (prefix ``hflow_``), served on one loopback HTTP endpoint.
 
-The controller feeds these from metadata only: queue counts and tags from the TransferQueue index,
-stats dicts returned by rollers and trainers, and its own timings. Series (DESIGN.md, "Metrics"):
+The controller feeds these from metadata only: queue counts from the TransferQueue index, sample tags,
+stats dicts returned by rollers and trainers, and its own timings. Each series is counted where the
+controller sees its event; gauges marked *polled* are refreshed every 2 s (``controller/job.py``). The
+README's "Metrics" table is this one, for users. Series:
 
-=====================================  =========  ============================================
-series                                 type       meaning
-=====================================  =========  ============================================
-hflow_queue_depth{task}                gauge      samples ready and not yet consumed by task
-hflow_queue_lag                        histogram  trainer version − sample min_weight_version
-hflow_sample_age_seconds               histogram  time from a group's admission to its training
-hflow_samples_produced_total           counter    samples with a finished response
-hflow_samples_consumed_total           counter    samples trained on
-hflow_samples_dropped_total            counter    samples discarded by stale_policy=drop
-hflow_roller_busy_ratio{roller}        gauge      fraction of wall time a roller was decoding
-hflow_trainer_wait_seconds_total       counter    trainer time spent waiting for data
-hflow_weight_sync_seconds              histogram  one weight sync, pause to resume
-hflow_weight_sync_bytes_total          counter    bytes moved by weight syncs
-hflow_tokens_per_second                gauge      generated tokens per second (all rollers)
-hflow_step_seconds                     histogram  one trainer step
-hflow_reward_mean                      gauge      mean sequence reward of the last step
-hflow_response_length                  histogram  response length in tokens
-hflow_weight_version                   gauge      trainer weight version
-=====================================  =========  ============================================
+=====================================  =========  ==========================================================
+series                                 type       meaning (what one count or observation is)
+=====================================  =========  ==========================================================
+hflow_queue_depth{task}                gauge      samples ready for consumer ``task`` and not yet taken by it
+                                                  (``rollout``: prompts waiting for a roller; ``train``:
+                                                  scored samples waiting for the trainer); polled
+hflow_queue_lag                        histogram  per trained sample: trainer version it was trained at −
+                                                  its ``min_weight_version`` (its staleness, in versions)
+hflow_sample_age_seconds               histogram  per trained sample: seconds from its prompt's admission
+                                                  to the end of the step that trained it
+hflow_samples_produced_total           counter    samples generated and scored; counted when the controller
+                                                  receives them or a roller reports them, whichever comes
+                                                  first, so it is never below consumed + dropped
+hflow_samples_consumed_total           counter    samples trained on (at the end of their step)
+hflow_samples_dropped_total            counter    samples discarded untrained: too stale
+                                                  (``stale_policy=drop``) or in a zero-variance group
+                                                  (``dynamic_sampling``)
+hflow_roller_busy_ratio{roller}        gauge      share of the roller's wall time with a request in
+                                                  flight, since it started; polled
+hflow_trainer_wait_seconds_total       counter    seconds the trainer sat idle between the end of a step
+                                                  (or weight sync) and the start of the next update
+hflow_weight_sync_seconds              histogram  per weight sync: seconds from send to the last roller's
+                                                  acknowledgement (pause and resume included)
+hflow_weight_sync_bytes_total          counter    bytes of weights sent to rollers (per roller, summed)
+hflow_tokens_per_second                gauge      tokens generated per second, all rollers, averaged since
+                                                  each started; polled
+hflow_step_seconds                     histogram  per trainer step: seconds of the update (log-probs,
+                                                  advantages, optimizer steps, checkpoint if due)
+hflow_reward_mean                      gauge      mean sequence reward of the last step's samples
+hflow_response_length                  histogram  per trained sample: response length in tokens
+hflow_response_clip_ratio              gauge      share of the last step's responses cut by a length limit
+                                                  (finish_reason=length: rollout.max_response_length or the
+                                                  model's context length)
+hflow_weight_version                   gauge      the trainer's weight version (updates completed)
+=====================================  =========  ==========================================================
 """
 
 from __future__ import annotations
@@ -39,26 +57,56 @@ class JobMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.queue_depth = Gauge("hflow_queue_depth", "Samples ready, not yet consumed", ["task"], registry=r)
-        self.queue_lag = Histogram("hflow_queue_lag", "Trainer version minus sample version",
-                                   buckets=_LAG_BUCKETS, registry=r)
-        self.sample_age = Histogram("hflow_sample_age_seconds", "Admission-to-training time of a sample",
-                                    buckets=_TIME_BUCKETS, registry=r)
-        self.produced = Counter("hflow_samples_produced", "Samples with a finished response", registry=r)
-        self.consumed = Counter("hflow_samples_consumed", "Samples trained on", registry=r)
-        self.dropped = Counter("hflow_samples_dropped", "Samples dropped as too stale", registry=r)
-        self.roller_busy = Gauge("hflow_roller_busy_ratio", "Fraction of time decoding", ["roller"], registry=r)
-        self.trainer_wait = Counter("hflow_trainer_wait_seconds", "Trainer time waiting for data", registry=r)
-        self.sync_seconds = Histogram("hflow_weight_sync_seconds", "One weight sync", buckets=_TIME_BUCKETS,
-                                      registry=r)
-        self.sync_bytes = Counter("hflow_weight_sync_bytes", "Bytes moved by weight syncs", registry=r)
-        self.tokens_per_s = Gauge("hflow_tokens_per_second", "Generated tokens per second", registry=r)
-        self.step_seconds = Histogram("hflow_step_seconds", "One trainer step", buckets=_TIME_BUCKETS, registry=r)
-        self.reward_mean = Gauge("hflow_reward_mean", "Mean sequence reward of the last step", registry=r)
-        self.response_length = Histogram("hflow_response_length", "Response length in tokens",
+        self.queue_depth = Gauge("hflow_queue_depth", "Samples ready for consumer task and not yet taken by it "
+                                 "(rollout: prompts waiting for a roller; train: scored samples waiting for the "
+                                 "trainer)", ["task"], registry=r)
+        self.queue_lag = Histogram("hflow_queue_lag", "Per trained sample: the trainer version it was trained at "
+                                   "minus its min_weight_version (staleness, versions)", buckets=_LAG_BUCKETS,
+                                   registry=r)
+        self.sample_age = Histogram("hflow_sample_age_seconds", "Per trained sample: seconds from its prompt's "
+                                    "admission to the end of the step that trained it", buckets=_TIME_BUCKETS,
+                                    registry=r)
+        # consumed and dropped are registered (so collected, in a scrape) before produced: a scrape reads
+        # them first, so the produced it reads next is never below them.
+        self.consumed = Counter("hflow_samples_consumed", "Samples trained on (counted at the end of their step)",
+                                registry=r)
+        self.dropped = Counter("hflow_samples_dropped", "Samples discarded untrained: too stale "
+                               "(stale_policy=drop) or in a zero-variance group (dynamic_sampling)", registry=r)
+        self.produced = Counter("hflow_samples_produced", "Samples generated and scored (counted when the "
+                                "controller receives them or a roller reports them, whichever comes first)",
+                                registry=r)
+        self.roller_busy = Gauge("hflow_roller_busy_ratio", "Share of the roller's wall time with a request in "
+                                 "flight, since it started", ["roller"], registry=r)
+        self.trainer_wait = Counter("hflow_trainer_wait_seconds", "Seconds the trainer sat idle between the end "
+                                    "of a step (or weight sync) and the start of the next update", registry=r)
+        self.sync_seconds = Histogram("hflow_weight_sync_seconds", "Per weight sync: seconds from send to the "
+                                      "last roller's acknowledgement", buckets=_TIME_BUCKETS, registry=r)
+        self.sync_bytes = Counter("hflow_weight_sync_bytes", "Bytes of weights sent to rollers (per roller, "
+                                  "summed)", registry=r)
+        self.tokens_per_s = Gauge("hflow_tokens_per_second", "Tokens generated per second by all rollers, "
+                                  "averaged since each started", registry=r)
+        self.step_seconds = Histogram("hflow_step_seconds", "Per trainer step: seconds of the update",
+                                      buckets=_TIME_BUCKETS, registry=r)
+        self.reward_mean = Gauge("hflow_reward_mean", "Mean sequence reward of the last step's samples", registry=r)
+        self.response_length = Histogram("hflow_response_length", "Per trained sample: response length in tokens",
                                          buckets=_LENGTH_BUCKETS, registry=r)
-        self.weight_version = Gauge("hflow_weight_version", "Trainer weight version", registry=r)
+        self.response_clip_ratio = Gauge("hflow_response_clip_ratio", "Share of the last step's responses cut "
+                                         "by a length limit (finish_reason=length)", registry=r)
+        self.weight_version = Gauge("hflow_weight_version", "The trainer's weight version (updates completed)",
+                                    registry=r)
+        self._num_produced = 0.0  # what hflow_samples_produced_total holds
         self._server = None
+
+    def count_produced(self, at_least: float) -> None:
+        """Raise ``hflow_samples_produced_total`` to ``at_least`` samples (no-op when it is already there).
+
+        Two sources report produced samples: the controller when it receives samples from the
+        TransferQueue (each was produced), and the rollers' own counts, polled. Both are lower bounds
+        of the truth; the counter follows whichever is ahead, so it never lags consumed + dropped.
+        """
+        if at_least > self._num_produced:
+            self.produced.inc(at_least - self._num_produced)
+            self._num_produced = at_least
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint on ``host:port`` (port 0 picks a free one); returns the bound port."""

@@ -24,7 +24,10 @@ COUNT_KEYS = ("num_syncs", "num_groups_admitted", "num_groups_generated", "num_f
               "num_dropped_groups", "num_zero_variance_groups", "weight_version", "frac_groups_reward_variance",
               "frac_groups_any_correct")
 STEP_SUMMARY_KEYS = ("num_steps", "wall_s", "reward_first", "reward_last", "reward_mean", "staleness_max")
-SUMMARY_KEYS = STEP_SUMMARY_KEYS + ABOUT_KEYS + COUNT_KEYS
+# Seconds from the job's start until its pools were up, and stopping pools and Ray after the last step (the
+# job writes the summary, then shuts down, then adds shutdown_s and the final wall_s: ``RunReport.amend``).
+TIME_KEYS = ("startup_s", "shutdown_s")
+SUMMARY_KEYS = STEP_SUMMARY_KEYS + TIME_KEYS + ABOUT_KEYS + COUNT_KEYS
 
 
 def group_reward_stats(rewards_by_uid: dict[str, list[float]]) -> dict[str, float | None]:
@@ -39,7 +42,8 @@ def group_reward_stats(rewards_by_uid: dict[str, list[float]]) -> dict[str, floa
 
 
 class RunReport:
-    """Writes ``metrics.jsonl`` as steps complete and ``summary.json`` + ``plot.png`` at the end."""
+    """Writes ``metrics.jsonl`` as steps complete and ``summary.json`` + ``plot.png`` at the end
+    (``finish``; ``amend`` adds what is known only after it, ``announce`` prints it)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, progress: bool = True):
         self.run_dir = Path(run_dir)
@@ -49,6 +53,7 @@ class RunReport:
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._console = Console(highlight=False, soft_wrap=True) if progress else None
         self._t0 = time.monotonic()
+        self._summary: dict[str, Any] | None = None  # as last written to summary.json
 
     def log_step(self, record: dict[str, Any]) -> None:
         """Append one trainer step; raises ValueError when a required key is missing."""
@@ -77,20 +82,34 @@ class RunReport:
             "reward_last": rewards[-1] if rewards else None,
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "staleness_max": max((s["staleness_max"] for s in self.steps), default=None),
-            **dict.fromkeys(ABOUT_KEYS + COUNT_KEYS),
+            **dict.fromkeys(TIME_KEYS + ABOUT_KEYS + COUNT_KEYS),
             **summary,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+        self._write(summary)
         if self.steps:
             fig = plot_steps(self.steps, summary, self.total_steps)
             import matplotlib.pyplot as plt  # after plot_steps chose the Agg backend
 
             fig.savefig(self.run_dir / "plot.png", dpi=100)
             plt.close(fig)
-        if self._console is not None:
-            brief = {k: v for k, v in summary.items() if not isinstance(v, dict | list)}
-            self._console.print("summary: " + json.dumps(brief, default=float))
         return summary
+
+    def amend(self, **keys: Any) -> None:
+        """Update ``keys`` in the ``summary.json`` that ``finish`` wrote (values known only after it, such
+        as ``shutdown_s``); raises RuntimeError before ``finish``."""
+        if self._summary is None:
+            raise RuntimeError("RunReport.amend before finish: no summary.json yet")
+        self._write({**self._summary, **keys})
+
+    def announce(self) -> None:
+        """Print the summary as last written, in one line (its scalar keys), when progress lines are on."""
+        if self._console is not None and self._summary is not None:
+            brief = {k: v for k, v in self._summary.items() if not isinstance(v, dict | list)}
+            self._console.print("summary: " + json.dumps(brief, default=float))
+
+    def _write(self, summary: dict[str, Any]) -> None:
+        self._summary = summary
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
 
     def close(self) -> None:
         self._jsonl.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 from controller.config import HFlowConfig
 
@@ -39,17 +40,18 @@ class Runtime:
     """Starts every pool of ``cfg`` (Ray must be initialised); ``close()`` stops them all, idempotently.
 
     ``num_batches``: prompt batches the run will consume (the feeder never produces beyond them).
+    ``on_stage``: called with a short line (``"starting 2 rollers (torch engine)"``) as each pool starts.
     """
 
-    def __init__(self, cfg: HFlowConfig, num_batches: int):
+    def __init__(self, cfg: HFlowConfig, num_batches: int, on_stage: Callable[[str], None] = lambda what: None):
         import ray
 
-        from checkpointengine import trainer_hooks
         from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
         from rollers.actor import remote_roller
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
+        from trainers.weight_sync import attach_sender
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
 
@@ -60,14 +62,20 @@ class Runtime:
         self.roller_names: list[str] = []
         self.trainer = None
         self.tq = None
+        n_units, n_ranks, n_rollers = (cfg.transferqueue.num_storage_units, cfg.trainer.num_ranks,
+                                       cfg.rollers.num_replicas)
         try:
+            on_stage(f"starting the TransferQueue (index + {n_units} storage unit{'s' * (n_units > 1)})")
             self.tq_servers = start_transferqueue(cfg.transferqueue)
             handle = self.tq_servers.handle.to_dict()
             self.tq = TQClient(self.tq_servers.handle)
+            on_stage(f"starting the prompt feeder (task {cfg.data.task})")
             self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches)
             ray.get(self.feeder.dataset_size.remote())  # surfaces data errors (too few steps, long prompts)
+            on_stage(f"starting {n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path})")
             self.trainer = TrainerGroup(cfg.trainer, cfg.algorithm, cfg.model, temperature=cfg.rollout.temperature,
                                         max_response_length=cfg.rollout.max_response_length, tq_handle=handle)
+            on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine)")
             roller_cls = remote_roller(num_cpus=0.5)
             roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
             channel = functools.partial(_tq_channel, handle, PARTITION, cfg.rollout.n)
@@ -77,7 +85,8 @@ class Runtime:
                                   remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
                 for name in self.roller_names
             ]
-            sync_handle = self.trainer.execute(trainer_hooks.attach_sender, cfg.checkpointengine,
+            on_stage(f"connecting weight sync ({cfg.checkpointengine.backend}) and starting the rollers' loops")
+            sync_handle = self.trainer.execute(attach_sender, cfg.checkpointengine,
                                                self.roller_names)[0]
             ray.get([r.attach_receiver.remote(sync_handle, name)
                      for r, name in zip(self.rollers, self.roller_names, strict=True)])

@@ -85,7 +85,7 @@ class Stages:
         self.rewards_by_uid: dict[str, list[float]] = {}
         self.changed = asyncio.Event()  # version synced or groups dropped: admission may allow more
         self._last_step_end = time.monotonic()
-        self._produced_seen = 0.0
+        self.num_samples_received = 0  # samples taken from the TransferQueue (each one was produced)
         self.num_groups_generated = 0
         # (start, end) wall-clock seconds (time.time()) of every trainer update and weight sync: timeline.json
         self.timeline: dict[str, list[tuple[float, float]]] = {"update": [], "sync": []}
@@ -133,6 +133,8 @@ class Stages:
             if len(meta) == 0:
                 skipped += await self.check_rollers()
                 continue
+            self.num_samples_received += len(meta)
+            self.metrics.count_produced(self.num_samples_received)
             lag = max(staleness(train_version, t[schema.MIN_WEIGHT_VERSION]) for t in meta.tags)
             if enforce_staleness and lag > self.cfg.algorithm.max_staleness:
                 if self.cfg.algorithm.stale_policy == "drop":
@@ -189,6 +191,7 @@ class Stages:
         start, wall_start = time.monotonic(), time.time()
         wait_s = max(0.0, start - self._last_step_end)
         self.metrics.trainer_wait.inc(wait_s)
+        self._note_short_step(meta)
         train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
         self.timeline["update"].append((wall_start, time.time()))
         self.version += 1
@@ -204,11 +207,11 @@ class Stages:
 
     async def sync_weights(self, pause_mode: str | None = None) -> None:
         """Push the trainer's weights (``weight_version``) to every roller and wait for every ack."""
-        from checkpointengine import trainer_hooks
+        from trainers.weight_sync import send_weights
 
         start, wall_start = time.monotonic(), time.time()
         mode = pause_mode or self.cfg.checkpointengine.pause_mode
-        send = asyncio.to_thread(self.rt.trainer.execute, trainer_hooks.send_weights, self.version)
+        send = asyncio.to_thread(self.rt.trainer.execute, send_weights, self.version)
         receives = [r.update_weights.remote(self.version, mode) for r in self.rt.rollers]
         reports = await asyncio.gather(send, *receives)
         sent = reports[0][0] or {}
@@ -276,6 +279,16 @@ class Stages:
         self.outstanding -= 1
         return self.refill_depth.pop(uid, 0)
 
+    def _note_short_step(self, meta) -> None:
+        """Log one line when the step about to train has fewer prompt groups than a full step, and why."""
+        num_groups = len({t[schema.UID] for t in meta.tags})
+        if num_groups >= self.groups_per_step:
+            return
+        why = ("the prompt data has no more: a final partial batch (data.drop_last=true drops it instead)"
+               if self.exhausted else "the others failed and were skipped (rollers.on_failed_group=skip)")
+        logger.warning("step %d trains %d of %d prompt groups: %s", self.step + 1, num_groups,
+                       self.groups_per_step, why)
+
     def _record(self, meta, train_metrics: dict, step_s: float, wait_s: float) -> None:
         now = time.monotonic()
         tags = meta.tags
@@ -288,8 +301,10 @@ class Stages:
             by_uid.setdefault(t[schema.UID], []).append(r)
         self.rewards_by_uid.update(by_uid)
         wall = max(now - self._last_step_end, 1e-9)
-        for uid in by_uid:
-            self.metrics.sample_age.observe(now - self.admitted_at.pop(uid, now))
+        for uid, group in by_uid.items():
+            age = now - self.admitted_at.pop(uid, now)
+            for _ in group:  # one observation per sample, as hflow_sample_age_seconds says
+                self.metrics.sample_age.observe(age)
         for lag in lags:
             self.metrics.queue_lag.observe(lag)
         for length in lengths:
@@ -308,6 +323,7 @@ class Stages:
             "num_groups": len(by_uid),
             "multi_version_samples": sum(t[schema.MIN_WEIGHT_VERSION] != t[schema.MAX_WEIGHT_VERSION] for t in tags),
             "response_length_mean": sum(lengths) / len(lengths),
+            "response_clip_ratio": sum(t[schema.FINISH_REASON] == "length" for t in tags) / len(tags),
             "response_lengths": lengths,
             "uids": sorted(by_uid),
             "responses_digest": _digest(tags),
@@ -317,6 +333,7 @@ class Stages:
         }
         self.metrics.consumed.inc(len(tags))
         self.metrics.reward_mean.set(record["reward_mean"])
+        self.metrics.response_clip_ratio.set(record["response_clip_ratio"])
         self.metrics.step_seconds.observe(step_s)
         self.metrics.weight_version.set(self.version)
         self.report.log_step(record)
@@ -346,9 +363,7 @@ class Stages:
             self.metrics.queue_depth.labels(task=task).set(value)
         stats = [await r.stats.remote() for r in self.rt.rollers]
         self.num_groups_generated = int(sum(s["num_groups"] + s["num_failed_groups"] for s in stats))
-        produced = sum(s["num_samples"] for s in stats)
-        self.metrics.produced.inc(max(0.0, produced - self._produced_seen))
-        self._produced_seen = max(produced, self._produced_seen)
+        self.metrics.count_produced(sum(s["num_samples"] for s in stats))
         self.metrics.tokens_per_s.set(sum(s["tokens_per_s"] for s in stats))
         for name, s in zip(self.rt.roller_names, stats, strict=True):
             self.metrics.roller_busy.labels(roller=name).set(s["busy_ratio"])

@@ -4,7 +4,7 @@ the controller's calls.
 Engines: ``rollers.engine=torch`` builds the in-process ``TorchEngine``; ``sglang`` launches (or connects to,
 ``rollers.sglang_url``) an SGLang server and uses ``SGLangEngine``. Weight updates arrive through the
 checkpoint engine: ``attach_receiver(handle, name)`` once, then ``update_weights(version, pause_mode)``
-per sync (pause → receive every bucket → load → commit → flush → resume, ``checkpointengine.apply_update``).
+per sync (pause → receive every bucket → load → commit → flush → resume, ``rollers.weight_update.apply_update``).
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ class RollerActor:
         from common.models import load_model
         from rollers.torch_engine import TorchEngine
 
-        return TorchEngine(load_model(self.model_cfg), self.tokenizer, max_batch_slots=self.rollers_cfg.max_batch_slots,
-                           seed=self.rollout_cfg.seed)
+        engine = TorchEngine(load_model(self.model_cfg), self.tokenizer,
+                             max_batch_slots=self.rollers_cfg.max_batch_slots, seed=self.rollout_cfg.seed)
+        self.rollout_cfg.check_model(engine.vocab_size)  # ValueError naming rollout.top_k
+        return engine
 
     def _set_engine(self, engine) -> None:
         self.engine = engine
@@ -115,9 +117,9 @@ class RollerActor:
         self.receiver = WeightReceiver(WeightSyncHandle.from_dict(handle), name)
 
     async def update_weights(self, version: int, pause_mode: str) -> dict:
-        """Receive and apply weight ``version`` (``checkpointengine.apply_update``); returns duration and bytes.
+        """Receive and apply weight ``version`` (``rollers.weight_update.apply_update``); returns duration and bytes.
         Raises WeightUpdateError (the old version is kept) or RuntimeError without ``attach_receiver``."""
-        from checkpointengine import apply_update
+        from rollers.weight_update import apply_update
 
         if self.receiver is None:
             raise RuntimeError(f"roller {self.roller_id}: attach_receiver was never called")

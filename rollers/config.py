@@ -14,8 +14,10 @@ SGLANG_LAUNCH = ("sglang", "torch")
 class RolloutConfig:
     """Sampling. Lengths in tokens.
 
-    ``n``: samples per prompt (``rollout.n``); ``top_k`` -1 disables it; ``seed`` is the base of the
-    per-sample seeds (sampling is independent of batch composition).
+    ``n``: samples per prompt (``rollout.n``); ``top_k`` -1 disables it (at most the model's vocabulary:
+    ``check_model``); ``seed`` is the base of the per-sample seeds (sampling is independent of batch
+    composition). A response ends with ``finish_reason=length`` at ``max_response_length`` tokens, or
+    earlier where prompt + response reach the model's context length.
     ``reward``: auto (by ``data.task``) | reasoning_gym | tiny_repeat | math_verify | ``module:function``
     (``rollers.rewards.build_reward_fn``); ``reward_timeout_s`` bounds one group's scoring (a group that
     exceeds it is marked failed); ``max_resubmits``: how many times one sample may be aborted (pause in
@@ -66,6 +68,13 @@ class RolloutConfig:
                     f"rollout.forced_response_lengths={self.forced_response_lengths}: each bucket must be "
                     f"[weight >= 1, min_tokens >= 1, max_tokens] with min_tokens <= max_tokens <= "
                     f"rollout.max_response_length={self.max_response_length}; got {bucket}")
+
+    def check_model(self, vocab_size: int) -> None:
+        """The checks that need the model: ``rollout.top_k`` at most ``vocab_size`` (the model's vocabulary).
+        Raises ValueError naming the key; run at start, before any pool (``controller.job.check_data``)."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"rollout.top_k={self.top_k} exceeds the model's vocabulary of {vocab_size} tokens; "
+                             f"accepted: -1 (off) or 1 .. {vocab_size}")
 
 
 @dataclass

@@ -15,6 +15,7 @@ weight update), loaded with new weights, flushed and resumed. Pause modes follow
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
@@ -23,15 +24,26 @@ import torch
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+
+
 def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "") -> None:
-    """Raise ValueError (naming ``prefix`` + the key) unless temperature >= 0, 0 < top_p <= 1 and
-    top_k is -1 (off) or >= 1."""
-    if temperature < 0:
-        raise ValueError(f"{prefix}temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"{prefix}top_p must be in (0, 1], got {top_p}")
-    if top_k == 0 or top_k < -1:
-        raise ValueError(f"{prefix}top_k must be -1 (off) or >= 1, got {top_k}")
+    """Raise ValueError (naming ``prefix`` + the key) unless temperature is finite and >= 0, top_p is in
+    (0, 1] and top_k is -1 (off) or >= 1. A NaN or infinite value is refused, never read as greedy."""
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not (_is_number(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"{prefix}top_p must be a number in (0, 1], got {top_p!r}")
+    if not _is_int(top_k) or top_k == 0 or top_k < -1:
+        raise ValueError(f"{prefix}top_k must be an integer, -1 (off) or >= 1, got {top_k!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -49,9 +61,15 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         check_sampling(self.temperature, self.top_p, self.top_k)
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers >= 0, got {list(self.stop_token_ids)[:8]}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,8 @@ class GenerationRequest:
     def __post_init__(self):
         if not self.input_ids:
             raise ValueError(f"request {self.request_id!r}: input_ids is empty")
+        if not all(_is_int(t) for t in self.input_ids):
+            raise ValueError(f"request {self.request_id!r}: input_ids must be integers")
 
 
 @dataclass
@@ -97,6 +117,11 @@ class EngineError(RuntimeError):
     """An engine failed a request or an operation (the message says which)."""
 
 
+class RequestError(ValueError):
+    """One request failed inside the engine (e.g. it could not be sampled); the engine keeps serving.
+    A ValueError, like a request refused at submission: callers fail that request alone."""
+
+
 class Engine(abc.ABC):
     """Async generation engine. All methods are coroutines and safe to call concurrently."""
 
@@ -104,6 +129,15 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def weight_version(self) -> int:
         """The committed weight version the engine is generating with."""
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The prompt + response limit in tokens (the model's context length), None when unknown."""
+        return None
+
+    def check_request(self, request: GenerationRequest) -> None:  # noqa: B027 - a no-op by default, not abstract
+        """Raise ValueError (naming the field) if this engine cannot serve ``request``: what only the model
+        knows (vocabulary, context length). The default checks nothing; ``generate``/``stream`` check too."""
 
     @abc.abstractmethod
     async def generate(self, request: GenerationRequest) -> GenerationOutput:

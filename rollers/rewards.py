@@ -18,6 +18,7 @@ value, then a number that opens the response — see ``extract_answer``.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import numbers
 import re
@@ -113,15 +114,38 @@ def _gold_text(answer) -> str:
     return _clean_number(hashes.group(1)) if hashes else text
 
 
+class _DisabledTimeoutNotice(logging.Filter):
+    """Drops math-verify's "Timeout is disabled ..." warning: off the main thread its timeouts are off on
+    purpose (the roller bounds each reward call with ``rollout.reward_timeout_s``); every other record of
+    math-verify passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_DISABLED_TIMEOUT_NOTICE = _DisabledTimeoutNotice()
+
+
+def _quiet_math_verify() -> None:
+    """Install ``_DisabledTimeoutNotice`` on math-verify's loggers (idempotent)."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        log = logging.getLogger(name)
+        if _DISABLED_TIMEOUT_NOTICE not in log.filters:
+            log.addFilter(_DISABLED_TIMEOUT_NOTICE)
+
+
 def math_verify_reward(response_text: str, ground_truth: dict) -> float:
     """GSM8K-style numeric check with math-verify (Kydlíček et al., HuggingFace ``math-verify``).
 
     The gold answer is ``ground_truth["answer"]`` (a GSM8K ``#### 72`` tail is honoured); the
     response is parsed twice — the whole text and ``extract_answer``'s pick — and scores 1.0 if either
     verifies against the gold, else 0.0. math-verify's signal-based timeouts only work in the main
-    thread; elsewhere they are disabled (the roller bounds each call with its own timeout).
+    thread; elsewhere they are disabled (the roller bounds each call with its own timeout), without
+    math-verify's warning about it.
     """
     from math_verify import parse, verify
+
+    _quiet_math_verify()
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = parse(_gold_text(ground_truth["answer"]), parsing_timeout=timeout)

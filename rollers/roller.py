@@ -24,6 +24,9 @@ already puts only admitted groups, so the roller takes whatever is there. Either
 the same sample ids). ``TQGroupChannel`` is the TransferQueue one; ``LocalGroupChannel`` an in-process
 one (tests, single-process runs).
 
+**Truncation.** A response ends with ``finish_reason=length`` at ``rollout.max_response_length`` tokens
+or where prompt + response reach the engine's context length; both count in ``truncation_ratio``.
+
 **Failures.** A reward that raises, returns NaN/inf or times out (``rollout.reward_timeout_s``) fails its
 whole group, and so does a request the engine rejects (ValueError, e.g. too long) or a sample aborted
 more than ``rollout.max_resubmits`` times: nothing of the group is put, a ``FailedGroup`` is recorded
@@ -260,7 +263,7 @@ def response_digest(fields: dict[str, Any], row: int) -> str:
 def build_response_fields(
     outputs: Sequence[GenerationOutput], scores: Sequence[float], pad_token_id: int, pad_to: int | None = None
 ) -> dict[str, Any]:
-    """The response fields of DESIGN.md's sample schema for finished engine outputs.
+    """The response fields of the sample schema (``common/schema.py``) for finished engine outputs.
 
     ``outputs``: one per sample, each with >= 1 token and ``finish_reason`` set; ``scores``: one reward
     per sample; ``pad_to``: response width (default: the longest output). Returns, with B samples and

@@ -4,16 +4,20 @@ Each row of a batch is sampled with its own ``torch.Generator`` and one uniform 
 CDF over the filtered, sorted distribution), so a request's samples depend only on its own seed and
 logits, never on which other requests share the batch.
 
-Log-probs follow DESIGN.md's sample schema: ``log_softmax(logits / T)`` of the sampled token over the
+Log-probs follow the sample schema (``common/schema.py``): ``log_softmax(logits / T)`` of the sampled token over the
 full vocabulary (top-k/top-p only restrict which tokens can be drawn; they do not renormalise the
-reported log-prob), raw ``log_softmax(logits)`` when greedy (``T == 0``), in fp32.
+reported log-prob), raw ``log_softmax(logits)`` when greedy (``T == 0``, or below ``GREEDY_BELOW``), in fp32.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,27 +30,85 @@ class RowSampling:
     generator: torch.Generator
 
 
+GREEDY_BELOW = 1e-6  # a temperature below this samples greedily (SGLang's _SAMPLING_EPS): logits / T overflow
+
+
+class SamplingError(ValueError):
+    """Rows that cannot be sampled: ``errors`` maps row index to the reason. Raised before any row's
+    generator is drawn from, so the caller can drop those rows and sample the rest unchanged."""
+
+    def __init__(self, errors: dict[int, str]):
+        super().__init__("; ".join(f"row {i}: {e}" for i, e in errors.items()))
+        self.errors = errors
+
+
+def row_error(row: RowSampling) -> str | None:
+    """Why ``row``'s settings cannot be sampled (None when they can): temperature must be finite and
+    >= 0, top_p in (0, 1], top_k -1 or >= 1 (a top_k beyond the vocabulary keeps every token)."""
+    if not (math.isfinite(row.temperature) and row.temperature >= 0):
+        return f"temperature must be a finite number >= 0, got {row.temperature!r}"
+    if not 0 < row.top_p <= 1:
+        return f"top_p must be in (0, 1], got {row.top_p!r}"
+    if row.top_k == 0 or row.top_k < -1:
+        return f"top_k must be -1 (off) or >= 1, got {row.top_k!r}"
+    return None
+
+
 def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
     """Sample one token per row.
 
     ``logits`` (batch, vocab) any float dtype; ``rows`` one ``RowSampling`` per batch row. Returns the
     sampled token ids and their natural-log probabilities (see the module docstring), as Python lists.
     Top-p is nucleus sampling (Holtzman et al. 2020): the smallest prefix of the probability-sorted
-    vocabulary whose mass reaches ``top_p`` (always at least one token). Raises ValueError when the
-    batch size and ``rows`` disagree.
+    vocabulary whose mass reaches ``top_p`` (always at least one token). A temperature below
+    ``GREEDY_BELOW`` is greedy. Raises ValueError when the batch size and ``rows`` disagree,
+    SamplingError (before drawing anything) for rows whose settings ``row_error`` refuses.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} sampling rows")
+    errors = {i: e for i, r in enumerate(rows) if (e := row_error(r)) is not None}
+    if errors:
+        raise SamplingError(errors)
     logits = logits.float()
-    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=logits.device)
+    sampled = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]
+    temps = torch.ones(len(rows), device=logits.device)
+    temps[sampled] = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
     log_probs = torch.log_softmax(logits / temps[:, None], dim=-1)
     tokens = torch.argmax(logits, dim=-1)
-    sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)
         tokens[idx] = _draw(log_probs[idx], [rows[i] for i in sampled])
     token_log_probs = log_probs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), token_log_probs.tolist()
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSampling]
+                ) -> tuple[dict[int, tuple[int, float]], dict[int, Exception]]:
+    """``sample_tokens`` that never raises for a row: ``({row: (token, log_prob)}, {row: error})``.
+
+    Rows ``row_error`` refuses are dropped before anything is drawn, so the others sample exactly as
+    they would have; any other error is narrowed down by sampling the rows one at a time (a row then
+    drawn twice skips one uniform of its stream, logged). ``logits`` (batch, vocab).
+    """
+    keep, errors = list(range(len(rows))), {}
+    try:
+        try:
+            tokens, log_probs = sample_tokens(logits, rows)
+        except SamplingError as exc:
+            errors = {i: ValueError(message) for i, message in exc.errors.items()}
+            keep = [i for i in keep if i not in errors]
+            tokens, log_probs = sample_tokens(logits[keep], [rows[i] for i in keep]) if keep else ([], [])
+        return dict(zip(keep, zip(tokens, log_probs, strict=True), strict=True)), errors
+    except Exception:  # noqa: BLE001 - isolate the row(s) that fail; the others go on
+        logger.exception("sampling a batch of %d rows failed; sampling them one at a time", len(keep))
+    sampled = {}
+    for i in keep:
+        try:
+            (token,), (log_prob,) = sample_tokens(logits[i : i + 1], [rows[i]])
+            sampled[i] = (token, log_prob)
+        except Exception as exc:  # noqa: BLE001 - reported for this row only
+            errors[i] = exc
+    return sampled, errors
 
 
 def _draw(log_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
@@ -75,7 +137,7 @@ def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor, rows: list[RowSa
     """Top-k/top-p draw over the probability-sorted vocabulary; ``probs`` (batch, vocab)."""
     vocab = probs.shape[1]
     if all(r.top_p >= 1.0 for r in rows):  # top-k only (every row has one): a partial sort is enough
-        probs, order = torch.topk(probs, max(r.top_k for r in rows), dim=-1)
+        probs, order = torch.topk(probs, min(max(r.top_k for r in rows), vocab), dim=-1)
     else:
         probs, order = torch.sort(probs, dim=-1, descending=True)
     ranks = torch.arange(probs.shape[1], device=probs.device)

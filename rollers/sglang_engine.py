@@ -35,6 +35,7 @@ import aiohttp
 import torch
 from aiohttp.http_exceptions import LineTooLong
 
+from checkpointengine import broadcast as bc
 from rollers import sglang_protocol as proto
 from rollers.engine import PAUSE_MODES, Engine, EngineError, GenerationOutput, GenerationRequest
 
@@ -85,7 +86,7 @@ class SGLangEngine(Engine):
         self._on_shutdown = on_shutdown
         self._session: aiohttp.ClientSession | None = None
         self._weight_version = 0
-        self._own_group: tuple[str, Any] | None = None  # (group_name, process group) of load_weights
+        self._own_group: tuple[str, Any] | None = None  # (group_name, WeightUpdateGroup) of load_weights
         self._model_info_path = "/model_info"
         self._has_update_session: bool | None = None  # server knows /begin_weight_update (None: not asked)
         self._closed = False
@@ -330,11 +331,12 @@ class SGLangEngine(Engine):
 
     async def _ensure_own_group(self) -> tuple[str, Any]:
         if self._own_group is None:
-            name, port = f"hflow-{uuid.uuid4().hex[:12]}", free_port()
+            name = f"hflow-{uuid.uuid4().hex[:12]}"
+            store = bc.create_sender_store("127.0.0.1", 0, 2, self.group_timeout_s)  # listens on loopback only
             join = asyncio.ensure_future(asyncio.to_thread(
-                proto.init_weights_group, "127.0.0.1", port, 0, 2, name, "gloo", self.group_timeout_s))
+                bc.create_sender_group, store, 2, name, "gloo", self.group_timeout_s))
             try:
-                await self.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo")
+                await self.init_weights_update_group("127.0.0.1", store.port, 1, 2, name, "gloo")
             except BaseException:
                 join.cancel()  # the thread ends at its rendezvous timeout
                 raise
@@ -352,7 +354,7 @@ class SGLangEngine(Engine):
                 await self.destroy_weights_update_group(name)
             except EngineError as exc:
                 logger.warning("could not destroy weight-update group %s on %s: %s", name, self.url, exc)
-            torch.distributed.destroy_process_group(group)
+            bc.destroy_group(group)
         self._closed = True
         session, self._session = self._session, None
         if session is not None:

@@ -75,10 +75,9 @@ class SGLangLauncher:
         if model_dir is None:
             raise ValueError(f"model.path={self.model.path!r} has no directory for SGLang to load; "
                              "use rollers.sglang_launch=torch")
-        dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[self.model.dtype]
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
                "--host", self.host, "--port", str(self.port), "--mem-fraction-static", str(self.mem_fraction),
-               "--dtype", dtype, "--tp-size", "1", "--random-seed", str(self.seed),
+               "--dtype", self.model.dtype, "--tp-size", "1", "--random-seed", str(self.seed),
                "--weight-version", str(self.weight_version), "--skip-tokenizer-init", "--log-level", "warning"]
         if self.colocated:
             cmd.append("--enable-memory-saver")

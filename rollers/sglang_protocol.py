@@ -1,4 +1,4 @@
-"""SGLang's native HTTP API as typed records: request bodies, response parsing, weight-update groups.
+"""SGLang's native HTTP API as typed records: request bodies, response parsing, weight-update payloads.
 
 Shared by ``rollers.sglang_server`` (our torch engine behind SGLang's endpoints) and
 ``rollers.sglang_engine`` (the client), so both sides spell every field the same way. Field names are
@@ -22,7 +22,6 @@ Conventions at the boundary:
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from typing import Any
 
 import torch
 
+from checkpointengine.broadcast import WeightUpdateGroup
+from common.dtypes import dtype_from_name, dtype_name
 from rollers.engine import GenerationOutput, GenerationRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,21 @@ def _check_keys(body: dict, accepted: tuple[str, ...], where: str) -> None:
         )
 
 
+def body_flag(body: dict, key: str, default: bool) -> bool:
+    """``body[key]`` as a bool (absent or null: ``default``). Raises ProtocolError for another type (a
+    string ``"false"`` must not read as true)."""
+    value = body.get(key)
+    return default if value is None else _typed(value, bool, key)
+
+
+def body_group_name(body: dict) -> str:
+    """``body["group_name"]`` (default ``DEFAULT_GROUP_NAME``). Raises ProtocolError unless a non-empty string."""
+    name = body.get("group_name", DEFAULT_GROUP_NAME)
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"group_name must be a non-empty string, got {name!r}")
+    return name
+
+
 def sampling_from_sglang(params: Any) -> SamplingParams:
     """Parse SGLang ``sampling_params`` into ``SamplingParams``. Raises ProtocolError naming the field."""
     params = {} if params is None else _typed(params, dict, "sampling_params")
@@ -165,11 +181,13 @@ class ParsedGenerate:
     return_text_in_logprobs: bool
 
 
-def parse_generate_body(body: Any, vocab_size: int, default_rid: str) -> ParsedGenerate:
+def parse_generate_body(body: Any, vocab_size: int, default_rid: str,
+                        max_input_len: int | None = None) -> ParsedGenerate:
     """Validate a ``/generate`` body (a single request of token ids). Raises ProtocolError naming the field.
 
-    ``input_ids``: non-empty list of ints in ``[0, vocab_size)``; batches (a list of lists) and ``text``
-    are rejected (this server does not tokenize); ``logprob_start_len`` only ``-1`` (output tokens) and
+    ``input_ids``: non-empty list of ints in ``[0, vocab_size)``, shorter than ``max_input_len`` when
+    given (the context length: checked before any id); batches (a list of lists) and ``text`` are rejected
+    (this server does not tokenize); ``logprob_start_len`` only ``-1`` (output tokens) and
     ``top_logprobs_num`` only 0 are supported.
     """
     body = _typed(body, dict, "request body")
@@ -177,6 +195,9 @@ def parse_generate_body(body: Any, vocab_size: int, default_rid: str) -> ParsedG
     input_ids = _typed(body.get("input_ids"), list, "input_ids")
     if not input_ids:
         raise ProtocolError("input_ids is empty")
+    if max_input_len is not None and len(input_ids) >= max_input_len:
+        raise ProtocolError(f"input_ids: {len(input_ids)} tokens leave no room for a response within the "
+                            f"context length of {max_input_len} tokens")
     for tok in input_ids:
         if isinstance(tok, list):
             raise ProtocolError("input_ids: batch requests (a list of lists) are not supported here")
@@ -188,10 +209,8 @@ def parse_generate_body(body: Any, vocab_size: int, default_rid: str) -> ParsedG
         raise ProtocolError(f"top_logprobs_num must be 0, got {body['top_logprobs_num']!r}")
     rid = body.get("rid")
     rid = default_rid if rid is None else _typed(rid, str, "rid")
-    flags = {}
-    for key in ("stream", "return_logprob", "return_text_in_logprobs", "log_metrics"):
-        value = body.get(key)
-        flags[key] = False if value is None else _typed(value, bool, key)
+    flags = {key: body_flag(body, key, False)
+             for key in ("stream", "return_logprob", "return_text_in_logprobs", "log_metrics")}
     sampling = sampling_from_sglang(body.get("sampling_params"))
     return ParsedGenerate(
         request=GenerationRequest(request_id=rid, input_ids=tuple(input_ids), sampling=sampling),
@@ -336,42 +355,14 @@ def parse_generate_output(payload: Any, request_id: str, previous: GenerationOut
 
 def dtype_from_sglang(name: Any) -> torch.dtype:
     """``"bfloat16"`` (SGLang's spelling; ``"torch.bfloat16"`` also accepted) as a torch dtype."""
-    key = _typed(name, str, "dtypes[]").removeprefix("torch.")
-    dtype = getattr(torch, key, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ProtocolError(f"dtypes: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
-    return dtype
+    try:
+        return dtype_from_name(_typed(name, str, "dtypes[]"))
+    except ValueError as exc:
+        raise ProtocolError(f"dtypes: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16'): {exc}") from None
 
 
 def dtype_to_sglang(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def init_weights_group(
-    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
-    timeout_s: float,
-):
-    """Join the weight-update process group the way SGLang's ``init_custom_process_group`` does.
-
-    A TCP rendezvous at ``master_address:master_port`` (rank 0, the trainer, hosts the store), keys under
-    a ``group_name`` prefix, a process group of its own: no default group is needed and several groups
-    can coexist. Blocks until all ``world_size`` ranks joined (at most ``timeout_s``); raises
-    RuntimeError/DistStoreError from torch on failure. Uses torch's private ``_new_process_group_helper``
-    exactly as SGLang does, so a sender written for SGLang meets this receiver.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    init_method = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, backend_options=None,
-        timeout=timeout,
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+    return dtype_name(dtype)
 
 
 @dataclass(frozen=True)
@@ -412,8 +403,10 @@ def _bucket_layout(specs: list[TensorSpec]) -> list[tuple[int, int]]:
     return ranges
 
 
-def receive_weights(specs: list[TensorSpec], group, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """Receive one ``/update_weights_from_distributed`` call's tensors by broadcast from rank 0.
+def receive_weights(specs: list[TensorSpec], group: WeightUpdateGroup, load_format: str | None
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """Receive one ``/update_weights_from_distributed`` call's tensors by broadcast from rank 0 of
+    ``group`` (joined with ``checkpointengine.broadcast.init_weights_update_group``, SGLang's way).
 
     ``load_format`` ``None``: one ``broadcast`` per tensor, in order (SGLang's default);
     ``"flattened_bucket"``: one ``broadcast`` of a uint8 buffer holding every tensor back to back.
@@ -422,27 +415,29 @@ def receive_weights(specs: list[TensorSpec], group, load_format: str | None) -> 
     if load_format == FLATTENED_BUCKET:
         ranges = _bucket_layout(specs)
         flat = torch.empty(ranges[-1][1], dtype=torch.uint8)
-        torch.distributed.broadcast(flat, src=0, group=group)
+        torch.distributed.broadcast(flat, src=0, group=group.process_group)
         return [(s.name, flat[a:b].view(s.dtype).reshape(s.shape)) for s, (a, b) in zip(specs, ranges, strict=True)]
     if load_format is not None:
         raise ProtocolError(f"load_format must be null or {FLATTENED_BUCKET!r}, got {load_format!r}")
     received = []
     for spec in specs:
         tensor = torch.empty(spec.shape, dtype=spec.dtype)
-        torch.distributed.broadcast(tensor, src=0, group=group)
+        torch.distributed.broadcast(tensor, src=0, group=group.process_group)
         received.append((spec.name, tensor))
     return received
 
 
-def send_weights(tensors: list[tuple[str, torch.Tensor]], group, load_format: str | None) -> None:
-    """The sender (rank 0) side of ``receive_weights``: the same broadcasts with the same layout."""
+def send_weights(tensors: list[tuple[str, torch.Tensor]], group: WeightUpdateGroup, load_format: str | None
+                 ) -> None:
+    """The sender (rank 0 of ``group``, ``checkpointengine.broadcast.create_sender_group``) side of
+    ``receive_weights``: the same broadcasts with the same layout."""
     if load_format == FLATTENED_BUCKET:
         specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors]
         ranges = _bucket_layout(specs)
         flat = torch.empty(ranges[-1][1], dtype=torch.uint8)
         for (_, tensor), (a, b) in zip(tensors, ranges, strict=True):
             flat[a:b].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-        torch.distributed.broadcast(flat, src=0, group=group)
+        torch.distributed.broadcast(flat, src=0, group=group.process_group)
         return
     for _, tensor in tensors:
-        torch.distributed.broadcast(tensor.detach().contiguous(), src=0, group=group)
+        torch.distributed.broadcast(tensor.detach().contiguous(), src=0, group=group.process_group)

@@ -18,7 +18,10 @@ machine. Field names and answers follow SGLang 0.5.x (``rollers.sglang_protocol`
 
 A weight update on an engine that is not paused waits for in-flight requests to finish while holding
 new ones back (SGLang's writer lock), then loads; after ``/pause_generation`` it loads at once.
-Bad requests get HTTP 400 with ``{"success": false, "message": ...}`` (plus SGLang's ``error`` object).
+Bad requests get HTTP 400 with ``{"success": false, "message": ...}`` (plus SGLang's ``error`` object),
+and fail alone: every field is typed, sampling values must be finite and in range, and ``/generate`` is
+checked against the model (``Engine.check_request``: vocabulary, context length) before a stream answers
+200; ``/flush_cache?timeout=`` takes seconds in ``[0, drain_timeout_s]``.
 Run it with ``python -m rollers.sglang_server --model tiny --port 30000``; it binds 127.0.0.1 by default.
 """
 
@@ -29,6 +32,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import math
 import signal
 import time
 import uuid
@@ -39,6 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
+from checkpointengine import broadcast as bc
 from rollers import sglang_protocol as proto
 from rollers.engine import PAUSE_MODES, Engine, EngineError
 
@@ -73,16 +78,19 @@ class SGLangServer:
     ``/get_model_info``; ``tokenizer``: optional, fills ``text`` and logprob texts; ``max_body_bytes``:
     larger bodies get 400; ``group_timeout_s``: limit of every rendezvous/broadcast of a weight update;
     ``drain_timeout_s``: how long an update on an unpaused engine waits for requests to finish;
-    ``allow_remote_master``: accept a non-loopback ``master_address`` (off: loopback only).
+    ``allow_remote_master``: accept a non-loopback ``master_address`` (off: loopback only);
+    ``max_queued_requests``: ``/generate`` requests held at once (running or waiting); one more gets 503
+    (SGLang's ``--max-queued-requests``). Raises ValueError for bad sizes.
     """
 
     def __init__(
         self, engine: Engine, *, vocab_size: int, model_path: str = "", tokenizer=None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, group_timeout_s: float = 120.0,
-        drain_timeout_s: float = 300.0, allow_remote_master: bool = False,
+        drain_timeout_s: float = 300.0, allow_remote_master: bool = False, max_queued_requests: int = 4096,
     ):
-        if vocab_size < 1 or max_body_bytes < 1024:
-            raise ValueError(f"vocab_size must be >= 1 and max_body_bytes >= 1024, got {vocab_size}, {max_body_bytes}")
+        if vocab_size < 1 or max_body_bytes < 1024 or max_queued_requests < 1:
+            raise ValueError(f"vocab_size and max_queued_requests must be >= 1 and max_body_bytes >= 1024, got "
+                             f"{vocab_size}, {max_queued_requests}, {max_body_bytes}")
         self.engine = engine
         self.vocab_size = vocab_size
         self.model_path = model_path
@@ -91,9 +99,11 @@ class SGLangServer:
         self.group_timeout_s = group_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.allow_remote_master = allow_remote_master
+        self.max_queued_requests = max_queued_requests
         self._groups: dict[str, Any] = {}
         self._paused = False
-        self._num_in_flight = 0
+        self._num_in_flight = 0  # admitted /generate requests (a weight update waits for them)
+        self._num_queued = 0  # /generate requests held, admitted or waiting for admission
         self._idle = asyncio.Condition()
         self._admitting = asyncio.Event()
         self._admitting.set()
@@ -230,10 +240,22 @@ class SGLangServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._json(request, ())
-            parsed = proto.parse_generate_body(body, self.vocab_size, default_rid=uuid.uuid4().hex)
-        except (BadRequest, proto.ProtocolError) as exc:
+            parsed = proto.parse_generate_body(body, self.vocab_size, default_rid=uuid.uuid4().hex,
+                                               max_input_len=self.engine.max_seq_len)
+            self.engine.check_request(parsed.request)  # before a stream answers 200
+        except (BadRequest, ValueError) as exc:
             return _error(str(exc))
-        await self._admitting.wait()
+        if self._num_queued >= self.max_queued_requests:
+            return _error(f"The request queue is full ({self.max_queued_requests} requests; "
+                          "max_queued_requests).", status=503)
+        self._num_queued += 1
+        try:
+            await self._admitting.wait()
+            return await self._run_generate(request, parsed)
+        finally:
+            self._num_queued -= 1
+
+    async def _run_generate(self, request: web.Request, parsed: proto.ParsedGenerate) -> web.StreamResponse:
         self._num_in_flight += 1
         try:
             if parsed.stream:
@@ -298,11 +320,15 @@ class SGLangServer:
     async def flush_cache(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "POST"):
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+        raw = request.query.get("timeout", "0")
         try:
-            timeout_s = float(request.query.get("timeout", "0"))
+            timeout_s = float(raw)
         except ValueError:
-            return web.Response(status=400, text=f"timeout must be a number, got {request.query['timeout']!r}\n")
-        deadline = time.monotonic() + max(timeout_s, 0.0)
+            timeout_s = math.nan
+        if not 0 <= timeout_s <= self.drain_timeout_s:  # NaN fails too: a deadline that never comes
+            return web.Response(status=400, text=f"timeout must be a number of seconds in [0, "
+                                                 f"{self.drain_timeout_s}] (drain_timeout_s), got {raw!r}\n")
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 await self.engine.flush_cache()
@@ -320,7 +346,10 @@ class SGLangServer:
         mode = body.get("mode", "abort")  # SGLang's default
         if mode not in PAUSE_MODES:
             return _error(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-        await self.engine.pause(mode)
+        try:
+            await self.engine.pause(mode)
+        except EngineError as exc:
+            return _error(str(exc), status=503)
         self._paused = True
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -329,7 +358,10 @@ class SGLangServer:
             await self._json(request, proto.CONTINUE_FIELDS)
         except BadRequest as exc:
             return _error(str(exc))
-        await self.engine.resume()
+        try:
+            await self.engine.resume()
+        except EngineError as exc:
+            return _error(str(exc), status=503)
         self._paused = False
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -357,7 +389,10 @@ class SGLangServer:
             body = await self._json(request, proto.INIT_GROUP_FIELDS, required)
         except BadRequest as exc:
             return _error(str(exc))
-        group_name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
+        try:
+            group_name = proto.body_group_name(body)
+        except proto.ProtocolError as exc:
+            return _error(str(exc))
         backend = body.get("backend", "nccl")
         address, port, rank, world = (body[k] for k in required)
         if backend != "gloo":
@@ -368,26 +403,24 @@ class SGLangServer:
             0 < port < 65536 and 0 < rank < world
         ):
             return _error(f"need 0 < master_port < 65536 and 0 < rank_offset < world_size, got {port}, {rank}, {world}")
-        if not isinstance(group_name, str) or not group_name or group_name in self._groups:
-            return _error(f"group_name {group_name!r} is empty or already initialised")
+        if group_name in self._groups:
+            return _error(f"group_name {group_name!r} is already initialised")
         try:
             self._groups[group_name] = await asyncio.to_thread(
-                proto.init_weights_group, address, port, rank, world, group_name, backend, self.group_timeout_s)
+                bc.init_weights_update_group, address, port, rank, world, group_name, backend, self.group_timeout_s)
         except Exception as exc:  # torch raises RuntimeError/DistStoreError/DistNetworkError subclasses
             return self._result(False, f"Failed to initialize custom process group: {exc}.")
         return self._result(True, "Succeeded to initialize custom process group.")
 
     def _destroy_group(self, name: str) -> None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group(self._groups.pop(name))
+        bc.destroy_group(self._groups.pop(name))
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         try:
             body = await self._json(request, proto.DESTROY_GROUP_FIELDS)
-        except BadRequest as exc:
+            name = proto.body_group_name(body)
+        except (BadRequest, proto.ProtocolError) as exc:
             return _error(str(exc))
-        name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
         if name not in self._groups:
             return self._result(False, "The group to be destroyed does not exist.")
         self._destroy_group(name)
@@ -397,7 +430,7 @@ class SGLangServer:
         try:
             body = await self._json(request, proto.UPDATE_DISTRIBUTED_FIELDS, ("names", "dtypes", "shapes"))
             specs = proto.parse_tensor_specs(body["names"], body["dtypes"], body["shapes"])
-            group_name = body.get("group_name", proto.DEFAULT_GROUP_NAME)
+            group_name = proto.body_group_name(body)
             if group_name not in self._groups:
                 raise BadRequest(f"group {group_name!r} is not initialised: call /init_weights_update_group first")
             if body.get("selector", "all") not in ("all", "target"):
@@ -406,13 +439,14 @@ class SGLangServer:
             if load_format not in (None, proto.FLATTENED_BUCKET):
                 raise BadRequest(f"load_format must be null or {proto.FLATTENED_BUCKET!r}, got {load_format!r}")
             version = self._version_for_update(body.get("weight_version"))
-            async with self._exclusive(bool(body.get("abort_all_requests", False))):
+            abort_all, flush = _update_flags(body)
+            async with self._exclusive(abort_all):
                 try:
                     tensors = await asyncio.wait_for(asyncio.to_thread(
                         proto.receive_weights, specs, self._groups[group_name], load_format), self.group_timeout_s)
                 except Exception as exc:  # a failed/timed-out broadcast: keep the old weights and version
                     return self._result(False, f"Failed to receive weights: {exc}")
-                ok, message = await self._load(tensors, version, bool(body.get("flush_cache", True)))
+                ok, message = await self._load(tensors, version, flush)
         except (BadRequest, proto.ProtocolError) as exc:
             return _error(str(exc))
         return self._result(ok, message)
@@ -420,20 +454,31 @@ class SGLangServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
             body = await self._json(request, proto.UPDATE_DISK_FIELDS, ("model_path",))
-            files = sorted(Path(str(body["model_path"])).glob("*.safetensors"))
+            if not isinstance(body["model_path"], str) or not body["model_path"]:
+                raise BadRequest(f"model_path must be a non-empty string, got {body['model_path']!r}")
+            files = sorted(Path(body["model_path"]).glob("*.safetensors"))
             if not files:
                 raise BadRequest(f"model_path {body['model_path']!r} holds no *.safetensors files")
             if body.get("load_format") not in (None, "auto", "safetensors"):
                 raise BadRequest(f"load_format must be null, 'auto' or 'safetensors', got {body['load_format']!r}")
             version = self._version_for_update(body.get("weight_version"))
-            async with self._exclusive(bool(body.get("abort_all_requests", False))):
+            abort_all, flush = _update_flags(body)
+            async with self._exclusive(abort_all):
                 tensors = await asyncio.to_thread(_read_safetensors, files)
-                ok, message = await self._load(tensors, version, bool(body.get("flush_cache", True)))
+                ok, message = await self._load(tensors, version, flush)
         except (BadRequest, proto.ProtocolError) as exc:
             return _error(str(exc))
         if ok:
             self.model_path = str(body["model_path"])
         return self._result(ok, message, num_paused_requests=0)
+
+
+def _update_flags(body: dict) -> tuple[bool, bool]:
+    """``abort_all_requests`` (default false) and ``flush_cache`` (default true) of a weight update, typed;
+    ``torch_empty_cache``/``recapture_cuda_graph`` are CUDA-only (no effect here) but must be booleans too."""
+    for key in ("torch_empty_cache", "recapture_cuda_graph"):
+        proto.body_flag(body, key, False)
+    return proto.body_flag(body, "abort_all_requests", False), proto.body_flag(body, "flush_cache", True)
 
 
 def _read_safetensors(files: list[Path]) -> list[tuple[str, Any]]:
@@ -457,6 +502,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--allow-remote-master", action="store_true")
+    p.add_argument("--max-queued-requests", type=int, default=4096)
     return p.parse_args(argv)
 
 
@@ -470,7 +516,8 @@ async def _serve(args: argparse.Namespace) -> None:
                          weight_version=args.weight_version, seed=args.seed)
     server = SGLangServer(engine, vocab_size=int(model.get_output_embeddings().weight.shape[0]),
                           model_path=args.model, tokenizer=tokenizer, max_body_bytes=args.max_body_bytes,
-                          allow_remote_master=args.allow_remote_master)
+                          allow_remote_master=args.allow_remote_master,
+                          max_queued_requests=args.max_queued_requests)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,10 +34,12 @@ TINY_REPEAT_MAX_SYMBOLS = 26
 
 @dataclass(frozen=True)
 class TaskRecord:
-    """One dataset row: ``prompt`` (the user message, before the chat template) and its ``ground_truth``."""
+    """One dataset row: ``prompt`` (the user message, before the chat template), its ``ground_truth``, and
+    for a file row its ``source`` (``FILE:LINE`` or ``FILE row N``, counting from 1) for error messages."""
 
     prompt: str
     ground_truth: dict[str, Any]
+    source: str = ""
 
 
 def task_kind(task: str) -> str:
@@ -126,13 +128,17 @@ def reasoning_gym_records(task: str, size: int, seed: int, kwargs: dict[str, Any
 
 
 def file_records(path: Path, prompt_key: str, answer_key: str) -> list[TaskRecord]:
-    """Rows of a ``.jsonl`` or ``.parquet`` file (read with pyarrow) with ``prompt_key``/``answer_key``."""
+    """Rows of a ``.jsonl`` or ``.parquet`` file (read with pyarrow) with ``prompt_key``/``answer_key``.
+
+    Errors and ``TaskRecord.source`` name a row as ``FILE:LINE`` for ``.jsonl`` (lines count from 1, blank
+    ones included, as an editor shows them) and ``FILE row N`` for ``.parquet`` (rows count from 1).
+    """
     if not path.is_file():
         raise ValueError(f"data.task={str(path)!r}: file does not exist")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
+        rows = [(f"{path} row {n}", row) for n, row in enumerate(pq.read_table(path).to_pylist(), start=1)]
     else:
         rows = []
         with path.open(encoding="utf-8") as handle:
@@ -140,18 +146,18 @@ def file_records(path: Path, prompt_key: str, answer_key: str) -> list[TaskRecor
                 if not line.strip():
                     continue
                 try:
-                    rows.append(json.loads(line))
+                    rows.append((f"{path}:{line_no}", json.loads(line)))
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{line_no}: not valid JSON: {exc}") from exc
     records = []
-    for index, row in enumerate(rows):
+    for where, row in rows:
         for key, name in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
             if not isinstance(row, dict) or key not in row:
                 present = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{path} row {index}: no column {name}={key!r} (columns: {present})")
+                raise ValueError(f"{where}: no column {name}={key!r} (columns: {present})")
         if not isinstance(row[prompt_key], str):
-            raise ValueError(f"{path} row {index}: column {prompt_key!r} must be a string")
-        records.append(TaskRecord(row[prompt_key], to_json_object({"answer": row[answer_key]}, f"row {index}")))
+            raise ValueError(f"{where}: column {prompt_key!r} must be a string")
+        records.append(TaskRecord(row[prompt_key], to_json_object({"answer": row[answer_key]}, where), where))
     if not records:
         raise ValueError(f"data.task={str(path)!r}: the file has no rows")
     return records

@@ -18,6 +18,12 @@ history or its neighbours; greedy output equals Hugging Face ``generate`` token 
 Decoding a small model on CPU is bound by reading the weights, so one forward for every running slot
 per step is what makes it fast; slots freed by short requests are refilled at the next step.
 
+Requests are checked against the model when submitted (``check_request``: token and stop ids inside the
+vocabulary, ``top_k`` at most the vocabulary, a prompt shorter than ``max_seq_len``); a response that
+reaches ``max_seq_len`` ends with ``finish_reason="length"``, like one that reaches ``max_new_tokens``.
+A request that fails while decoding (its row cannot be sampled) fails alone with ``RequestError``; only a
+failed forward, which no request parameter can cause, fails every request and the engine (``health``).
+
 Limits: the model's attention must go through transformers' ``Cache.update`` with a 4-D additive mask
 (Llama, Qwen2/3, Mistral, Gemma-style attention). The per-slot mask is full causal, so a model with a
 sliding window gets ``max_seq_len`` capped at the window (where both agree) with a warning; chunked,
@@ -42,49 +48,31 @@ from rollers.engine import (
     EngineError,
     GenerationOutput,
     GenerationRequest,
+    RequestError,
 )
 from rollers.kv_cache import SlotKVCache
-from rollers.sampling import RowSampling, sample_tokens
+from rollers.model_limits import attention_window, collect_eos_ids, position_limit
+from rollers.sampling import RowSampling, sample_rows
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class _Sequence:
-    """Engine-side state of one request. ``kv_len``: positions of ``tokens`` held in its slot's cache."""
+    """Engine-side state of one request. ``kv_len``: positions of ``tokens`` held in its slot's cache;
+    ``max_new_tokens``: the request's own, capped at the room the context length leaves."""
 
     request: GenerationRequest
     output: GenerationOutput
     sampling: RowSampling
     stop_ids: frozenset[int]
     done: asyncio.Future
+    max_new_tokens: int
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     kv_len: int = 0
 
     def tokens(self) -> list[int]:
         return [*self.request.input_ids, *self.output.output_ids]
-
-
-def collect_eos_ids(model: torch.nn.Module, tokenizer_or_eos_ids) -> frozenset[int]:
-    """Every EOS id of ``model`` (its ``generation_config`` and ``config`` may list several) plus those
-    of ``tokenizer_or_eos_ids``: a tokenizer (its ``eos_token_id``), one id, or an iterable of ids."""
-    ids: set[int] = set()
-
-    def add(value) -> None:
-        if value is None:
-            return
-        if isinstance(value, int):
-            ids.add(value)
-        else:
-            ids.update(int(v) for v in value)
-
-    if hasattr(tokenizer_or_eos_ids, "eos_token_id"):
-        add(tokenizer_or_eos_ids.eos_token_id)
-    else:
-        add(tokenizer_or_eos_ids)
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        add(getattr(cfg, "eos_token_id", None))
-    return frozenset(ids)
 
 
 class TorchEngine(Engine):
@@ -112,12 +100,12 @@ class TorchEngine(Engine):
     ):
         if max_batch_slots < 1:
             raise ValueError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
-        window = _attention_window(model.config)
+        window = attention_window(model.config)
         self._model = model.eval()
         self._device = next(model.parameters()).device
         self._eos_ids = collect_eos_ids(model, tokenizer_or_eos_ids)
         self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self._max_seq_len = int(max_seq_len or getattr(model.config, "max_position_embeddings", 0) or 4096)
+        self._max_seq_len = int(max_seq_len or position_limit(model.config))
         if window is not None and self._max_seq_len > window:
             logger.warning("max_seq_len %d capped at the model's sliding window (%d tokens)", self._max_seq_len, window)
             self._max_seq_len = window
@@ -147,13 +135,24 @@ class TorchEngine(Engine):
         return self._weight_version
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the model's output embedding: token ids are in ``[0, vocab_size)``."""
+        return self._vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """The prompt + response limit in tokens (the context length this engine serves)."""
+        return self._max_seq_len
+
+    @property
     def eos_ids(self) -> frozenset[int]:
         """The token ids that end a request (unless ``ignore_eos``)."""
         return self._eos_ids
 
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
         """Run ``request`` to completion; cancelling the caller aborts the request. Raises ValueError for a
-        request the engine cannot hold, EngineError when the engine is shut down or failed."""
+        request the engine cannot hold (``check_request``), RequestError (a ValueError) for one that failed
+        while decoding, EngineError when the engine is shut down or failed."""
         seq = self._submit(request)
         try:
             return await seq.done
@@ -294,16 +293,8 @@ class TorchEngine(Engine):
         self._check_usable()
         if request.request_id in self._by_id:
             raise ValueError(f"request {request.request_id!r} is already in flight")
+        self.check_request(request)
         sampling = request.sampling
-        total = len(request.input_ids) + sampling.max_new_tokens
-        if total > self._max_seq_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt ({len(request.input_ids)}) + max_new_tokens "
-                f"({sampling.max_new_tokens}) = {total} exceeds max_seq_len={self._max_seq_len}"
-            )
-        bad = [t for t in request.input_ids if not 0 <= t < self._vocab_size]
-        if bad:
-            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside [0, {self._vocab_size})")
         seed = sampling.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng).item())
@@ -315,6 +306,7 @@ class TorchEngine(Engine):
             sampling=RowSampling(sampling.temperature, sampling.top_p, sampling.top_k, generator),
             stop_ids=stop_ids,
             done=asyncio.get_running_loop().create_future(),
+            max_new_tokens=min(sampling.max_new_tokens, self._max_seq_len - len(request.input_ids)),
         )
         self._by_id[request.request_id] = seq
         self._waiting.append(seq)
@@ -322,11 +314,39 @@ class TorchEngine(Engine):
         self._wakeup.set()
         return seq
 
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise ValueError naming the field unless ``request`` fits this model: token ids and stop ids in
+        ``[0, vocab_size)``, ``top_k`` at most ``vocab_size``, and a prompt shorter than ``max_seq_len`` (at
+        least one token of room). ``max_new_tokens`` beyond the room is not an error: the response ends
+        with ``finish_reason="length"`` when prompt + response reach ``max_seq_len``."""
+        rid, sampling, vocab = request.request_id, request.sampling, self._vocab_size
+        if len(request.input_ids) >= self._max_seq_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {len(request.input_ids)} tokens leaves no room for a response "
+                f"within max_seq_len={self._max_seq_len} (the model's context length)"
+            )
+        bad = [t for t in request.input_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {rid!r}: stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if sampling.top_k > vocab:
+            raise ValueError(f"request {rid!r}: top_k={sampling.top_k} exceeds the vocabulary size {vocab} "
+                             "(use -1 to turn top-k off)")
+
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.output.finish_reason = reason
         self._by_id.pop(seq.request.request_id, None)
         if not seq.done.done():
             seq.done.set_result(seq.output)
+        seq.changed.set()
+
+    def _reject(self, seq: _Sequence, exc: Exception) -> None:
+        """Fail one request (it is no longer running or waiting) with ``RequestError``."""
+        self._by_id.pop(seq.request.request_id, None)
+        if not seq.done.done():
+            seq.done.set_exception(RequestError(f"request {seq.request.request_id!r} failed: {exc}"))
         seq.changed.set()
 
     def _drop(self, seq: _Sequence) -> None:
@@ -363,7 +383,7 @@ class TorchEngine(Engine):
             try:
                 with torch.no_grad():
                     self._step()
-            except Exception as exc:  # a failed forward fails every request; health() turns False
+            except Exception as exc:  # a failed forward (not a request's doing) fails every request
                 logger.exception("torch engine step failed")
                 self._fail(exc)
                 return
@@ -442,11 +462,13 @@ class TorchEngine(Engine):
         )
 
     def _append_tokens(self, first: int, logits: torch.Tensor) -> None:
-        """Sample one token for running slots ``first ..`` from ``logits`` (rows, vocab); finish stopped ones."""
+        """Sample one token for running slots ``first ..`` from ``logits`` (rows, vocab); finish stopped ones.
+        A row that cannot be sampled fails its own request (``RequestError``); the others go on."""
         seqs = self._running[first:]
-        token_ids, log_probs = sample_tokens(logits, [seq.sampling for seq in seqs])
-        finished: list[tuple[int, str]] = []
-        for offset, (seq, token, log_prob) in enumerate(zip(seqs, token_ids, log_probs, strict=True)):
+        sampled, errors = sample_rows(logits, [seq.sampling for seq in seqs])
+        finished: list[tuple[int, str | Exception]] = [(first + i, exc) for i, exc in errors.items()]
+        for offset, (token, log_prob) in sampled.items():
+            seq = seqs[offset]
             out = seq.output
             out.output_ids.append(token)
             out.output_log_probs.append(log_prob)
@@ -455,30 +477,15 @@ class TorchEngine(Engine):
             seq.changed.set()
             if token in seq.stop_ids:
                 finished.append((first + offset, "stop"))
-            elif len(out.output_ids) >= seq.request.sampling.max_new_tokens:
+            elif len(out.output_ids) >= seq.max_new_tokens:
                 finished.append((first + offset, "length"))
         done = [(self._running[i], reason) for i, reason in finished]
         self._release([i for i, _ in finished])
         for seq, reason in done:
-            self._finish(seq, reason)
-
-
-def _attention_window(config) -> int | None:
-    """The model's sliding-window size (None without one); ValueError for layers the engine cannot run.
-
-    Below the window, sliding-window attention equals full causal attention, so the engine serves such
-    models with ``max_seq_len`` capped at the window (see the module docstring).
-    """
-    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
-    if unsupported:
-        raise ValueError(f"TorchEngine runs full/sliding attention layers only; the model has {unsupported}")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        uses_window = "sliding_attention" in layer_types
-    else:
-        uses_window = getattr(config, "use_sliding_window", True)
-    window = getattr(config, "sliding_window", None)
-    return int(window) if uses_window and window else None
+            if isinstance(reason, Exception):
+                self._reject(seq, reason)
+            else:
+                self._finish(seq, reason)
 
 
 def _snapshot(output: GenerationOutput) -> GenerationOutput:

@@ -33,11 +33,14 @@ def ray_cluster():
     """The one local Ray cluster of this test session (loopback, logical CPUs for small machines)."""
     import ray
 
-    from common.env import init_ray
+    from common.env import init_ray, ray_session_dir, remove_ray_session_dir
 
     init_ray(num_cpus=64, object_store_bytes=512 * 1024**2)
+    session_dir = ray_session_dir()
     yield ray
     ray.shutdown()
+    if session_dir is not None:  # the cluster this session started: its directory goes with it
+        remove_ray_session_dir(session_dir)
 
 
 @pytest.fixture(scope="session")

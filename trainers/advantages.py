@@ -18,7 +18,7 @@ Registry: each estimator is an :class:`AdvantageEstimator` plug-in in ``ADV_ESTI
 ``input_fields`` (batch fields it reads besides the rewards and mask) and ``roller_extras`` (per-sample
 fields the rollers must add). Add one with ``@register_adv_estimator("name", input_fields=(...))`` in any
 module; a module outside the package is selected as ``algorithm.adv_estimator=module:name``
-(``trainers/registry.py``). :func:`compute_advantages` dispatches.
+(``common/registry.py``). :func:`compute_advantages` dispatches.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from common import schema
+from common.registry import Registry
 from trainers.metrics import masked_sum, masked_whiten
-from trainers.registry import Registry
 
 __all__ = [
     "ADV_ESTIMATORS",

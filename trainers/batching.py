@@ -1,6 +1,6 @@
 """Splitting a training batch: data-parallel shards, PPO mini-batches and micro-batches, by ``uid`` group.
 
-A *batch* here is a mapping of sample-schema fields (DESIGN.md, "Sample schema"): tensors with the batch
+A *batch* here is a mapping of sample-schema fields (``common/schema.py``): tensors with the batch
 as their first dimension, plus per-sample lists (``uid``, ``finish_reason``). A ``TensorDict`` is accepted
 too and turned into a plain dict by :func:`as_batch_dict`.
 

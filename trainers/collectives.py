@@ -6,6 +6,7 @@ No Python objects are pickled: strings travel as padded UTF-8 byte tensors.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import torch
@@ -59,3 +60,19 @@ def global_masked_stats(x: torch.Tensor, mask: torch.Tensor, prefix: str) -> dic
     if count == 0:
         return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
     return {f"{prefix}/mean": total / count, f"{prefix}/max": high, f"{prefix}/min": low}
+
+
+def broadcast_json(obj: dict | None) -> dict:
+    """Rank 0's ``obj`` (JSON-serialisable; None on the other ranks) on every rank, as UTF-8 JSON bytes in a
+    uint8 tensor (no pickle). Without a process group (one process) ``obj`` itself."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert obj is not None, "rank 0 must pass the object"
+        return obj
+    data = json.dumps(obj).encode() if obj is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=_comm_device())
+    dist.broadcast(size, src=0)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=_comm_device())
+    if obj is not None:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.cpu().numpy()))

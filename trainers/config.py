@@ -78,7 +78,7 @@ class TrainerConfig:
 class AlgorithmConfig:
     """Advantage estimator, losses, KL, and the staleness knobs of the asynchronous schedules.
 
-    Staleness (DESIGN.md, "Staleness, defined"): ``max_staleness`` bounds trainer version − a sample's
+    Staleness (defined in ``controller/admission.py``): ``max_staleness`` bounds trainer version − a sample's
     ``min_weight_version``; ``stale_policy`` says what happens to a group that still exceeds it;
     ``require_batches`` is how many train batches the fully-async trainer takes per update;
     ``trigger_sync_steps`` pushes weights every that many updates (needs
@@ -86,7 +86,7 @@ class AlgorithmConfig:
     log-probs) | tis (truncated importance sampling on ``rollout_log_probs``, capped at ``tis_cap``).
 
     Plug-in names (README "Algorithms"; each validated against its registry, ``module:name`` for a plug-in
-    module of your own, ``trainers/registry.py``): ``adv_estimator`` (``trainers/advantages.py``),
+    module of your own, ``common/registry.py``): ``adv_estimator`` (``trainers/advantages.py``),
     ``policy_loss`` (``trainers/policy_losses.py``; default ``vanilla`` = clipped PPO with
     ``clip_ratio_low/high`` and dual clip ``dual_clip_c``), ``loss_agg_mode`` (``trainers/losses.py``),
     ``kl_estimator`` / ``kl_in_reward_estimator`` (``trainers/kl.py``). Knobs of single policy losses:

@@ -31,7 +31,7 @@ sign of a rounding error).
 
 Registry: each estimator is a :class:`KLEstimator` plug-in in ``KL_ESTIMATORS``, the names of
 ``algorithm.kl_estimator`` and ``algorithm.kl_in_reward_estimator`` (``module:name`` from outside,
-``trainers/registry.py``).
+``common/registry.py``).
 
 KL-in-reward subtracts ``kl_coef * k(x)`` from every valid token's score (Ziegler et al. 2019, "Fine-Tuning
 Language Models from Human Preferences", eq. 2); the coefficient is fixed or adapted towards a target KL
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.registry import Registry
 from trainers.losses import aggregate_loss
 from trainers.metrics import masked_mean, masked_sum
-from trainers.registry import Registry
 
 __all__ = [
     "KL_ESTIMATORS",

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.registry import Registry
 from trainers.metrics import count_tokens_and_seqs, masked_mean, masked_sum
 from trainers.policy_losses import POLICY_LOSSES, PolicyLoss, PolicyLossInputs, PolicyLossParams
-from trainers.registry import Registry
 
 __all__ = [
     "LOSS_AGG_MODES",

@@ -6,7 +6,7 @@ the per-token loss ``(batch, response_len)`` to *minimise* and the masks its cli
 ratio is taken against (``stale_correction``), multiplies by the importance weight, aggregates with the
 plug-in's ``loss_agg_mode`` (or ``algorithm.loss_agg_mode`` when the plug-in has none) and reports
 metrics. Add one with ``@register_policy_loss("name")`` in any module (``module:name`` from outside,
-``trainers/registry.py``). Each built-in cites its paper; README "Algorithms" lists them and every
+``common/registry.py``). Each built-in cites its paper; README "Algorithms" lists them and every
 deliberate difference from verl.
 
 Notation: ``r = exp(log_ratio)`` the token ratio pi_theta / pi_base (log-ratio clamped to ±20, 0 on
@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from common.registry import Registry
 from trainers.metrics import masked_mean, masked_sum
-from trainers.registry import Registry
 
 __all__ = [
     "POLICY_LOSSES",

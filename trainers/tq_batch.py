@@ -1,7 +1,7 @@
 """Reading a trainer batch straight from the TransferQueue (the controller passes only metadata).
 
 ``fetch_batch(client, meta)`` turns a ``BatchMeta`` slice into the padded, batch-first dict the worker
-stages take (DESIGN.md "Sample schema"): prompts left-padded, responses right-padded, ``uid`` from the
+stages take (``common/schema.py``): prompts left-padded, responses right-padded, ``uid`` from the
 samples' tags. Variable-length fields (prompts fed in different calls, responses padded per group) are
 padded here to the widest sample of the slice.
 """

@@ -116,6 +116,7 @@ class TrainerWorker:
         self.kl_controller = make_kl_controller(algorithm)
         self.weight_version = 0
         self.tq_handle = tq_handle
+        self.weight_sender = None  # this rank's checkpointengine.WeightSender (trainers.weight_sync)
         self._tq_client = None
 
     # ------------------------------------------------------------------------------------------ helpers

@@ -10,9 +10,9 @@ def pad_sequences(seqs: list[torch.Tensor] | torch.Tensor, pad_value: float | in
                   max_len: int | None = None) -> torch.Tensor:
     """Stack per-sample 1-D+ tensors ``(len_i, *rest)`` into ``(batch, max_len, *rest)``.
 
-    ``side="right"`` pads after each sequence (responses), ``"left"`` before it (prompts, DESIGN.md sample
-    schema). ``max_len`` (optional) pads further to a fixed length. An already-stacked tensor is returned
-    as is (padded to ``max_len`` if given). Raises ValueError for an unknown side, an empty list, or a
+    ``side="right"`` pads after each sequence (responses), ``"left"`` before it (prompts; the sample
+    schema, ``common/schema.py``). ``max_len`` (optional) pads further to a fixed length. An already-stacked
+    tensor is returned as is (padded to ``max_len`` if given). Raises ValueError for an unknown side, an empty list, or a
     sequence longer than ``max_len``.
     """
     if side not in ("left", "right"):

@@ -24,21 +24,13 @@ import msgpack
 import numpy as np
 import torch
 
+from common.dtypes import DTYPE_NAMES, DTYPES
 from transferqueue.records import RemoteError
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 OBJECT_DTYPE = "object"
 
 
-def _build_dtypes() -> dict[str, torch.dtype]:
-    names = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
-             "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "float8_e4m3fn",
-             "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
-    return {n: getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)}
-
-
-DTYPES: dict[str, torch.dtype] = _build_dtypes()
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {k: v.itemsize for k, v in DTYPES.items()}
 _LIST, _INT = frozenset({list}), frozenset({int})
 

@@ -116,7 +116,7 @@ def test_backend_update_sequence(backend, tmp_path):
                 p.kill()
         sender.close()
     if backend == "shm":
-        assert not any(os.path.exists(p) for p in sender.handle.shm_paths), "shm slots leaked"
+        assert not any(os.path.exists(p) for p in sender.handle.fields.shm_paths), "shm slots leaked"
 
 
 def _free_port() -> int:

@@ -19,13 +19,12 @@ from checkpointengine import (
     WeightReceiver,
     WeightSender,
     WeightSyncError,
-    WeightUpdateError,
-    apply_update,
 )
 from checkpointengine.config import CheckpointEngineConfig
 from common.models import ModelConfig, TinyModelConfig, load_model
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.torch_engine import TorchEngine
+from rollers.weight_update import WeightUpdateError, apply_update
 from tests.checkpointengine.ce_procs import greedy_ids
 
 EOS = 2

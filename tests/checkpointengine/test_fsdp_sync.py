@@ -8,12 +8,14 @@ import asyncio
 import pytest
 import torch
 
-from checkpointengine import WeightReceiver, WeightSyncHandle, apply_update, trainer_hooks
+from checkpointengine import WeightReceiver, WeightSyncHandle
 from checkpointengine.config import CheckpointEngineConfig
 from common.models import load_model
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.torch_engine import TorchEngine
+from rollers.weight_update import apply_update
 from tests.checkpointengine.ce_procs import greedy_ids
+from trainers import weight_sync as trainer_hooks
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.group import TrainerGroup
 

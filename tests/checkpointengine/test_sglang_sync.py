@@ -16,11 +16,11 @@ import torch
 
 from checkpointengine import WeightSyncError
 from checkpointengine.config import CheckpointEngineConfig
-from checkpointengine.sglang_sync import SGLangWeightPusher
 from common.models import ModelConfig, load_model
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
 from tests.checkpointengine.ce_procs import greedy_ids
+from tests.checkpointengine.sglang_pusher import SGLangWeightPusher
 
 
 def _start_server() -> tuple[subprocess.Popen, str]:

@@ -41,6 +41,31 @@ def test_ray_cluster_on_loopback(ray_cluster):
     assert ray.get(remote_env.remote()) == ("1", "token")
 
 
+def test_session_dir_of_a_cluster_started_elsewhere_is_not_ours(ray_cluster):
+    """The test session's cluster was started by this process: its session directory is ours; one that a
+    job would only join is not (Ray names a session after the pid that started it)."""
+    ours = env.ray_session_dir()
+    assert ours is not None and ours.parent == env.ray_temp_dir() and ours.name.endswith(f"_{os.getpid()}")
+
+
+def test_remove_ray_session_dir_removes_only_session_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFLOW_CACHE_DIR", str(tmp_path))
+    root = env.ray_temp_dir()
+    session = root / "session_2026-01-01_00-00-00_000000_1"
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "raylet.out").write_text("x")
+    other = root / "session_2026-01-01_00-00-01_000000_2"
+    other.mkdir()
+    (root / "session_latest").symlink_to(session)
+    env.remove_ray_session_dir(session)
+    assert sorted(p.name for p in root.iterdir()) == [other.name]  # the link to it went too
+    (root / "session_latest").symlink_to(other)
+    with pytest.raises(ValueError, match="not a Ray session directory"):
+        env.remove_ray_session_dir(tmp_path)
+    env.remove_ray_session_dir(root / "session_gone")  # already gone: nothing to do
+    assert (root / "session_latest").resolve() == other  # another cluster's link is left alone
+
+
 def test_token_auth_cannot_be_switched_off(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     env.setup_process_env()

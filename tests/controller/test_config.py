@@ -89,6 +89,18 @@ def test_cli_help_lists_modes(capsys):
     out = capsys.readouterr().out
     for mode in ("sync", "one-step-off", "fully-async", "show-config"):
         assert mode in out
+    assert "'run' (the default" in " ".join(out.split())  # the command that runs a job is listed too
+    assert "[run | show-config]" in out
+
+
+def test_cli_refuses_mode_given_twice_differently(capsys):
+    assert main(["show-config", "--mode", "sync", "mode=fully-async"]) == 2
+    err = capsys.readouterr().err
+    assert "--mode sync conflicts with the override mode=fully-async" in err
+    assert main(["show-config", "--mode", "sync", "mode=sync"]) == 0  # the same mode twice is no conflict
+    assert "mode: sync" in capsys.readouterr().out
+    assert main(["--describe", "trainer.total_steps=1"]) == 2  # --describe goes with show-config only
+    assert "--describe goes with show-config" in capsys.readouterr().err
 
 
 def test_yaml_roundtrip(tmp_path):
@@ -108,3 +120,9 @@ def test_malformed_config_files_are_config_errors(tmp_path):
     listed.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="must hold a mapping"):
         load_config(config_file=str(listed))
+
+
+def test_no_root_seed_key():
+    # The seeds that act are data.seed, rollout.seed and model.tiny.seed; a root `seed` did nothing.
+    with pytest.raises(ValueError, match="seed"):
+        load_config(overrides=["seed=3"])

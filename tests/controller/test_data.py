@@ -46,8 +46,9 @@ def test_partial_final_batch_is_a_step_unless_drop_last(tok):
     assert len(batches) == 1 and len(batches[0].prompts) == 3
     assert num_available_steps(3, 4, 1, drop_last=False) == 1
     assert num_available_steps(3, 4, 1, drop_last=True) == 0
-    assert num_available_steps(10, 4, 3, drop_last=False) == 9
-    assert num_available_steps(10, 4, 3, drop_last=True) == 6
+    # Epochs form one stream: only the run's last step may be partial (30 prompts -> 7 full steps + 2).
+    assert num_available_steps(10, 4, 3, drop_last=False) == 8
+    assert num_available_steps(10, 4, 3, drop_last=True) == 7
     with pytest.raises(ValueError, match="data.drop_last=True"):
         _dataset(tok, 3, train_batch_size=4, drop_last=True).check_total_steps(1)
 
@@ -56,14 +57,14 @@ def test_batches_yield_exactly_total_steps_over_epochs(tok):
     dataset = _dataset(tok, 10, train_batch_size=4, epochs=3, seed=5)
     batches = list(dataset.batches(total_steps=7))
     assert [b.global_step for b in batches] == list(range(7))
-    assert [b.epoch for b in batches] == [0, 0, 0, 1, 1, 1, 2]
-    assert [len(b.prompts) for b in batches] == [4, 4, 2, 4, 4, 2, 4]
-    for epoch in (0, 1):  # every prompt exactly once per epoch, in a different order each epoch
-        seen = [p.index for b in batches if b.epoch == epoch for p in b.prompts]
-        assert sorted(seen) == list(range(10))
-    order0 = [p.index for b in batches if b.epoch == 0 for p in b.prompts]
-    order1 = [p.index for b in batches if b.epoch == 1 for p in b.prompts]
-    assert order0 != order1
+    assert [b.epoch for b in batches] == [0, 0, 0, 1, 1, 2, 2]  # step 2 spans epochs 0 and 1
+    assert [len(b.prompts) for b in batches] == [4] * 7
+    stream = [p.index for b in batches for p in b.prompts]
+    order0, order1 = stream[:10], stream[10:20]
+    assert sorted(order0) == sorted(order1) == list(range(10))  # every prompt exactly once per epoch
+    assert order0 != order1                                      # in a different order each epoch
+    last = list(dataset.batches(total_steps=8))[-1]
+    assert len(last.prompts) == 2 and last.epoch == 2             # only the run's last step is partial
     # Resuming at step 4 yields the same batches as the uninterrupted run.
     resumed = list(dataset.batches(total_steps=7, start_step=4))
     assert resumed == batches[4:]
@@ -90,8 +91,17 @@ def test_max_prompt_length_error_names_row_and_length(tok):
     records[1] = TaskRecord("repeat the word a " * 10, {"answer": "a"})
     long_len = len(apply_chat_template(tok, records[1].prompt))
     cfg = DataConfig(task="tiny-repeat", max_prompt_length=12, train_batch_size=1)
-    with pytest.raises(ValueError, match=f"data row 1: prompt is {long_len} tokens.*max_prompt_length=12"):
+    with pytest.raises(ValueError, match=f"data row 2: prompt is {long_len} tokens.*max_prompt_length=12"):
         PromptDataset.from_records(records, cfg, tok)
+
+
+def test_long_prompt_of_a_jsonl_file_is_named_by_its_line(tok, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "repeat the word a", "answer": "a"}\n\n'
+                    + '{"prompt": "%s", "answer": "a"}\n' % ("repeat the word a " * 10))
+    cfg = DataConfig(task=str(path), max_prompt_length=12, train_batch_size=1)
+    with pytest.raises(ValueError, match="data.jsonl:3: prompt is .* tokens.*max_prompt_length=12"):
+        PromptDataset.from_config(cfg, tok)
 
 
 def test_skip_long_prompts_counts_and_logs(tok, caplog):
@@ -102,7 +112,7 @@ def test_skip_long_prompts_counts_and_logs(tok, caplog):
         dataset = PromptDataset.from_records(records, cfg, tok)
     assert len(dataset) == 3 and dataset.num_skipped == 1
     assert [p.index for p in dataset.prompts] == [0, 1, 3]
-    assert "skipped 1 of 4 prompts" in caplog.text
+    assert "skipped 1 of 4 prompts" in caplog.text and "(rows [3], counting from 1)" in caplog.text
     everything_long = DataConfig(task="tiny-repeat", max_prompt_length=2, skip_long_prompts=True)
     with pytest.raises(ValueError, match="no prompts left after skipping 4"):
         PromptDataset.from_records(records, everything_long, tok)
@@ -129,3 +139,24 @@ def test_prompt_fields_repeat_each_prompt_n_times(tok):
     assert decode_ground_truth(fields["ground_truth"][5]) == prompts[1].ground_truth
     with pytest.raises(ValueError, match="2 prompts but 1 uids"):
         prompt_fields(prompts, 3, tok.pad_token_id, ["u0"])
+
+
+def test_a_prompt_leaving_no_room_in_the_context_is_rejected_naming_its_row(tok):
+    ds = _dataset(tok, 4)
+    longest = max(len(p.input_ids) for p in ds.prompts)
+    ds.check_context(longest + 1)  # one token of room is enough: the response is truncated, not refused
+    with pytest.raises(ValueError, match=rf"data row 1: prompt is {longest} tokens .* context length of {longest}"):
+        ds.check_context(longest)
+
+
+def test_start_check_rejects_no_room_and_top_k_beyond_the_vocabulary():
+    """``controller.job.check_data`` reads the model's config (no weights) before any pool starts."""
+    from controller.config import load_config
+    from controller.job import StartError, check_data
+
+    base = ["data.size=32", "trainer.total_steps=1"]
+    assert check_data(load_config(preset="tiny", overrides=base)) == 32
+    with pytest.raises(StartError, match="no room for a response within the model's context length of 8"):
+        check_data(load_config(preset="tiny", overrides=[*base, "model.tiny.max_position_embeddings=8"]))
+    with pytest.raises(StartError, match=r"rollout.top_k=100000 exceeds the model's vocabulary"):
+        check_data(load_config(preset="tiny", overrides=[*base, "rollout.top_k=100000"]))

@@ -49,6 +49,8 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     assert [s["step"] for s in steps] == list(range(1, total_steps + 1))
     assert summary["num_syncs"] == total_steps and summary["weight_version"] == total_steps
     assert summary["status"] == "completed" and set(summary) == {*SUMMARY_KEYS, "config"}
+    assert 0 < summary["startup_s"] < summary["wall_s"] and 0 <= summary["shutdown_s"] < summary["wall_s"]
+    assert summary["wall_s"] > summary["startup_s"] + sum(s["step_s"] for s in steps)
     # Nothing is generated beyond the last step (no 5th batch; with 3 steps no 4th batch to cancel).
     assert summary["num_groups_admitted"] == 8 * total_steps
     assert summary["num_groups_generated"] == 8 * total_steps
@@ -175,10 +177,23 @@ def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
     assert len(steps) == 1 and steps[0]["num_groups"] == 3
 
 
+def test_prompts_near_the_context_limit_are_truncated_not_failed(tmp_path, ray_cluster):
+    """The tiny prompts are 9 tokens; a context of 11 leaves 2 of rollout.max_response_length=4: every
+    response is cut (finish_reason=length) and the run completes (it used to fail every group)."""
+    context = ("model.tiny.max_position_embeddings=11", "rollout.max_response_length=4")
+    code, steps, summary = run(tmp_path, "sync", *SMALL, "trainer.total_steps=1", *context)
+    assert code == EXIT_OK and summary["num_failed_groups"] == 0
+    assert steps[0]["response_clip_ratio"] > 0 and steps[0]["response_length_mean"] <= 2
+
+
 def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_cluster):
+    """Scraped over HTTP all through a run: every series is served, and in every scrape produced samples
+    are at least consumed + dropped ones (a backlog panel never goes negative)."""
     import threading
     import time
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     from controller.metrics import JobMetrics
 
@@ -186,19 +201,25 @@ def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_clus
     thread = threading.Thread(target=lambda: result.update(zip(("code", "steps", "summary"),
                                                                 run(tmp_path, "fully-async", "trainer.total_steps=40"), strict=True)))
     thread.start()
-    endpoint, body, deadline = tmp_path / "metrics_endpoint.json", "", time.monotonic() + 100
-    wanted = JobMetrics().series_names()
+    endpoint, bodies, deadline = tmp_path / "metrics_endpoint.json", [], time.monotonic() + 150
     while thread.is_alive() and time.monotonic() < deadline:
-        steps = (tmp_path / "metrics.jsonl")
-        if endpoint.exists() and steps.exists() and len(steps.read_text().splitlines()) >= 3:
+        if endpoint.exists():
             port = json.loads(endpoint.read_text())["port"]
-            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-            if all(f"{name}" in body for name in wanted) and 'hflow_roller_busy_ratio{roller="roller0"}' in body:
-                break
-        time.sleep(0.5)
+            try:
+                bodies.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+            except OSError:  # not serving yet, or already closed at the end of the run
+                pass
+        time.sleep(0.2)
     thread.join(timeout=150)
     assert result.get("code") == EXIT_OK
-    missing = [name for name in wanted if name not in body]
+    counts = []
+    for body in bodies:
+        values = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+        counts.append(tuple(values[f"hflow_samples_{k}_total"] for k in ("produced", "consumed", "dropped")))
+    assert all(produced >= consumed + dropped for produced, consumed, dropped in counts), counts
+    assert sum(consumed > 0 for _, consumed, _ in counts) >= 5, counts  # scrapes during training, not only before
+    body = next(b for b in reversed(bodies) if 'hflow_roller_busy_ratio{roller="roller0"}' in b)
+    missing = [name for name in JobMetrics().series_names() if name not in body]
     assert not missing, missing
     assert 'hflow_queue_depth{task="train"}' in body or 'hflow_queue_depth{task="rollout"}' in body
     assert "hflow_weight_sync_seconds_count" in body and "hflow_queue_lag_bucket" in body
@@ -214,3 +235,14 @@ def test_tiny_model_learns_the_prompt_dependent_task(tmp_path, ray_cluster, mode
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.2, rewards[:5]
     assert last > 0.9, (last, summary["wall_s"])
+
+
+def test_epochs_are_one_stream_of_prompts(tmp_path, ray_cluster):
+    # 6 prompts x 2 epochs in steps of 4: 3 full steps, the middle one spanning both epochs (a run once
+    # checked 4 steps available at start, counting each epoch's short batch, then ran out at step 4).
+    small = ("data.size=6", "data.epochs=2", "data.train_batch_size=4", "trainer.ppo_mini_batch_size=4")
+    code, steps, _ = run(tmp_path / "four", "sync", *small, "trainer.total_steps=4")
+    assert code == EXIT_CONFIG and steps == []
+    code, steps, summary = run(tmp_path / "three", "sync", *small, "trainer.total_steps=3")
+    assert code == EXIT_OK and [s["num_groups"] for s in steps] == [4, 4, 4]
+    assert summary["status"] == "completed"

@@ -31,6 +31,23 @@ def test_run_report_writes_jsonl_summary_and_plot(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 1000
 
 
+def test_amend_adds_what_is_known_only_after_the_summary(tmp_path, capsys):
+    """The job writes the summary, stops its pools and Ray, then adds the shutdown time and the final wall
+    time to it."""
+    report = RunReport(tmp_path, total_steps=1, progress=True)
+    with pytest.raises(RuntimeError, match="before finish"):
+        report.amend(shutdown_s=1.0)
+    summary = report.finish({"status": "completed", "startup_s": 2.0, "wall_s": 5.0})
+    report.close()
+    assert {"startup_s", "shutdown_s"} <= set(SUMMARY_KEYS) and summary["shutdown_s"] is None
+    assert "summary:" not in capsys.readouterr().out  # printed once complete, not before
+    report.amend(shutdown_s=1.5, wall_s=6.5)
+    report.announce()
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == {**summary, "shutdown_s": 1.5, "wall_s": 6.5}
+    assert '"shutdown_s": 1.5' in capsys.readouterr().out
+
+
 def test_summary_has_every_key_whatever_the_outcome(tmp_path):
     """A run that ended before any step (failed at start-up, stopped early) still gets the full key set,
     null where unknown, and valid JSON (no NaN)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,10 +28,12 @@ STEP_LINE = re.compile(r"^step +\d+/", re.MULTILINE)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + STOP_TIMEOUT_S + 60)]
 
 
-def run_and_stop(run_dir: Path, mode: str, sig: signal.Signals, ready: Callable[[int, str, str], bool]):
-    """Start the tiny preset in ``mode``, send ``sig`` to it once ``ready(pid, stdout, stderr)``; returns
-    (exit code, stdout, stderr). The process and everything it started are killed if it does not end."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def run_and_stop(run_dir: Path, mode: str, sig: signal.Signals, ready: Callable[[int, str, str], bool],
+                 **env_vars: str):
+    """Start the tiny preset in ``mode`` (with ``env_vars`` in its environment), send ``sig`` to it once
+    ``ready(pid, stdout, stderr)``; returns (exit code, stdout, stderr). The process and everything it
+    started are killed if it does not end."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", "tiny", f"run_dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -100,8 +103,23 @@ def test_sigterm_during_steps_is_a_clean_stop(tmp_path, mode):
 
 
 def test_sigint_is_a_clean_stop_with_exit_130(tmp_path):
-    code, out, err = run_and_stop(tmp_path / "run", "one-step-off", signal.SIGINT, steps_started)
-    assert check_stopped(tmp_path / "run", code, out, err, signal.SIGINT)["num_steps"] >= 1
+    """Also: start-up says what it is starting, the summary has start-up and shutdown seconds, and the
+    job removes the session directory of the Ray cluster it started."""
+    import tempfile
+
+    cache = Path(tempfile.mkdtemp(prefix="hf", dir="/tmp"))  # short: Ray's socket paths live under it
+    try:
+        code, out, err = run_and_stop(tmp_path / "run", "one-step-off", signal.SIGINT, steps_started,
+                                      HFLOW_CACHE_DIR=str(cache))
+        summary = check_stopped(tmp_path / "run", code, out, err, signal.SIGINT)
+        assert summary["num_steps"] >= 1
+        assert 0 < summary["startup_s"] < summary["wall_s"] and 0 <= summary["shutdown_s"] < summary["wall_s"]
+        for starting in ("starting a local Ray cluster", "starting the TransferQueue", "starting the prompt feeder",
+                         "starting 1 trainer rank", "starting 1 roller", "connecting weight sync"):
+            assert f"hflow-async: {starting}" in out, out[:3000]
+        assert [p.name for p in (cache / "ray").iterdir()] == []  # no session_* left behind
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def test_sigterm_while_pools_start_leaves_a_summary(tmp_path):

@@ -51,3 +51,18 @@ def test_reward_module_in_the_current_directory_is_used(tmp_path):
 def test_kl_without_reference_is_a_config_error(tmp_path):
     out = hflow(tmp_path, "algorithm.use_kl_loss=true", f"run_dir={tmp_path / 'run'}")
     assert out.returncode == 2 and "trainer.use_reference=true" in out.stderr
+
+
+def test_plugin_in_the_current_directory_is_found_by_the_console_script(tmp_path):
+    script = Path(sys.executable).parent / "hflow-async"
+    if not script.exists():
+        pytest.skip("the hflow-async console script is not installed beside this interpreter")
+    (tmp_path / "my_estimator.py").write_text(
+        "from trainers.advantages import register_adv_estimator\n"
+        "from tests.trainers.plugin_estimator import group_max_baseline\n"
+        "register_adv_estimator('my_max', input_fields=('uid',))(group_max_baseline)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([str(script), "show-config", "algorithm.adv_estimator=my_estimator:my_max"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "adv_estimator: my_estimator:my_max" in out.stdout

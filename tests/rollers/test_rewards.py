@@ -90,14 +90,25 @@ def test_math_verify_reward_gsm8k_style():
     assert math_verify_reward("The answer is 1/2", {"answer": "0.5"}) == 1.0
 
 
-def test_math_verify_reward_off_the_main_thread():
+def test_math_verify_reward_off_the_main_thread(monkeypatch, caplog):
+    """Off the main thread math-verify's timeouts are off on purpose; its once-per-process warning about
+    that (printed by every roller of a .jsonl run) is silenced, its other records are not."""
+    import logging
     import threading
 
+    import math_verify.grader
+    import math_verify.parser
+
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)  # as in a fresh roller process
+    monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False)
     results = []
     thread = threading.Thread(target=lambda: results.append(math_verify_reward("it is 72", {"answer": "72"})))
-    thread.start()
-    thread.join(timeout=60)
+    with caplog.at_level(logging.WARNING):
+        thread.start()
+        thread.join(timeout=60)
+        logging.getLogger("math_verify.parser").warning("Timeout during parsing: x")
     assert results == [1.0]
+    assert "Timeout is disabled" not in caplog.text and "Timeout during parsing: x" in caplog.text
 
 
 def _install_user_module(monkeypatch):

@@ -103,10 +103,10 @@ def test_sample_seed_is_stable_and_distinct():
 # ------------------------------------------------------------------------------------ the roller loop
 
 
-async def _roll(model, tok, groups, reward_fn=tiny_repeat_reward, slots=16, **kwargs):
+async def _roll(model, tok, groups, reward_fn=tiny_repeat_reward, slots=16, max_seq_len=None, **kwargs):
     """Run a roller with a TorchEngine over ``groups``; returns (results by uid, roller)."""
     rollout = kwargs.pop("rollout", RolloutConfig(n=N, max_response_length=6, seed=3))
-    engine = TorchEngine(model, tok, max_batch_slots=slots)
+    engine = TorchEngine(model, tok, max_batch_slots=slots, max_seq_len=max_seq_len)
     channel = LocalGroupChannel()
     for group in groups:
         channel.groups.put_nowait(group)
@@ -355,6 +355,22 @@ def test_rejected_request_fails_only_its_group(tok):
     roller.close()
 
 
+def test_prompt_near_the_context_limit_is_truncated_not_failed(model, tok):
+    """A group whose prompt leaves fewer tokens than max_response_length within the engine's context is
+    put, its responses cut at the limit with finish_reason=length (it used to fail the group)."""
+    room = 2
+    groups = [make_group(tok, i) for i in range(2)]
+    rollout = RolloutConfig(n=N, max_response_length=8, seed=3)
+    results, roller = run(_roll(model, tok, groups, max_seq_len=len(groups[0].input_ids) + room, rollout=rollout,
+                                reward_fn=lambda text, truth: 0.0))
+    assert roller.drain_failures() == [] and sorted(results) == ["uid0", "uid1"]
+    pairs = [(reason, n) for r in results.values()
+             for reason, n in zip(r.fields[schema.FINISH_REASON], r.fields[schema.RESPONSE_LENGTH].tolist(),
+                                  strict=True)]
+    assert all(n <= room for _, n in pairs) and all(n == room for reason, n in pairs if reason == "length")
+    assert any(reason == "length" for reason, _ in pairs) and roller.stats()["truncation_ratio"] > 0
+
+
 def test_engine_error_ends_run_with_that_error(tok):
     engine, channel, roller = _scripted_roller(tok, [EngineError("the engine failed: boom")])
     channel.groups.put_nowait(make_group(tok, 0, n=1))
@@ -449,6 +465,22 @@ def test_ray_actor_rolls_groups_and_reports(ray_cluster, tok):
             q.shutdown()
 
 
+def test_ray_actor_refuses_rollout_top_k_beyond_the_vocabulary(ray_cluster):
+    """The torch engine's vocabulary is known once the model is built: the actor fails construction with
+    the key named (the controller turns it into a start error), before any request could fail."""
+    from rollers.actor import remote_roller
+
+    ray = ray_cluster
+    actor = remote_roller(num_cpus=0.1).remote(
+        ModelConfig(path="tiny"), RolloutConfig(n=N, top_k=100_000), RollersConfig(num_threads=1), "tiny-repeat",
+        LocalGroupChannel)
+    try:
+        with pytest.raises(ray.exceptions.RayActorError, match="rollout.top_k=100000 exceeds the model's vocabulary"):
+            ray.get(actor.stats.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
 # ------------------------------------------------------------------------------------ TransferQueue
 
 
@@ -514,8 +546,17 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
         (dict(reward=""), "rollout.reward"),
         (dict(reward_timeout_s=0), "rollout.reward_timeout_s"),
         (dict(max_resubmits=-1), "rollout.max_resubmits"),
+        (dict(temperature=math.nan), "rollout.temperature"),
+        (dict(temperature=math.inf), "rollout.temperature"),
+        (dict(top_p=math.nan), "rollout.top_p"),
     ],
 )
 def test_rollout_config_rejects_bad_reward_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RolloutConfig(**kwargs)
+
+
+def test_rollout_top_k_beyond_the_vocabulary_is_refused_naming_the_key():
+    RolloutConfig(top_k=100).check_model(vocab_size=100)
+    with pytest.raises(ValueError, match=r"rollout.top_k=101 exceeds the model's vocabulary of 100"):
+        RolloutConfig(top_k=101).check_model(vocab_size=100)

@@ -11,17 +11,20 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 
 import aiohttp
 import pytest
 import torch
 
+from checkpointengine import broadcast as bc
 from common.models import ModelConfig, load_model, load_tokenizer
 from rollers import sglang_protocol as proto
 from rollers.engine import EngineError, GenerationRequest, SamplingParams
-from rollers.sglang_engine import SGLangEngine, free_port
+from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher
+from tests.listening import is_loopback, listening_sockets
 from tests.rollers.engine_helpers import TIMEOUT_S, run
 
 MAX_BODY_BYTES = 1 << 20
@@ -327,10 +330,10 @@ def test_trainer_path_flattened_bucket_broadcast(torch_only):
 
     async def main():
         async with connected(torch_only.url) as client:
-            port, name = free_port(), "trainer-bucket"
-            join = asyncio.create_task(asyncio.to_thread(
-                proto.init_weights_group, "127.0.0.1", port, 0, 2, name, "gloo", 60))
-            await client.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo")
+            name = "trainer-bucket"
+            store = bc.create_sender_store("127.0.0.1", 0, 2, 60)
+            join = asyncio.create_task(asyncio.to_thread(bc.create_sender_group, store, 2, name, "gloo", 60))
+            await client.init_weights_update_group("127.0.0.1", store.port, 1, 2, name, "gloo")
             group = await join
             version = await client.get_weight_version() + 1
             try:
@@ -348,7 +351,7 @@ def test_trainer_path_flattened_bucket_broadcast(torch_only):
                 outs = [await client.generate(r) for r in requests]
             finally:
                 await client.destroy_weights_update_group(name)
-                torch.distributed.destroy_process_group(group)
+                bc.destroy_group(group)
             return outs
 
     outs = run(main())
@@ -508,3 +511,19 @@ def test_client_against_an_older_sglang_api():
     # (/model_info and /begin_weight_update got aiohttp's 404 before reaching ``handle``.)
     assert calls == ["/health", "/get_model_info", "/pause_generation", "/update_weights_from_disk",
                      "/flush_cache", "/flush_cache", "/flush_cache", "/continue_generation"]
+
+
+def test_load_weights_group_listens_on_loopback_only(torch_only):
+    """``load_weights`` forms its broadcast group with ``checkpointengine.broadcast`` (one implementation of
+    SGLang's group); the rendezvous store it hosts listens on 127.0.0.1 only, never on every interface."""
+    weights = _perturbed(torch_only.model, seed=606)
+
+    async def main():
+        async with connected(torch_only.url) as client:
+            before = set(listening_sockets(os.getpid()))
+            await _push(client, weights)
+            group = client._own_group[1]  # kept for the next update: its store is still listening
+            opened = {a for a in set(listening_sockets(os.getpid())) - before if a.endswith(f":{group.master_port}")}
+            assert opened and all(is_loopback(a) for a in opened), opened
+
+    run(main())

@@ -46,11 +46,27 @@ def test_generate_body_parses_back():
     (_body(input_ids="1 2"), "input_ids must be a list"),
     (_body(stream="yes"), "stream must be a boolean"),
     (_body(top_logprobs_num=5), "top_logprobs_num"),
+    (_body(sampling_params={"temperature": float("nan")}), "temperature must be a finite number"),
+    (_body(sampling_params={"temperature": float("inf")}), "temperature must be a finite number"),
+    (_body(sampling_params={"top_p": float("nan")}), "top_p"),
+    (_body(sampling_params={"sampling_seed": 2**64}), "seed must be"),
+    (_body(sampling_params={"stop_token_ids": [-3]}), "stop_token_ids"),
     ([1, 2], "request body must be an object"),
 ])
 def test_bad_generate_bodies_name_the_field(body, needle):
     with pytest.raises(proto.ProtocolError, match=needle):
         proto.parse_generate_body(body, VOCAB, default_rid="x")
+
+
+def test_flags_and_group_names_are_typed():
+    """A string "false" must not read as true, and a list group name must be a 400, not a server error."""
+    assert proto.body_flag({}, "flush_cache", True) and not proto.body_flag({"flush_cache": None}, "flush_cache", False)
+    with pytest.raises(proto.ProtocolError, match="flush_cache must be a boolean"):
+        proto.body_flag({"flush_cache": "false"}, "flush_cache", True)
+    assert proto.body_group_name({}) == proto.DEFAULT_GROUP_NAME
+    for bad in ([1], "", {"a": 1}, 3):
+        with pytest.raises(proto.ProtocolError, match="group_name must be a non-empty string"):
+            proto.body_group_name({"group_name": bad})
 
 
 def test_null_sampling_values_mean_defaults():
@@ -124,3 +140,11 @@ def test_tensor_specs_and_dtypes():
         proto.parse_tensor_specs(["a"], ["float32"], [[-1]])
     with pytest.raises(proto.ProtocolError, match="unaligned"):
         proto._bucket_layout([proto.TensorSpec("a", torch.uint8, (3,)), proto.TensorSpec("b", torch.float32, (1,))])
+
+
+def test_input_longer_than_the_context_is_refused_before_its_ids_are_read():
+    assert len(proto.parse_generate_body(_body(input_ids=[1] * 9), VOCAB, "x", max_input_len=10).request.input_ids) == 9
+    huge = _body(input_ids=[1] * 2_000_000 + [VOCAB])  # the out-of-vocabulary id at the end is never reached
+    with pytest.raises(proto.ProtocolError, match="2000001 tokens leave no room for a response within the context "
+                                                  "length of 10"):
+        proto.parse_generate_body(huge, VOCAB, "x", max_input_len=10)

@@ -72,8 +72,26 @@ def test_jsonl_file(tmp_path):
     records = load_task_records(str(path), size=1, prompt_key="question", answer_key="solution")
     assert [r.prompt for r in records] == ["1+1?", "2+2?"]  # a file yields all rows whatever data.size
     assert [r.ground_truth for r in records] == [{"answer": "2"}, {"answer": 4}]
-    with pytest.raises(ValueError, match="row 0: no column data.prompt_key='prompt'"):
+    with pytest.raises(ValueError, match="data.jsonl:1: no column data.prompt_key='prompt'"):
         load_task_records(str(path), size=1)
+
+
+def test_file_rows_are_named_counting_from_one(tmp_path):
+    """A .jsonl row is named FILE:LINE, as a JSON error names it (lines from 1, blank ones counted); a
+    .parquet row FILE row N, from 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n\n{"question": "b", "answer": 2}\n')
+    with pytest.raises(ValueError, match="data.jsonl:3: no column data.prompt_key='prompt'"):
+        load_task_records(str(path), size=1)
+    path.write_text('{"prompt": "a", "answer": 1}\n\n{"prompt": "b", "answer": 2}\n')
+    assert [r.source for r in load_task_records(str(path), size=1)] == [f"{path}:1", f"{path}:3"]
+    table = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "solution": ["1", "2"]}), table)
+    with pytest.raises(ValueError, match="data.parquet row 1: no column data.answer_key='answer'"):
+        load_task_records(str(table), size=1)
 
 
 def test_parquet_file(tmp_path):

@@ -284,8 +284,11 @@ def test_other_architecture_qwen2(tiny):
 def test_sliding_window_caps_max_seq_len_and_other_layers_are_refused(tiny):
     _, tok, prompts = tiny
     engine = TorchEngine(tiny_qwen2(use_sliding_window=True, sliding_window=24, max_window_layers=0), tok)
+    assert engine.max_seq_len == 24
+    out = run(engine.generate(request("r", prompts[0], max_new_tokens=24, ignore_eos=True)))
+    assert out.finish_reason == "length" and len(prompts[0]) + len(out.output_ids) == 24  # cut at the window
     with pytest.raises(ValueError, match="max_seq_len=24"):
-        run(engine.generate(request("r", prompts[0], max_new_tokens=24)))
+        run(engine.generate(request("r", [1] * 24, max_new_tokens=1)))
     with pytest.raises(ValueError, match="chunked_attention"):
         TorchEngine(tiny_qwen2(layer_types=["full_attention", "chunked_attention"]), tok)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from rollers.sampling import RowSampling, sample_tokens
+from rollers.sampling import RowSampling, SamplingError, sample_tokens
 
 # Deliberately not sorted: the unfiltered path walks token ids, the filtered one walks sorted probabilities.
 PROBS = torch.tensor([0.07, 0.5, 0.03, 0.25, 0.15])
@@ -58,3 +60,25 @@ def test_each_row_depends_only_on_its_own_generator():
             assert mixed[2] == alone[0], (settings, seed)
     with pytest.raises(ValueError, match="sampling rows"):
         sample_tokens(LOGITS.expand(2, -1), [row(0)])
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    """A top_k larger than the vocabulary used to make ``torch.topk`` raise inside the decode step."""
+    freq = frequencies(4000, top_k=LOGITS.numel() + 10)
+    torch.testing.assert_close(freq, PROBS, atol=0.03, rtol=0)
+
+
+def test_refused_rows_are_named_before_any_generator_is_drawn():
+    rows = [row(0), RowSampling(math.nan, 1.0, -1, torch.Generator().manual_seed(1)), row(2, top_p=math.nan)]
+    states = [r.generator.get_state() for r in rows]
+    with pytest.raises(SamplingError) as info:
+        sample_tokens(LOGITS.expand(3, -1), rows)
+    assert sorted(info.value.errors) == [1, 2] and "temperature" in info.value.errors[1]
+    assert all(torch.equal(r.generator.get_state(), s) for r, s in zip(rows, states, strict=True))
+
+
+def test_a_tiny_temperature_is_greedy_never_nan():
+    """logits / 1e-300 overflows fp32 (NaN log-probs): below GREEDY_BELOW a row is sampled greedily."""
+    tokens, log_probs = sample_tokens(LOGITS.expand(2, -1), [row(0, 1e-300), row(1, 1e-45)])
+    assert tokens == [1, 1]
+    assert log_probs == pytest.approx([math.log(0.5)] * 2, abs=1e-6)

@@ -1,7 +1,7 @@
 """An advantage estimator from outside the package — the whole of what adding one takes.
 
 Selected with ``algorithm.adv_estimator=tests.trainers.plugin_estimator:group_max_baseline``: importing
-this module registers the plug-in (``trainers/registry.py``), in the controller and in each trainer rank.
+this module registers the plug-in (``common/registry.py``), in the controller and in each trainer rank.
 """
 
 from __future__ import annotations

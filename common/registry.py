@@ -1,5 +1,6 @@
-"""One registry per algorithm extension point: the single source of truth for its names.
+"""One registry per extension point: the single source of truth for its names.
 
+Used by the trainers (below) and the weight plane (``checkpointengine.backend``: weight-sync backends).
 Each extension point of the trainers (advantage estimators, policy losses, KL estimators, loss
 aggregation modes) is a typed plug-in object — a small frozen dataclass carrying its function *and* its
 wiring (e.g. an estimator's ``needs_critic``) — registered under a name in one :class:`Registry`. Config
@@ -65,7 +66,6 @@ class Registry(Generic[T]):
             raise ValueError(f"{key}={spec!r} is not one of {self.names()} (or 'module:name' of a plug-in "
                              "module that registers it)")
         return self._items[name]
-
 
     def names(self) -> list[str]:
         """Registered names, sorted."""

@@ -1,5 +1,8 @@
-"""Trainer rank 0 → SGLang servers (a real SGLang, or ``rollers.sglang_server``) over SGLang's own
-weight-update API: the ``broadcast`` backend's path for rollers that are HTTP servers.
+"""Test helper: trainer rank 0 → SGLang servers (a real SGLang, or ``rollers.sglang_server``) over SGLang's
+own weight-update API, as a trainer written against SGLang would push. Runs do not take this path (with
+SGLang rollers the roller actor receives through the weight plane and loads into its server over a
+broadcast group of its own, ``SGLangEngine.load_weights``); it lives here to check our server against
+a sender that speaks only SGLang's API.
 
 ::
 
@@ -29,9 +32,10 @@ import torch
 from checkpointengine import broadcast as bc
 from checkpointengine.bucket import dtype_name
 from checkpointengine.config import CheckpointEngineConfig
+from checkpointengine.control import LOOPBACK
 from checkpointengine.naming import WeightNameMapper, to_engine_dtype
 from checkpointengine.protocol import WeightSyncError
-from checkpointengine.sender import LOOPBACK, SyncReport
+from checkpointengine.sender import SyncReport
 from checkpointengine.storage import DiskVersions
 
 

@@ -1,0 +1,92 @@
+"""The schedule's stages driven with stand-ins for the pools (no Ray): what they count and log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from common import schema
+from controller.config import load_config
+from controller.metrics import JobMetrics
+from controller.report import RunReport
+from controller.schedules import Stages
+from transferqueue.records import BatchMeta
+
+
+class _FakeTQ:
+    """The controller's TransferQueue client: hands out whole groups of ready samples."""
+
+    def __init__(self, groups: list[list[dict]]):
+        self.groups, self.next_id = list(groups), 0
+
+    async def aget_meta(self, fields, batch_size, task, partition, **kwargs):
+        tags = self.groups.pop(0)
+        ids = list(range(self.next_id, self.next_id + len(tags)))
+        self.next_id += len(tags)
+        return BatchMeta(partition, ids, list(fields), tags)
+
+    async def aclear(self, partition, sample_ids):
+        return None
+
+
+class _FakeTrainer:
+    def train_step(self, meta):
+        return {"actor/pg_loss": 0.0}
+
+
+class _FakeRuntime:
+    def __init__(self, groups):
+        self.tq, self.trainer = _FakeTQ(groups), _FakeTrainer()
+
+
+def _group(uid: str, n: int, version: int = 0) -> list[dict]:
+    return [{schema.UID: uid, schema.MIN_WEIGHT_VERSION: version, schema.MAX_WEIGHT_VERSION: version,
+             "reward": float(i % 2), schema.RESPONSE_LENGTH: 3, schema.FINISH_REASON: "stop"} for i in range(n)]
+
+
+def _stages(tmp_path, groups, *overrides):
+    cfg = load_config(mode="sync", preset="tiny", overrides=["data.train_batch_size=2", "trainer.ppo_mini_batch_size=2",
+                                                             f"run_dir={tmp_path}", "metrics.progress=false",
+                                                             *overrides])
+    metrics, report = JobMetrics(), RunReport(tmp_path, total_steps=2, progress=False)
+    return Stages(cfg, _FakeRuntime(groups), metrics, report), metrics, report
+
+
+def test_stages_count_samples_where_they_are_seen(tmp_path):
+    """Samples the controller takes from the TransferQueue count as produced at once (the rollers' own
+    count is only polled every 2 s), so produced >= consumed + dropped at every moment; the sample-age
+    histogram has one observation per trained sample, like consumed."""
+    n = 8  # rollout.n of the tiny preset
+    st, metrics, report = _stages(tmp_path, [_group(f"u{i}", n) for i in range(4)])
+    get = metrics.registry.get_sample_value
+
+    async def steps():
+        for step in range(2):
+            meta = await st.generate(2, train_version=st.version)
+            assert get("hflow_samples_produced_total") == 2 * n * (step + 1)
+            assert get("hflow_samples_consumed_total") == 2 * n * step
+            await st.update(meta)
+            assert get("hflow_samples_consumed_total") == 2 * n * (step + 1) == get("hflow_samples_produced_total")
+            assert get("hflow_sample_age_seconds_count") == get("hflow_samples_consumed_total")
+            assert get("hflow_queue_lag_count") == get("hflow_response_length_count") == 2 * n * (step + 1)
+
+    asyncio.run(steps())
+    report.close()
+
+
+def test_a_short_step_is_logged_with_its_reason(tmp_path, caplog):
+    st, _, report = _stages(tmp_path, [_group("u0", 8), _group("u1", 8), _group("u2", 8)])
+
+    st.outstanding = 3  # three groups admitted
+
+    async def steps():
+        await st.update(await st.generate(2, train_version=0))  # a full step: no line
+        st.exhausted = True  # the feeder had one prompt left for step 2
+        await st.update(await st.generate(1, train_version=1))
+
+    with caplog.at_level(logging.WARNING, logger="controller.schedules"):
+        asyncio.run(steps())
+    report.close()
+    lines = [r.getMessage() for r in caplog.records if "prompt groups" in r.getMessage()]
+    assert lines == ["step 2 trains 1 of 2 prompt groups: the prompt data has no more: a final partial batch "
+                     "(data.drop_last=true drops it instead)"]

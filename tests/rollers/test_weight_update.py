@@ -1,0 +1,83 @@
+"""``rollers.weight_update.apply_update``: the engine side of a weight update, on the rollers' side of the
+seam (it may name ``EngineError``, so only an engine's refusal to flush is tolerated after a pause that
+keeps requests; any other error fails the update and the engine keeps its version)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from rollers.engine import EngineError
+from rollers.weight_update import WeightUpdateError, apply_update
+
+TENSORS = [("model.w", torch.ones(2, 3))]
+
+
+class FakeReceiver:
+    """The ``WeightReceiver`` surface ``apply_update`` uses, recording ack/fail."""
+
+    roller = "r0"
+
+    def __init__(self):
+        self.version, self.outcomes = 0, []
+
+    def receive(self, version):
+        return iter(TENSORS)
+
+    def ack(self, version, duration_s=0.0):
+        self.version = version
+        self.outcomes.append(("ack", version))
+
+    def fail(self, version, error):
+        self.outcomes.append(("fail", version, error))
+
+    def stats(self):
+        return {"last_bytes": 24}
+
+
+class FakeEngine:
+    def __init__(self, flush_error: BaseException | None):
+        self.flush_error, self.calls, self.weight_version = flush_error, [], 0
+
+    async def pause(self, mode):
+        self.calls.append(("pause", mode))
+
+    async def load_weights(self, tensors, version):
+        self.calls.append(("load", [n for n, _ in tensors], version))
+        self.weight_version = version
+
+    async def flush_cache(self):
+        self.calls.append(("flush",))
+        if self.flush_error is not None:
+            raise self.flush_error
+
+    async def resume(self):
+        self.calls.append(("resume",))
+
+
+def test_engine_refusing_a_flush_after_retract_is_a_warning(caplog):
+    engine, receiver = FakeEngine(EngineError("requests hold KV cache")), FakeReceiver()
+    with caplog.at_level(logging.WARNING, logger="rollers.weight_update"):
+        result = asyncio.run(apply_update(engine, receiver, 1, "retract"))
+    assert (result.version, result.num_bytes) == (1, 24) and receiver.outcomes == [("ack", 1)]
+    assert engine.calls == [("pause", "retract"), ("load", ["model.w"], 1), ("flush",), ("resume",)]
+    assert "prefix cache not flushed after a retract pause" in caplog.text
+
+
+def test_any_other_flush_error_fails_the_update():
+    """A plain RuntimeError is not an engine's refusal: the update fails, is reported, the engine resumes."""
+    engine, receiver = FakeEngine(RuntimeError("CUDA error: illegal memory access")), FakeReceiver()
+    with pytest.raises(WeightUpdateError, match="illegal memory access") as info:
+        asyncio.run(apply_update(engine, receiver, 1, "retract"))
+    assert info.value.kept_version == 0 and receiver.version == 0
+    assert receiver.outcomes[0][:2] == ("fail", 1) and engine.calls[-1] == ("resume",)
+
+
+def test_a_refused_flush_after_abort_fails_the_update():
+    engine, receiver = FakeEngine(EngineError("requests hold KV cache")), FakeReceiver()
+    with pytest.raises(WeightUpdateError, match="KV cache"):
+        asyncio.run(apply_update(engine, receiver, 1, "abort"))
+    assert receiver.outcomes[0][:2] == ("fail", 1)
