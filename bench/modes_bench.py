@@ -125,7 +125,11 @@ def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     if code != 0:
         log(f"  failed ({code}); log: {out.name}")
         return {"error": f"exit {code}", "log": out.name, "split": asdict(split) | {"key": split.key}}
-    res = read_run(run_dir, args.warmup_steps, args.tail_steps)
+    try:
+        res = read_run(run_dir, args.warmup_steps, args.tail_steps)
+    except (OSError, ValueError, KeyError) as exc:
+        log(f"  unreadable: {exc}")
+        return {"error": f"unreadable run: {exc}", "log": out.name, "split": asdict(split) | {"key": split.key}}
     res["split"] = asdict(split) | {"key": split.key}
     res["process_s"] = time.monotonic() - start
     log(f"  {res['samples_per_s']:.3f} samples/s (window {res['window_s']:.0f} s, process {res['process_s']:.0f} s)")

@@ -44,27 +44,28 @@ def table(results: dict) -> str:
         lim = _get(wl, "limit", "limit_sps")
         lines += [f"### workload `{name}` (limit_sps = {lim:.3f})", "",
                   "| mode | split | samples/s (median, min-max) | share of limit | tokens/s | trainer idle | "
-                  "roller idle | sync share | staleness mean/max | window s | runs |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "roller idle | sync share | staleness mean/max | window s | wall s | runs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode in MODES:
             b = wl["best"].get(mode)
             if b is None:
                 continue
             if "error" in b:
-                lines.append(f"| {mode} | — | failed: {b['error']} | | | | | | | | |")
+                lines.append(f"| {mode} | — | failed: {b['error']} | | | | | | | | | |")
                 continue
             lo, hi = b["spread_sps"]
             lines.append(
                 f"| {mode} | {b['split']['key']} | {b['samples_per_s']:.3f} ({lo:.3f}-{hi:.3f}) | "
                 f"{b['samples_per_s'] / lim:.0%} | {b['tokens_per_s']:.1f} | {b['trainer_idle_share']:.0%} | "
                 f"{b['roller_idle_share']:.0%} | {b['sync_share']:.0%} | {b['staleness_mean']:.2f}/"
-                f"{b['staleness_max']} | {b['window_s']:.0f} | {b['num_runs']} |")
+                f"{b['staleness_max']} | {b['window_s']:.0f} | {b['wall_s']:.0f} | {b['num_runs']} |")
         if name == "main":
             trl = results.get("trl", {})
             sps = trl.get("samples_per_s")
             lines.append(f"| TRL GRPOTrainer | 1 process, {results['cores']} threads | "
                          + (f"{sps:.3f} | {sps / lim:.0%} | {trl.get('tokens_per_s') or math.nan:.1f} | | | | | "
-                            f"{trl['window_s']:.0f} | 1 |" if sps else f"{trl.get('error')} | | | | | | | | |"))
+                            f"{trl['window_s']:.0f} | {trl['wall_s']:.0f} | 1 |" if sps
+                            else f"{trl.get('error')} | | | | | | | | | |"))
         lines += ["", "sweep (first run of each split):", ""]
         for r in wl["runs"]:
             sps = f"{r['samples_per_s']:.3f} samples/s" if "error" not in r else r["error"]

@@ -9,7 +9,8 @@ Same work as our main job: the same SmolLM2-135M-Instruct directory (the safeten
 messages; TRL applies the same chat template), the same reward function (``rollers.rewards``, imported
 from this repository, which runs unchanged in the TRL venv), ``n`` samples per prompt, ``B`` prompts per
 step, T = 1.0, ≤ ``max_response_length`` new tokens, lr, one optimizer step per batch, no KL (beta 0, as
-our preset). Differences: TRL walks the prompts in its own order (``shuffle_dataset=False``: file order),
+our preset), no activation checkpointing (TRL's default recomputes activations; our trainer does not).
+Differences: TRL walks the prompts in its own order (``shuffle_dataset=False``: file order),
 and its loss is its default (``dapo`` in TRL 1.x: token-mean, clip-higher) rather than ours; both cost the
 same per token. Throughput = samples of the steps after the warm-up / their wall time (step ends from a
 ``TrainerCallback``), like ours.
@@ -110,6 +111,7 @@ def _worker(spec_path: str, result_path: str) -> None:
         learning_rate=spec["lr"], beta=0.0, max_steps=spec["num_steps"], logging_steps=1, report_to="none",
         use_cpu=True, bf16=False, seed=spec["seed"], save_strategy="no", shuffle_dataset=False,
         dataloader_num_workers=0, disable_dropout=True,
+        gradient_checkpointing=False,  # TRL's default (True) recomputes activations; ours does not
     )
     start = time.time()
     trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward, args=args,
