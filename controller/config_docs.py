@@ -57,6 +57,7 @@ KEY_DOCS: dict[str, str] = {
                       "module:function",
     "rollout.reward_timeout_s": "seconds one group's scoring may take before the group is marked failed",
     "rollout.max_resubmits": "times one sample may be paused (abort mode) and resumed before it fails",
+    "rollout.forced_response_lengths": "benchmarks: [[weight, min, max], ...] forced lengths, EOS ignored; [] = off",
     # rollers
     "rollers.num_replicas": "roller processes generating in parallel",
     "rollers.engine": "torch (in-process engine) | sglang (client of an SGLang server)",

@@ -67,6 +67,10 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
     try:
         await SCHEDULES[cfg.mode](stages)
         await stages.refresh_gauges()
+        try:
+            await stages.write_timeline()
+        except Exception as exc:  # noqa: BLE001 - a benchmark aid must never fail a run that completed
+            logger.warning("could not write timeline.json: %s", exc)
     finally:
         gauges.cancel()
         await asyncio.gather(gauges, return_exceptions=True)

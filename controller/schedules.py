@@ -88,6 +88,8 @@ class Stages:
         self._last_step_end = time.monotonic()
         self.num_samples_received = 0  # samples taken from the TransferQueue (each one was produced)
         self.num_groups_generated = 0
+        # (start, end) wall-clock seconds (time.time()) of every trainer update and weight sync: timeline.json
+        self.timeline: dict[str, list[tuple[float, float]]] = {"update": [], "sync": []}
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -188,10 +190,12 @@ class Stages:
 
     async def update(self, meta) -> dict:
         """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update."""
-        start = time.monotonic()
-        self.metrics.trainer_wait.inc(max(0.0, start - self._last_step_end))
+        start, wall_start = time.monotonic(), time.time()
+        wait_s = max(0.0, start - self._last_step_end)
+        self.metrics.trainer_wait.inc(wait_s)
         self._note_short_step(meta)
         train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
+        self.timeline["update"].append((wall_start, time.time()))
         self.weight_version += 1
         self.step += 1
         every = self.cfg.trainer.save_every
@@ -200,14 +204,14 @@ class Stages:
             await asyncio.to_thread(self.rt.trainer.save_checkpoint, str(path))
         self.outstanding -= len(set(t[schema.UID] for t in meta.tags))
         await self.rt.tq.aclear(PARTITION, meta.sample_ids)
-        self._record(meta, train_metrics, time.monotonic() - start)
+        self._record(meta, train_metrics, time.monotonic() - start, wait_s)
         return train_metrics
 
     async def sync_weights(self, pause_mode: str | None = None) -> None:
         """Push the trainer's weights (``weight_version``) to every roller and wait for every ack."""
         from trainers.weight_sync import send_weights
 
-        start = time.monotonic()
+        start, wall_start = time.monotonic(), time.time()
         mode = pause_mode or self.cfg.checkpointengine.pause_mode
         send = asyncio.to_thread(self.rt.trainer.execute, send_weights, self.weight_version)
         receives = [r.update_weights.remote(self.weight_version, mode) for r in self.rt.rollers]
@@ -215,6 +219,7 @@ class Stages:
         sent = reports[0][0] or {}
         self.synced_weight_version = self.weight_version
         self.num_syncs += 1
+        self.timeline["sync"].append((wall_start, time.time()))
         self.metrics.sync_seconds.observe(time.monotonic() - start)
         self.metrics.sync_bytes.inc(float(sent.get("num_bytes", 0)) * len(self.rt.rollers))
         self._last_step_end = time.monotonic()
@@ -286,7 +291,7 @@ class Stages:
         logger.warning("step %d trains %d of %d prompt groups: %s", self.step + 1, num_groups,
                        self.groups_per_step, why)
 
-    def _record(self, meta, train_metrics: dict, step_s: float) -> None:
+    def _record(self, meta, train_metrics: dict, step_s: float, wait_s: float) -> None:
         now = time.monotonic()
         tags = meta.tags
         trained_at = self.weight_version - 1
@@ -315,11 +320,13 @@ class Stages:
             "staleness_max": max(stalenesses),
             "samples_per_s": len(tags) / wall,
             "step_s": step_s,
+            "wait_s": wait_s,
             "num_samples": len(tags),
             "num_groups": len(by_uid),
             "multi_version_samples": sum(t[schema.MIN_WEIGHT_VERSION] != t[schema.MAX_WEIGHT_VERSION] for t in tags),
             "response_length_mean": sum(lengths) / len(lengths),
             "response_clip_ratio": sum(t[schema.FINISH_REASON] == "length" for t in tags) / len(tags),
+            "response_lengths": lengths,
             "uids": sorted(by_uid),
             "responses_digest": _digest(tags),
             **group_reward_stats(by_uid),
@@ -362,6 +369,20 @@ class Stages:
         self.metrics.tokens_per_s.set(sum(s["tokens_per_s"] for s in stats))
         for name, s in zip(self.rt.roller_names, stats, strict=True):
             self.metrics.roller_busy.labels(roller=name).set(s["busy_ratio"])
+
+
+    async def write_timeline(self) -> dict:
+        """Write ``RUN_DIR/timeline.json`` and return it: ``update`` and ``sync`` (the trainer's updates and
+        the weight syncs) and ``rollers`` (name → the roller's busy intervals, >= 1 request in flight), each
+        a list of ``[start, end]`` wall-clock seconds (``time.time()``). ``bench/modes_bench.py`` reads it
+        for idle shares and its timeline plot."""
+        import json
+
+        intervals = await asyncio.gather(*(r.busy_intervals.remote() for r in self.rt.rollers))
+        timeline = {**self.timeline, "rollers": dict(zip(self.rt.roller_names, intervals, strict=True))}
+        path = Path(self.cfg.run_dir) / "timeline.json"
+        path.write_text(json.dumps(timeline) + "\n")
+        return timeline
 
 
 def _digest(tags: list[dict]) -> str:

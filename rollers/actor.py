@@ -86,6 +86,10 @@ class RollerActor:
             stats["weight_version"] = float(self.engine.weight_version)
         return stats
 
+    async def busy_intervals(self) -> list[tuple[float, float]]:
+        """``Roller.busy_intervals``: (start, end) wall-clock seconds with >= 1 request in flight."""
+        return self.roller.busy_intervals() if self.roller is not None else []
+
     async def drain_failures(self) -> list[FailedGroup]:
         return self.roller.drain_failures() if self.roller is not None else []
 

