@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,8 +128,6 @@ class HFlowConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {list(MODES)}")
-        if not self.run_dir:
-            self.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         if self.trainer.ppo_mini_batch_size > self.data.train_batch_size:
             raise ValueError(
                 f"trainer.ppo_mini_batch_size={self.trainer.ppo_mini_batch_size} (prompts) exceeds "
@@ -179,9 +176,23 @@ def _friendly(exc: OmegaConfBaseException, source: str) -> ValueError:
         accepted = _accepted_keys(HFlowConfig, parent)
         where = ".".join(parent) or "the top level"
         return ValueError(f"unknown config key {key!r} (from {source}); keys accepted in {where}: {accepted}")
+    message = (str(getattr(exc, "msg", None) or exc).splitlines() or [type(exc).__name__])[0]
     if isinstance(exc, ValidationError):
-        return ValueError(f"bad value for config key {key!r} (from {source}): {exc.msg.splitlines()[0]}")
-    return ValueError(f"config error at {key!r} (from {source}): {exc}")
+        return ValueError(f"bad value for config key {key!r} (from {source}): {message}")
+    return ValueError(f"config error at {key!r} (from {source}): {message}")
+
+
+def check_finite(node: Any, path: str = "") -> None:
+    """Raise ValueError naming the first float in the config tree (dataclasses, lists, tuples) that is NaN
+    or infinite: no key of this project means anything by a non-finite number."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            check_finite(getattr(node, f.name), f"{path}.{f.name}" if path else f.name)
+    elif isinstance(node, list | tuple):
+        for i, item in enumerate(node):
+            check_finite(item, f"{path}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ValueError(f"{path}={node} is not a finite number")
 
 
 def _merge(base, other, source: str):
@@ -235,9 +246,11 @@ def load_config(
     if mode is not None:
         conf.mode = mode
     try:
-        return OmegaConf.to_object(conf)
+        cfg = OmegaConf.to_object(conf)
     except OmegaConfBaseException as exc:
         raise _friendly(exc, "config") from None
+    check_finite(cfg)
+    return cfg
 
 
 def to_yaml(cfg: HFlowConfig) -> str:

@@ -275,6 +275,8 @@ def run_job(cfg: HFlowConfig) -> int:
     from controller.runtime import Runtime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not cfg.run_dir:  # resolved here, not in the config: a saved config starts a new run each time
+        cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(cfg.run_dir)
     metrics = JobMetrics()
     rt = report = session_dir = None
@@ -287,15 +289,16 @@ def run_job(cfg: HFlowConfig) -> int:
         check_run_dir(run_dir)
         make_user_modules_importable(cfg)
         check_data(cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        if cfg.metrics.enabled:
+        if cfg.metrics.enabled:  # before the run directory exists: a port in use is a start error like the rest
             try:
                 port = metrics.serve(cfg.metrics.host, cfg.metrics.port)
             except OSError as exc:
                 raise StartError(f"cannot serve metrics on metrics.host={cfg.metrics.host!r} "
                                  f"metrics.port={cfg.metrics.port}: {exc}") from exc
+        run_dir.mkdir(parents=True, exist_ok=True)
+        report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        if cfg.metrics.enabled:
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
             print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
         session_dir = _start_ray(cfg, owns_ray)

@@ -19,6 +19,7 @@ value, then a number that opens the response — see ``extract_answer``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import math
 import numbers
@@ -177,6 +178,13 @@ def load_user_reward(spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"rollout.reward={spec!r}: {module_name!r} has no callable {attr!r}")
+    try:
+        inspect.signature(fn).bind("response text", {})
+    except TypeError as exc:
+        raise ValueError(f"rollout.reward={spec!r}: a reward is called as fn(response_text: str, ground_truth: "
+                         f"dict) -> float; {attr!r} cannot be: {exc}") from exc
+    except ValueError:  # no signature to read (some builtins): it is called and judged by its results
+        pass
     return fn
 
 

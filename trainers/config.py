@@ -72,6 +72,8 @@ class TrainerConfig:
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         _check_choice("trainer.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"trainer.betas must both be in [0, 1) (Adam's moment decay rates), got {self.betas}")
 
 
 @dataclass
@@ -161,9 +163,10 @@ class AlgorithmConfig:
         self._check_algorithm_numbers()
         _check_choice("algorithm.stale_correction", self.stale_correction, STALE_CORRECTIONS)
         _check_choice("algorithm.stale_policy", self.stale_policy, STALE_POLICIES)
-        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+        if not 0 <= self.clip_ratio_low < 1 or self.clip_ratio_high < 0:
             raise ValueError(
-                f"algorithm.clip_ratio_low/high must be >= 0, got {self.clip_ratio_low}/{self.clip_ratio_high}"
+                f"algorithm.clip_ratio_low must be in [0, 1) (the ratio's lower bound is 1 - clip_ratio_low) and "
+                f"clip_ratio_high >= 0, got {self.clip_ratio_low}/{self.clip_ratio_high}"
             )
         if self.dual_clip_c != 0 and self.dual_clip_c <= 1:
             raise ValueError(f"algorithm.dual_clip_c must be 0 (off) or > 1, got {self.dual_clip_c}")

@@ -109,19 +109,20 @@ def test_existing_run_dir_is_refused(tmp_path, capsys):
     assert "name a new directory" in err and "remove the old one" in err
 
 
-def test_start_up_failure_leaves_a_full_summary(tmp_path):
-    """A run that created its directory and failed before any step still gets every summary key."""
+def test_metrics_port_in_use_is_a_start_error_that_leaves_no_run_dir(tmp_path, capsys):
+    """Like every start error, a taken metrics.port is found before the run directory exists, so the same
+    run_dir can be used once the port is free. (A run stopped while its pools start still leaves a full
+    summary: tests/controller/test_stop.py.)"""
     import socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        code, steps, summary = run(tmp_path, "sync", "metrics.enabled=true", f"metrics.port={port}")
-    assert code == EXIT_CONFIG and steps == []
-    assert set(summary) == {*SUMMARY_KEYS, "config"}
-    assert summary["status"] == "failed" and f"metrics.port={port}" in summary["error"]
-    assert summary["num_steps"] == 0 and summary["num_syncs"] is None and summary["mode"] == "sync"
+        code, steps, summary = run(tmp_path / "run", "sync", "metrics.enabled=true", f"metrics.port={port}")
+    assert code == EXIT_CONFIG and steps == [] and summary == {}
+    assert f"metrics.port={port}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_fully_async_max_staleness_zero_matches_sync(tmp_path, ray_cluster):

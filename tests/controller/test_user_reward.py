@@ -27,9 +27,11 @@ def hflow(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     ("no_such_module:score", "cannot import 'no_such_module'"),
     ("broken_reward:score", "ZeroDivisionError"),
     ("broken_reward:missing", "has no callable 'missing'"),
+    ("broken_reward:one_arg", "fn(response_text: str, ground_truth: dict)"),
 ])
 def test_unloadable_reward_is_a_start_error(tmp_path, spec, needle):
-    (tmp_path / "broken_reward.py").write_text("score = None\nmissing = 1\n" if "missing" in spec else "1 / 0\n")
+    source = {"missing": "score = None\nmissing = 1\n", "one_arg": "def one_arg(text):\n    return 1.0\n"}
+    (tmp_path / "broken_reward.py").write_text(source.get(spec.split(":")[1], "1 / 0\n"))
     start = time.monotonic()
     out = hflow(tmp_path, f"rollout.reward={spec}", f"run_dir={tmp_path / 'run'}")
     assert out.returncode == 2, out.stderr[-3000:]
