@@ -242,12 +242,12 @@ class Stages:
         if not failures:
             return 0
         first = failures[0]
+        self.num_failed_groups += len(failures)  # counted whatever follows: the summary of a failed run too
         if self.cfg.rollers.on_failed_group == "fail":
             raise RolloutFailure(f"group {first.uid} failed in {first.stage}: {'; '.join(first.errors)}")
         for f in failures:
             logger.warning("group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
             await self.rt.tq.aclear(PARTITION, list(f.sample_ids))
-        self.num_failed_groups += len(failures)
         self.outstanding -= len(failures)
         return len(failures)
 

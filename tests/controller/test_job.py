@@ -166,6 +166,7 @@ def test_failing_reward_fails_the_run(tmp_path, ray_cluster, capsys):
     assert summary["status"] == "failed" and "refusing to score answer c" in summary["error"]
     assert set(summary) == {*SUMMARY_KEYS, "config"}  # the same keys as a completed run's, null where unknown
     assert summary["num_syncs"] == 0 and summary["weight_version"] == 0 and summary["num_steps"] == 0
+    assert summary["num_failed_groups"] >= 1  # the group that failed the run is counted
 
 
 def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
