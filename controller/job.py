@@ -153,16 +153,22 @@ class _Stop:
 
     The first signal during the schedule cancels the schedule's task: every stage unwinds through its
     ``finally`` (no task is left holding a KeyboardInterrupt, so nothing prints a traceback). Outside the
-    schedule (start-up, export, teardown), and for a second signal, it raises KeyboardInterrupt where the
-    main thread is. ``signum``: the first stop signal of this run, or None.
+    schedule (start-up, export), and for a second signal, it raises KeyboardInterrupt where the main thread
+    is. Once the run tears down (``tear_down``: summary, pools, Ray; every wait there is bounded) further
+    signals are noted and ignored, so a second Ctrl-C cannot leave a half-written summary or a traceback.
+    ``signum``: the first stop signal of this run, or None.
     """
 
     def __init__(self):
         self.signum: int | None = None
         self._task: asyncio.Task | None = None
+        self._tearing_down = False
 
     def reset(self) -> None:
-        self.signum, self._task = None, None
+        self.signum, self._task, self._tearing_down = None, None, False
+
+    def tear_down(self) -> None:
+        self._tearing_down = True
 
     def attach(self, task: asyncio.Task | None) -> None:
         """The schedule's task (None: detach). Only a job on the main thread receives signals."""
@@ -172,6 +178,10 @@ class _Stop:
     def handle(self, signum, frame) -> None:
         first = self.signum is None
         self.signum = self.signum or signum
+        if self._tearing_down:
+            print(f"hflow-async: {signal.Signals(signum).name} while stopping: still shutting the pools down",
+                  file=sys.stderr, flush=True)
+            return
         task = self._task
         if first and task is not None and not task.done():
             task.cancel()
@@ -333,6 +343,7 @@ def run_job(cfg: HFlowConfig) -> int:
         failed_run = True
         code = _failed(summary, exc)
     finally:
+        _STOP.tear_down()  # from here on a stop signal is noted, not raised
         if report is not None:  # this run created its directory: a summary, whatever the outcome
             _write_summary(report, {**summary, "wall_s": time.monotonic() - started, "config": to_dict(cfg)})
         stopping = time.monotonic()

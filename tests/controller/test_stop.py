@@ -29,10 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + STOP_TIMEO
 
 
 def run_and_stop(run_dir: Path, mode: str, sig: signal.Signals, ready: Callable[[int, str, str], bool],
-                 **env_vars: str):
+                 again_after_s: float | None = None, **env_vars: str):
     """Start the tiny preset in ``mode`` (with ``env_vars`` in its environment), send ``sig`` to it once
-    ``ready(pid, stdout, stderr)``; returns (exit code, stdout, stderr). The process and everything it
-    started are killed if it does not end."""
+    ``ready(pid, stdout, stderr)`` (and again ``again_after_s`` later, as an impatient user does); returns
+    (exit code, stdout, stderr). The process and everything it started are killed if it does not end."""
     env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", "tiny", f"run_dir={run_dir}"]
@@ -51,6 +51,10 @@ def run_and_stop(run_dir: Path, mode: str, sig: signal.Signals, ready: Callable[
             assert time.monotonic() < deadline, f"not ready within {START_TIMEOUT_S}s:\n{''.join(err)[-3000:]}"
             time.sleep(0.2)
         proc.send_signal(sig)  # to the job's process only, as `kill PID` does
+        if again_after_s is not None:
+            time.sleep(again_after_s)
+            if proc.poll() is None:
+                proc.send_signal(sig)
         code = proc.wait(timeout=STOP_TIMEOUT_S)
     finally:
         if proc.poll() is None:
@@ -120,6 +124,18 @@ def test_sigint_is_a_clean_stop_with_exit_130(tmp_path):
         assert [p.name for p in (cache / "ray").iterdir()] == []  # no session_* left behind
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.mark.parametrize("gap_s", [0.5, 2.0])
+def test_a_second_sigint_while_stopping_is_noted_not_a_traceback(tmp_path, gap_s):
+    code, out, err = run_and_stop(tmp_path / "run", "one-step-off", signal.SIGINT, steps_started, again_after_s=gap_s)
+    assert code == 130, (code, err[-3000:])
+    for noise in ("Traceback", "Task exception was never retrieved", "run failed"):
+        assert noise not in out + err, (noise, err[-3000:])
+    assert "hflow-async: stopped by SIGINT " in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary) == {*SUMMARY_KEYS, "config"} and summary["status"] == "interrupted"
+    assert (tmp_path / "run" / "plot.png").exists()
 
 
 def test_sigterm_while_pools_start_leaves_a_summary(tmp_path):
