@@ -28,7 +28,7 @@ def test_step_record_reports_the_clip_ratio(tmp_path):
     stages.weight_version = 1
     tags = [_tag("u0", "length", 4), _tag("u0", "stop", 2), _tag("u1", "length", 4), _tag("u1", "stop", 1),
             _tag("u2", "stop", 3), _tag("u2", "stop", 3), _tag("u3", "stop", 1), _tag("u3", "length", 4)]
-    stages._record(SimpleNamespace(tags=tags), {}, step_s=1.0)
+    stages._record(SimpleNamespace(tags=tags), {}, step_s=1.0, wait_s=0.0)
     report.close()
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record["response_clip_ratio"] == pytest.approx(3 / 8)
