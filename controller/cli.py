@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     command, overrides = "run", list(args.args)
     if overrides and "=" not in overrides[0]:
         command = overrides.pop(0)
+        if command == "export":
+            print("hflow-async: 'export' takes no --mode/--preset/--config and comes first: "
+                  "hflow-async export RUN_DIR [--step N] [--out DIR]", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
         if command not in ("run", "show-config"):
             print(f"hflow-async: unknown command {command!r}; accepted: run, show-config, export",
                   file=sys.stderr)

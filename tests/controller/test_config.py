@@ -137,3 +137,8 @@ def test_no_root_seed_key():
     # The seeds that act are data.seed, rollout.seed and model.tiny.seed; a root `seed` did nothing.
     with pytest.raises(ValueError, match="seed"):
         load_config(overrides=["seed=3"])
+
+
+def test_cli_export_after_flags_says_where_it_goes(capsys):
+    assert main(["--preset", "tiny", "export", "runs/x"]) == 2
+    assert "comes first: hflow-async export RUN_DIR" in capsys.readouterr().err
