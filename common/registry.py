@@ -12,7 +12,8 @@ Plug-ins from outside the package: a config value ``module:name`` (e.g.
 plug-ins with the usual decorator (``@register_adv_estimator("my_estimator")``) — and then looks ``name``
 up in the registry. Every process that resolves the spec imports the module itself (the controller when
 it validates the config, each trainer rank when it builds its worker), so the module must be importable
-there (on ``PYTHONPATH`` or installed; the config is validated before the job adds the current directory).
+there: on ``PYTHONPATH``, installed, or in the directory the ``hflow-async`` command runs from (the CLI puts
+it on ``sys.path`` before it reads the config, and the job hands it to its Ray workers).
 """
 
 from __future__ import annotations
