@@ -175,6 +175,15 @@ class _Stop:
         if threading.current_thread() is threading.main_thread():
             self._task = task
 
+    def _recancel(self, task: asyncio.Task) -> None:
+        if not task.done():
+            task.get_loop().call_later(1.0, self._cancel_again, task)
+
+    def _cancel_again(self, task: asyncio.Task) -> None:
+        if not task.done():
+            task.cancel()
+            self._recancel(task)
+
     def handle(self, signum, frame) -> None:
         first = self.signum is None
         self.signum = self.signum or signum
@@ -185,7 +194,9 @@ class _Stop:
         task = self._task
         if first and task is not None and not task.done():
             task.cancel()
-            task.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop (asyncio.Runner does the same)
+            # Cancel again each second until the task ends: an await may swallow one cancellation (Python
+            # 3.11's wait_for when its inner future completes at the same moment; libraries' awaitables).
+            task.get_loop().call_soon_threadsafe(self._recancel, task)  # also wakes the loop
             return
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
