@@ -33,7 +33,7 @@ UPSTREAM_PKGS = ["torch==2.13.0", "transferqueue==0.1.11"]
 NUM_FIELDS = 8
 SHAPES = {"L": (1024, 1024), "S": (128, 128)}
 S_REPS = 10  # payload S is timed over this many times --reps
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0"}
+RAY_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0"}
 
 
 def log(msg: str) -> None:
