@@ -31,37 +31,11 @@ from transferqueue.buffers import BufferPool, ShmCache, assemble_field
 from transferqueue.config import MIN_REQUEST_IDS
 from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQError, TQHandle
 from transferqueue.shm_layout import HEADER, aligned, node_id
+from transferqueue.spares import Asked, SpareBlocks
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
 
 FULL_RETRY_S = 0.01
 RESERVE_IDS = MIN_REQUEST_IDS  # sample ids a client reserves from the index at a time (4096)
-SPARE_MAX_BYTES = 8 << 20  # a client keeps one leased spare block per unit for puts up to this size
-
-
-class _Asked(set):
-    """The units one put flow asked a spare block of; the object itself marks them in ``TQClient._spares``
-    until the reply brings the block (so no other flow asks too, and only this flow removes its marks)."""
-
-
-def _batch_size(data: Mapping[str, Any]) -> int:
-    if not data:
-        raise ValueError("put needs at least one field")
-    sizes = {name: (v.shape[0] if isinstance(v, torch.Tensor) and v.dim() else len(v)) for name, v in data.items()}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"fields have different batch sizes: {sizes}")
-    return next(iter(sizes.values()))
-
-
-def _rows(value: Any, pos: np.ndarray) -> Any:
-    """Rows ``pos`` (sorted, distinct) of a field value: the value itself or a view for a contiguous
-    range, else a gathered copy."""
-    if len(pos) == len(value):
-        return value
-    if len(pos) and pos[-1] - pos[0] == len(pos) - 1:
-        return value[int(pos[0]):int(pos[-1]) + 1]
-    if isinstance(value, torch.Tensor):
-        return value.index_select(0, torch.from_numpy(pos))
-    return [value[i] for i in pos.tolist()]
 
 
 class TQClient:
@@ -82,8 +56,7 @@ class TQClient:
         self._id_next = self._id_end = 0
         self._ids_lapse = 0.0  # monotonic time the index drops this client's reserved range
         self._ids_lease_s = float("inf")  # the index's reservation lease, once a reply told it
-        self._spare_lock = threading.Lock()
-        self._spares: dict[int, tuple[str, int, float] | _Asked] = {}  # unit -> (block, size, valid until)
+        self.spares = SpareBlocks()
         self.num_units = len(handle.unit_addresses)
         here = node_id()
         self.local = [handle.shared_memory and n == here for n in handle.unit_nodes]
@@ -104,7 +77,7 @@ class TQClient:
     # -------------------------------------------------------------------------------------- put
     def _put_flow(self, data: Mapping[str, Any], partition: str, sample_ids: Sequence[int] | None,
                   tags: Sequence[Mapping] | None, timeout_s: float) -> Flow:
-        count = _batch_size(data)
+        count = wire.batch_size(data)
         if tags is not None and len(tags) != count:
             raise ValueError(f"{len(tags)} tag dicts for {count} samples")
         if sample_ids is not None and len(sample_ids) != count:
@@ -151,13 +124,13 @@ class TQClient:
         columns (descriptors over all samples, in ``ids`` order) for the index."""
         if self.device is not None:
             yield from self._store_p2p(data, names, ids, stored)
-            return self._columns_for_index(data, names, ids)
+            return wire.index_columns(data, names, len(ids))
         deadline = time.monotonic() + timeout_s
         pending = {}
         for unit, pos in self.units_of(ids):
-            encoded = [wire.encode_column(n, _rows(data[n], pos), len(pos)) for n in names]
+            encoded = [wire.encode_column(n, wire.rows(data[n], pos), len(pos)) for n in names]
             pending[unit] = ([ids[i] for i in pos.tolist()], encoded)
-        asked = _Asked()  # the units whose next spare block this flow asked for; its marker in _spares
+        asked = Asked()  # the units whose next spare block this flow asked for; its marker in self.spares
         try:
             while pending:
                 yield from self._store_round(pending, stored, asked)
@@ -166,13 +139,10 @@ class TQClient:
                         raise Full(f"storage units {sorted(pending)} stayed full for {timeout_s} s")
                     yield Sleep(FULL_RETRY_S)
         finally:
-            with self._spare_lock:
-                for unit in asked:
-                    if self._spares.get(unit) is asked:
-                        del self._spares[unit]
-        return self._columns_for_index(data, names, ids)
+            self.spares.release(asked)
+        return wire.index_columns(data, names, len(ids))
 
-    def _store_round(self, pending: dict, stored: list[int], asked: _Asked) -> Flow:
+    def _store_round(self, pending: dict, stored: list[int], asked: Asked) -> Flow:
         """One attempt for every pending unit: frames (remote unit or small put), a put into a spare block
         (one round trip), or alloc then put (two). Units that answered ``full`` stay pending. ``stored``
         gets every unit a put went to unless it answered with an error (no answer: it may still store, so
@@ -185,7 +155,7 @@ class TQClient:
                                   [b for _, bufs in encoded for b in bufs]))
                 continue
             need = HEADER + sum(aligned(d["nbytes"]) for d, _ in encoded)
-            block = self._take_spare(unit, need)
+            block = self.spares.take(unit, need)
             if block is not None:
                 try:
                     calls.append(self._write_block(unit, block, sub_ids, encoded, asked, failed))
@@ -200,7 +170,7 @@ class TQClient:
             if call.header["op"] != "alloc":
                 self._stored(call.target, reply[0], pending)
             elif failed:  # no put follows: keep the block as this client's spare if it has none
-                self._keep_spare(call.target, reply[0])
+                self.spares.keep(call.target, reply[0])
             else:
                 sub_ids, encoded = pending[call.target]
                 commits.append(self._write_block(call.target, reply[0]["block"], sub_ids, encoded, asked, failed))
@@ -228,35 +198,13 @@ class TQClient:
         failed.extend(r for r in replies if isinstance(r, Exception) and not isinstance(r, Full))
         return replies
 
-    def _keep_spare(self, unit: int, lease: dict) -> None:
-        with self._spare_lock:  # valid for half the unit's lease: the unit's clock started first
-            if unit not in self._spares:
-                self._spares[unit] = (lease["block"], lease["size"], time.monotonic() + lease["lease_s"] / 2)
-
     def _stored(self, unit: int, head: dict, pending: dict) -> None:
         del pending[unit]
         lease = head.get("lease")
         if lease is not None:
-            with self._spare_lock:
-                self._spares.pop(unit, None)  # this flow's marker (another flow's spare cannot be there)
-            self._keep_spare(unit, lease)
+            self.spares.replace(unit, lease)
 
-    def _take_spare(self, unit: int, need: int) -> str | None:
-        """The spare block this client holds for ``unit`` if it is still leased and big enough, else None."""
-        with self._spare_lock:
-            spare = self._spares.get(unit)
-            if not isinstance(spare, tuple):
-                return None
-            name, size, valid_until = spare
-            if time.monotonic() >= valid_until:
-                del self._spares[unit]  # the unit takes it back when the lease ends
-                return None
-            if size < need:
-                return None
-            del self._spares[unit]
-            return name
-
-    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list, asked: _Asked,
+    def _write_block(self, unit: int, block: str, sub_ids: list[int], encoded: list, asked: Asked,
                      failed: list) -> Call:
         """The put that hands ``block`` to ``unit``, which copies the columns into the block right after it is
         sent, while the unit registers it (the unit never reads the bytes, and nobody can ask for them before
@@ -281,11 +229,8 @@ class TQClient:
 
         header = {"op": "put", "ids": sub_ids, "columns": [d for d, _ in encoded],
                   "shm": {"block": block, "offsets": offsets}}
-        with self._spare_lock:
-            if off <= SPARE_MAX_BYTES and unit not in self._spares:
-                self._spares[unit] = asked
-                asked.add(unit)
-                header["lease"] = off
+        if self.spares.ask(unit, off, asked):
+            header["lease"] = off
         return Call(unit, header, after_send=copy)
 
     def _link(self, unit: int) -> Flow:
@@ -312,7 +257,7 @@ class TQClient:
         from transferqueue.p2p import encode_device_column
 
         for unit, pos in self.units_of(ids):
-            encoded = [encode_device_column(n, _rows(data[n], pos), len(pos), self.device) for n in names]
+            encoded = [encode_device_column(n, wire.rows(data[n], pos), len(pos), self.device) for n in names]
             link = yield from self._link(unit)
             tensors = [t for _, t in encoded]
             stored.append(unit)  # until it answers with an error: no answer means it may still store
@@ -328,20 +273,6 @@ class TQClient:
                 raise
             finally:
                 link.lock.release()
-
-    @staticmethod
-    def _columns_for_index(data, names, ids) -> list[dict]:
-        cols = []
-        for n in names:
-            v = data[n]
-            if isinstance(v, torch.Tensor):
-                cols.append({"name": n, "dtype": wire.dtype_name(v.dtype), "shape": list(v.shape[1:]),
-                             "nbytes": v.nbytes})
-            else:
-                desc, _ = wire.encode_column(n, v, len(ids))
-                desc.pop("split", None)
-                cols.append(desc)
-        return cols
 
     def _undo(self, partition, ids, names, stored, new: bool) -> Flow:
         calls = [Call(u, {"op": "clear", "ids": [ids[i] for i in pos.tolist()], "fields": names})

@@ -216,6 +216,44 @@ def encode_column(name: str, value: Any, count: int) -> tuple[dict, list]:
     return desc, [b"".join(blobs)]
 
 
+def batch_size(data: dict) -> int:
+    """The number of samples in a put's fields (each a tensor with a leading batch dim, or a list);
+    raises ValueError for no fields or fields of different lengths."""
+    if not data:
+        raise ValueError("put needs at least one field")
+    sizes = {name: (v.shape[0] if isinstance(v, torch.Tensor) and v.dim() else len(v)) for name, v in data.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"fields have different batch sizes: {sizes}")
+    return next(iter(sizes.values()))
+
+
+def rows(value: Any, pos: np.ndarray) -> Any:
+    """Rows ``pos`` (sorted, distinct) of a field value: the value itself or a view for a contiguous
+    range, else a gathered copy."""
+    if len(pos) == len(value):
+        return value
+    if len(pos) and pos[-1] - pos[0] == len(pos) - 1:
+        return value[int(pos[0]):int(pos[-1]) + 1]
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, torch.from_numpy(pos))
+    return [value[i] for i in pos.tolist()]
+
+
+def index_columns(data: dict, names: Sequence[str], count: int) -> list[dict]:
+    """The column descriptors the index keeps for a put of ``count`` samples (no ``split`` flag: how
+    the bytes travelled is the unit's business)."""
+    cols = []
+    for n in names:
+        v = data[n]
+        if isinstance(v, torch.Tensor):
+            cols.append({"name": n, "dtype": dtype_name(v.dtype), "shape": list(v.shape[1:]), "nbytes": v.nbytes})
+        else:
+            desc, _ = encode_column(n, v, count)
+            desc.pop("split", None)
+            cols.append(desc)
+    return cols
+
+
 def decode_column(desc: dict, out: np.ndarray) -> Any:
     """Turn a filled uint8 buffer ``out`` of a column into the user-facing value (see ``Batch``). Raises
     WireError when an ``object`` row is not exactly one msgpack value."""

@@ -13,6 +13,7 @@ from transferqueue import RemoteError, TQClient
 from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
 from transferqueue.shm_layout import HEADER
+from transferqueue.spares import SpareBlocks
 from transferqueue.transport import INDEX, server_addresses
 from transferqueue.wire import id_range
 
@@ -49,7 +50,7 @@ def test_spare_block_is_taken_back_when_the_unit_needs_room(mapped):
                 a.clear("a")
                 first = torch.randn(64, 1024)
                 a.put({"x": first}, partition="a")
-            spare = a._spares[0][0]
+            spare = a.spares.held(0)
             assert (spare in a.shm.maps) == mapped
             assert a.unit_stats(0)["used_bytes"] == 2 * (256 * KiB + HEADER)  # the put's block and a's spare
             big = torch.randn(150, 1024)  # 600 KiB: fits only if a's spare is taken back
@@ -234,7 +235,7 @@ def test_a_get_whose_block_was_destroyed_by_a_clear_raises_the_typed_error(monke
             def clear_and_fill_first(self, *args):
                 if not raced:
                     raced.append(writer.clear("a"))
-                    writer._spares.clear()  # the writer's spare is revoked too: only room matters here
+                    writer.spares = SpareBlocks()  # the writer's spare is revoked too: only room matters here
                     raced.append(len(writer.put({"x": torch.ones(200, 1024)}, partition="b", timeout_s=2)))
                 return assemble(self, *args)
 
