@@ -22,14 +22,15 @@ Bad requests get HTTP 400 with ``{"success": false, "message": ...}`` (plus SGLa
 and fail alone: every field is typed, sampling values must be finite and in range, and ``/generate`` is
 checked against the model (``Engine.check_request``: vocabulary, context length) before a stream answers
 200; ``/flush_cache?timeout=`` takes seconds in ``[0, drain_timeout_s]``.
-Run it with ``python -m rollers.sglang_server --model tiny --port 30000``; it binds 127.0.0.1 by default.
+The weight-update endpoints live in ``rollers.sglang_server_weights``, the shared HTTP pieces in
+``rollers.sglang_http``. Run it with ``python -m rollers.sglang_server --model tiny --port 30000``; it binds
+127.0.0.1 by default.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import logging
 import math
@@ -38,37 +39,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
-from checkpointengine import broadcast as bc
 from rollers import sglang_protocol as proto
 from rollers.engine import PAUSE_MODES, Engine, EngineError
+from rollers.sglang_http import BadRequest, error, read_json, result
+from rollers.sglang_server_weights import WeightEndpoints
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024**2
-
-
-class BadRequest(Exception):
-    """A request this server refuses with HTTP 400 (the message says why)."""
-
-
-def _error(message: str, status: int = 400) -> web.Response:
-    body = {"success": False, "message": message,
-            "error": {"message": message, "type": "invalid_request_error", "code": status}}
-    return web.json_response(body, status=status)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class SGLangServer:
@@ -100,7 +81,7 @@ class SGLangServer:
         self.drain_timeout_s = drain_timeout_s
         self.allow_remote_master = allow_remote_master
         self.max_queued_requests = max_queued_requests
-        self._groups: dict[str, Any] = {}
+        self.weights = WeightEndpoints(self)
         self._paused = False
         self._num_in_flight = 0  # admitted /generate requests (a weight update waits for them)
         self._num_queued = 0  # /generate requests held, admitted or waiting for admission
@@ -128,10 +109,7 @@ class SGLangServer:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/begin_weight_update", self.begin_weight_update)
         r.add_post("/end_weight_update", self.end_weight_update)
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_routes(self.weights.routes())
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -149,37 +127,17 @@ class SGLangServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-        for name in list(self._groups):
-            self._destroy_group(name)
+        self.weights.destroy_all()
         await self.engine.shutdown()
 
     # ------------------------------------------------------------------------------------- helpers
 
-    async def _json(self, request: web.Request, fields: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise BadRequest(f"request body exceeds the limit of {self.max_body_bytes} bytes") from exc
-        if not raw.strip():
-            body: Any = {}
-        else:
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-                raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-        if fields:
-            unknown = sorted(set(body) - set(fields))
-            if unknown:
-                raise BadRequest(f"{request.path}: unknown field(s) {unknown}; accepted: {list(fields)}")
-            missing = [k for k in required if k not in body]
-            if missing:
-                raise BadRequest(f"{request.path}: missing field(s) {missing}")
-        return body
+    async def read_json(self, request: web.Request, fields: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
+        """The request's JSON object body, checked against ``fields``/``required``; raises BadRequest."""
+        return await read_json(request, self.max_body_bytes, fields, required)
 
     @asynccontextmanager
-    async def _exclusive(self, abort_all: bool) -> AsyncIterator[None]:
+    async def exclusive(self, abort_all: bool) -> AsyncIterator[None]:
         """Hold the engine for a weight update: at once when paused, else stop admitting, wait (at most
         ``drain_timeout_s``) for in-flight requests to finish (or abort them) and pause in place."""
         async with self._update_lock:
@@ -207,46 +165,18 @@ class SGLangServer:
             finally:
                 self._admitting.set()
 
-    def _version_for_update(self, value: Any) -> int:
-        if value is None:
-            version = self.engine.weight_version + 1
-            logger.warning("weight update without weight_version: committing %d (current + 1)", version)
-            return version
-        try:
-            return proto.parse_weight_version(value)
-        except proto.SGLangAPIError as exc:
-            raise BadRequest(str(exc)) from exc
-
-    async def _load(self, tensors, version: int, flush: bool) -> tuple[bool, str]:
-        try:
-            await self.engine.load_weights(tensors, version)
-        except (KeyError, ValueError, EngineError) as exc:
-            return False, f"Failed to update weights: {exc}"
-        message = f"Succeeded to update model weights. Weight version updated to {version}."
-        if flush:
-            try:
-                await self.engine.flush_cache()
-            except EngineError as exc:
-                return False, (f"Weights were updated, but the cache was not flushed because requests are "
-                               f"still running or queued ({exc}). Retract or finish them, then call /flush_cache.")
-        return True, message
-
-    @staticmethod
-    def _result(success: bool, message: str, **extra) -> web.Response:
-        return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
-
     # ------------------------------------------------------------------------------------ generation
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._json(request, ())
+            body = await self.read_json(request, ())
             parsed = proto.parse_generate_body(body, self.vocab_size, default_rid=uuid.uuid4().hex,
                                                max_input_len=self.engine.max_seq_len)
             self.engine.check_request(parsed.request)  # before a stream answers 200
         except (BadRequest, ValueError) as exc:
-            return _error(str(exc))
+            return error(str(exc))
         if self._num_queued >= self.max_queued_requests:
-            return _error(f"The request queue is full ({self.max_queued_requests} requests; "
+            return error(f"The request queue is full ({self.max_queued_requests} requests; "
                           "max_queued_requests).", status=503)
         self._num_queued += 1
         try:
@@ -264,9 +194,9 @@ class SGLangServer:
             out = await self.engine.generate(parsed.request)
             return web.json_response(self._answer(out, parsed, time.perf_counter() - started))
         except ValueError as exc:
-            return _error(str(exc))
+            return error(str(exc))
         except EngineError as exc:
-            return _error(str(exc), status=503)
+            return error(str(exc), status=503)
         finally:
             async with self._idle:
                 self._num_in_flight -= 1
@@ -340,152 +270,46 @@ class SGLangServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json(request, proto.PAUSE_FIELDS)
+            body = await self.read_json(request, proto.PAUSE_FIELDS)
         except BadRequest as exc:
-            return _error(str(exc))
+            return error(str(exc))
         mode = body.get("mode", "abort")  # SGLang's default
         if mode not in PAUSE_MODES:
-            return _error(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+            return error(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         try:
             await self.engine.pause(mode)
         except EngineError as exc:
-            return _error(str(exc), status=503)
+            return error(str(exc), status=503)
         self._paused = True
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         try:
-            await self._json(request, proto.CONTINUE_FIELDS)
+            await self.read_json(request, proto.CONTINUE_FIELDS)
         except BadRequest as exc:
-            return _error(str(exc))
+            return error(str(exc))
         try:
             await self.engine.resume()
         except EngineError as exc:
-            return _error(str(exc), status=503)
+            return error(str(exc), status=503)
         self._paused = False
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json(request, proto.BEGIN_UPDATE_FIELDS)
+            body = await self.read_json(request, proto.BEGIN_UPDATE_FIELDS)
         except BadRequest as exc:
-            return _error(str(exc))
+            return error(str(exc))
         if body.get("selector", "all") not in ("all", "target"):
-            return _error(f"selector must be 'all' or 'target' (no draft model here), got {body['selector']!r}")
-        return self._result(True, "Weight-update session opened (no-op for this engine).")
+            return error(f"selector must be 'all' or 'target' (no draft model here), got {body['selector']!r}")
+        return result(True, "Weight-update session opened (no-op for this engine).")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         try:
-            await self._json(request, proto.END_UPDATE_FIELDS)
+            await self.read_json(request, proto.END_UPDATE_FIELDS)
         except BadRequest as exc:
-            return _error(str(exc))
-        return self._result(True, "Weight-update session closed (no-op for this engine).")
-
-    # ---------------------------------------------------------------------------------- weight updates
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        required = ("master_address", "master_port", "rank_offset", "world_size")
-        try:
-            body = await self._json(request, proto.INIT_GROUP_FIELDS, required)
-        except BadRequest as exc:
-            return _error(str(exc))
-        try:
-            group_name = proto.body_group_name(body)
-        except proto.SGLangAPIError as exc:
-            return _error(str(exc))
-        backend = body.get("backend", "nccl")
-        address, port, rank, world = (body[k] for k in required)
-        if backend != "gloo":
-            return _error(f"backend must be 'gloo' on this CPU server, got {backend!r}")
-        if not isinstance(address, str) or not (self.allow_remote_master or _is_loopback(address)):
-            return _error(f"master_address {address!r} is not a loopback address (allow_remote_master is off)")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (port, rank, world)) or not (
-            0 < port < 65536 and 0 < rank < world
-        ):
-            return _error(f"need 0 < master_port < 65536 and 0 < rank_offset < world_size, got {port}, {rank}, {world}")
-        if group_name in self._groups:
-            return _error(f"group_name {group_name!r} is already initialised")
-        try:
-            self._groups[group_name] = await asyncio.to_thread(
-                bc.init_weights_update_group, address, port, rank, world, group_name, backend, self.group_timeout_s)
-        except Exception as exc:  # torch raises RuntimeError/DistStoreError/DistNetworkError subclasses
-            return self._result(False, f"Failed to initialize custom process group: {exc}.")
-        return self._result(True, "Succeeded to initialize custom process group.")
-
-    def _destroy_group(self, name: str) -> None:
-        bc.destroy_group(self._groups.pop(name))
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json(request, proto.DESTROY_GROUP_FIELDS)
-            name = proto.body_group_name(body)
-        except (BadRequest, proto.SGLangAPIError) as exc:
-            return _error(str(exc))
-        if name not in self._groups:
-            return self._result(False, "The group to be destroyed does not exist.")
-        self._destroy_group(name)
-        return self._result(True, "Succeeded to destroy custom process group.")
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json(request, proto.UPDATE_DISTRIBUTED_FIELDS, ("names", "dtypes", "shapes"))
-            specs = proto.parse_tensor_specs(body["names"], body["dtypes"], body["shapes"])
-            group_name = proto.body_group_name(body)
-            if group_name not in self._groups:
-                raise BadRequest(f"group {group_name!r} is not initialised: call /init_weights_update_group first")
-            if body.get("selector", "all") not in ("all", "target"):
-                raise BadRequest(f"selector must be 'all' or 'target' (no draft model here), got {body['selector']!r}")
-            load_format = body.get("load_format")
-            if load_format not in (None, proto.FLATTENED_BUCKET):
-                raise BadRequest(f"load_format must be null or {proto.FLATTENED_BUCKET!r}, got {load_format!r}")
-            version = self._version_for_update(body.get("weight_version"))
-            abort_all, flush = _update_flags(body)
-            async with self._exclusive(abort_all):
-                try:
-                    tensors = await asyncio.wait_for(asyncio.to_thread(
-                        proto.receive_weights, specs, self._groups[group_name], load_format), self.group_timeout_s)
-                except Exception as exc:  # a failed/timed-out broadcast: keep the old weights and version
-                    return self._result(False, f"Failed to receive weights: {exc}")
-                ok, message = await self._load(tensors, version, flush)
-        except (BadRequest, proto.SGLangAPIError) as exc:
-            return _error(str(exc))
-        return self._result(ok, message)
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json(request, proto.UPDATE_DISK_FIELDS, ("model_path",))
-            if not isinstance(body["model_path"], str) or not body["model_path"]:
-                raise BadRequest(f"model_path must be a non-empty string, got {body['model_path']!r}")
-            files = sorted(Path(body["model_path"]).glob("*.safetensors"))
-            if not files:
-                raise BadRequest(f"model_path {body['model_path']!r} holds no *.safetensors files")
-            if body.get("load_format") not in (None, "auto", "safetensors"):
-                raise BadRequest(f"load_format must be null, 'auto' or 'safetensors', got {body['load_format']!r}")
-            version = self._version_for_update(body.get("weight_version"))
-            abort_all, flush = _update_flags(body)
-            async with self._exclusive(abort_all):
-                tensors = await asyncio.to_thread(_read_safetensors, files)
-                ok, message = await self._load(tensors, version, flush)
-        except (BadRequest, proto.SGLangAPIError) as exc:
-            return _error(str(exc))
-        if ok:
-            self.model_path = str(body["model_path"])
-        return self._result(ok, message, num_paused_requests=0)
-
-
-def _update_flags(body: dict) -> tuple[bool, bool]:
-    """``abort_all_requests`` (default false) and ``flush_cache`` (default true) of a weight update, typed;
-    ``torch_empty_cache``/``recapture_cuda_graph`` are CUDA-only (no effect here) but must be booleans too."""
-    for key in ("torch_empty_cache", "recapture_cuda_graph"):
-        proto.body_flag(body, key, False)
-    return proto.body_flag(body, "abort_all_requests", False), proto.body_flag(body, "flush_cache", True)
-
-
-def _read_safetensors(files: list[Path]) -> list[tuple[str, Any]]:
-    from safetensors.torch import load_file
-
-    return [item for f in files for item in load_file(f).items()]
-
+            return error(str(exc))
+        return result(True, "Weight-update session closed (no-op for this engine).")
 
 # ------------------------------------------------------------------------------------------------ CLI
 
