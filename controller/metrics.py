@@ -39,6 +39,7 @@ hflow_response_clip_ratio              gauge      share of the last step's respo
                                                   (finish_reason=length: rollout.max_response_length or the
                                                   model's context length)
 hflow_weight_version                   gauge      the trainer's weight version (updates completed)
+hflow_roller_pool_size                 gauge      rollers in the pool (started and not yet stopped); polled
 =====================================  =========  ==========================================================
 """
 
@@ -94,6 +95,8 @@ class JobMetrics:
                                          "by a length limit (finish_reason=length)", registry=r)
         self.weight_version = Gauge("hflow_weight_version", "The trainer's weight version (updates completed)",
                                     registry=r)
+        self.roller_pool_size = Gauge("hflow_roller_pool_size", "Rollers in the pool (started and not yet "
+                                      "stopped)", registry=r)
         self._num_produced = 0.0  # what hflow_samples_produced_total holds
         self._server = None
 

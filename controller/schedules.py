@@ -364,6 +364,7 @@ class Stages:
         for task, value in depth.items():
             self.metrics.queue_depth.labels(task=task).set(value)
         stats = [await r.stats.remote() for r in self.rt.rollers]
+        self.metrics.roller_pool_size.set(len(self.rt.rollers))
         self.num_groups_generated = int(sum(s["num_groups"] + s["num_failed_groups"] for s in stats))
         self.metrics.count_produced(sum(s["num_samples"] for s in stats))
         self.metrics.tokens_per_s.set(sum(s["tokens_per_s"] for s in stats))
