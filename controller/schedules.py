@@ -335,6 +335,7 @@ class Stages:
         }
         self.metrics.consumed.inc(len(tags))
         self.metrics.reward_mean.set(record["reward_mean"])
+        self.metrics.accuracy.set(record["accuracy"])
         self.metrics.response_clip_ratio.set(record["response_clip_ratio"])
         self.metrics.step_seconds.observe(step_s)
         self.metrics.weight_version.set(self.weight_version)
