@@ -169,6 +169,7 @@ KEY_DOCS: dict[str, str] = {
     "metrics.host": "address of the Prometheus endpoint (loopback by default)",
     "metrics.port": "port of the Prometheus endpoint; 0 = a free one each run (fix it for a scrape target)",
     "metrics.progress": "print one progress line per trainer step",
+    "metrics.sd_dir": "also put the job's Prometheus file_sd targets in this directory; empty = only in the run dir",
     # ray
     "ray.address": "join a Ray cluster at HOST:PORT or auto; empty = start a local one on loopback",
     "ray.connect_timeout_s": "seconds joining ray.address waits for it to answer",
