@@ -147,8 +147,9 @@ class RollerActor:
             self.roller.close()
 
 
-def remote_roller(num_cpus: float = 0.5):
-    """``RollerActor`` as a Ray actor class with ``num_cpus`` logical CPUs (imports Ray lazily)."""
+def remote_roller(num_cpus: float = 0.5, resources: dict[str, float] | None = None):
+    """``RollerActor`` as a Ray actor class with ``num_cpus`` logical CPUs and Ray custom ``resources``
+    (``rollers.resources``) (imports Ray lazily)."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus)(RollerActor)
+    return ray.remote(num_cpus=num_cpus, resources=dict(resources or {}))(RollerActor)
