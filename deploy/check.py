@@ -305,7 +305,7 @@ def run_check(args: argparse.Namespace, work: Path, binaries: tuple[str, str]) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="trainer steps of the short run")
+    parser.add_argument("--steps", type=int, default=12, help="trainer steps of the short run")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the run may take")
     parser.add_argument("--png", help="also draw the dashboard's panels from the run into this PNG file")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, Prometheus data)")

@@ -52,3 +52,20 @@ def test_no_sd_dir_means_no_copy(tmp_path):
     targets = TargetsFile(tmp_path, "", {})
     targets.update(controller="127.0.0.1:1")
     assert targets.copy is None and [p.name for p in tmp_path.iterdir()] == [TARGETS_FILE]
+
+
+def test_rollers_name_an_sglang_metrics_url_only_where_one_is_served():
+    import asyncio
+    from types import SimpleNamespace
+
+    from rollers.actor import RollerActor
+    from rollers.config import RollersConfig
+
+    def url(engine: str, **cfg):
+        actor = SimpleNamespace(rollers_cfg=RollersConfig(engine=engine, **cfg), engine=SimpleNamespace(url="http://h:1"))
+        return asyncio.run(RollerActor.metrics_url(actor))
+
+    assert url("sglang") == "http://h:1"                            # a real SGLang server, --enable-metrics
+    assert url("sglang", sglang_url="http://h:1", sglang_launch="torch") == "http://h:1"  # the user's server
+    assert url("sglang", sglang_launch="torch") is None             # our torch server: no /metrics
+    assert url("torch") is None
