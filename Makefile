@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hflow-installed
 PYTHON ?= python3
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean deploy-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,19 @@ lint: setup
 
 test: lint
 	$(VENV)/bin/pytest
+
+# The Prometheus config and Grafana dashboard of deploy/, checked with a real Prometheus against a short run
+# (deploy/check.py; a few minutes). Installs Debian's prometheus package when prometheus/promtool are missing.
+deploy-check: setup
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  if ! command -v apt-get >/dev/null; then \
+	    echo "deploy-check: needs Prometheus (prometheus, promtool) and found no apt-get to install it:" \
+	         "install Prometheus >= 2.40 and put both on PATH" >&2; exit 1; fi; \
+	  echo "deploy-check: installing Debian's prometheus package (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+	    || { echo "deploy-check: apt-get install prometheus failed (root needed)" >&2; exit 1; }; \
+	fi
+	$(PY) deploy/check.py
 
 clean:
 	rm -rf $(VENV) .cache runs

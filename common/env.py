@@ -123,6 +123,26 @@ class RayConnectError(ConnectionError):
     """``ray.address`` names no reachable Ray cluster."""
 
 
+# Resources Ray defines itself: a pool asks for them through its own keys (num_cpus, GPUs by device).
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_ray_resources(key: str, resources: dict) -> None:
+    """Validate a pool's Ray custom resources (``rollers.resources``, ``trainer.resources``: name ->
+    amount each actor or rank asks for, e.g. ``{hflow_roller: 1}``, so the pool is placed only on nodes
+    started with that resource: ``ray start --resources='{"hflow_roller": 8}'``). Raises ValueError naming
+    ``key`` for an empty or built-in name (CPU, GPU, memory, object_store_memory) or an amount that is not
+    a finite number > 0."""
+    import math
+
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not name or name in RAY_BUILTIN_RESOURCES or name.startswith("node:"):
+            raise ValueError(f"{key}: resource name {name!r} must be a custom resource name (not empty, not one "
+                             f"of {list(RAY_BUILTIN_RESOURCES)} or node:*)")
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount) or amount <= 0:
+            raise ValueError(f"{key}.{name}={amount!r} must be a finite number > 0 (units of that resource)")
+
+
 def check_ray_address(address: str, timeout_s: float) -> None:
     """Raise RayConnectError unless a TCP connection to ``address`` (``host:port``, Ray's GCS) opens within
     ``timeout_s`` seconds. ``ray.init`` itself retries an unreachable address without end."""

@@ -70,12 +70,16 @@ class DataConfig:
 @dataclass
 class MetricsConfig:
     """Prometheus endpoint (``host``:``port``, loopback by default; port 0 = pick a free one) and the
-    per-step JSONL log in the run directory."""
+    per-step JSONL log in the run directory. The job writes its scrape targets as a Prometheus file_sd
+    file, ``RUN_DIR/prometheus_targets.json``; ``sd_dir`` (empty = no copy) also puts a copy in that
+    directory, removed when the job ends, for a Prometheus watching ``SD_DIR/*.json``
+    (``controller.prometheus_sd``)."""
 
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 0
     progress: bool = True
+    sd_dir: str = ""
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

@@ -70,6 +70,7 @@ KEY_DOCS: dict[str, str] = {
     "rollers.sglang_startup_timeout_s": "seconds to wait for a launched server's /health",
     "rollers.sglang_request_timeout_s": "seconds one /generate request may take",
     "rollers.sglang_max_retries": "/flush_cache retries (exponential backoff) during a weight update",
+    "rollers.resources": "Ray custom resources each roller asks for, e.g. {hflow_roller: 1}: places the pool",
     "rollers.on_failed_group": "a group whose generation or reward failed: fail (stop the run) | skip (train on)",
     # trainer
     "trainer.num_ranks": "FSDP2 trainer processes (data parallel)",
@@ -89,6 +90,7 @@ KEY_DOCS: dict[str, str] = {
     "trainer.critic_lr": "the critic's learning rate (adv_estimator=gae only)",
     "trainer.device": "auto (cuda when each rank has a GPU) | cpu | cuda",
     "trainer.num_cpus_per_rank": "Ray logical CPUs reserved per trainer rank",
+    "trainer.resources": "Ray custom resources each trainer rank asks for, e.g. {hflow_trainer: 1}",
     "trainer.timeout_s": "bound in seconds on every collective and every call the controller waits for",
     # algorithm
     "algorithm.adv_estimator": "advantage estimator: grpo | rloo | gae | ... (README, Algorithms) | module:name",
@@ -169,6 +171,7 @@ KEY_DOCS: dict[str, str] = {
     "metrics.host": "address of the Prometheus endpoint (loopback by default)",
     "metrics.port": "port of the Prometheus endpoint; 0 = a free one each run (fix it for a scrape target)",
     "metrics.progress": "print one progress line per trainer step",
+    "metrics.sd_dir": "also put the job's Prometheus file_sd targets in this directory; empty = only in the run dir",
     # ray
     "ray.address": "join a Ray cluster at HOST:PORT or auto; empty = start a local one on loopback",
     "ray.connect_timeout_s": "seconds joining ray.address waits for it to answer",

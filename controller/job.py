@@ -5,6 +5,9 @@ model directory, ``RUN_DIR/model``); 1 when a pool fails (the original error is 
 or data error found at start (nothing was trained), an existing run directory included; 130 / 143 when
 stopped by SIGINT (Ctrl-C) / SIGTERM (one line, no traceback; pools stopped).
 
+While it runs, ``RUN_DIR/prometheus_targets.json`` lists its metrics endpoint (and SGLang servers) for
+Prometheus' file-based service discovery (``controller.prometheus_sd``); emptied when it ends.
+
 Every run that created its directory leaves ``summary.json`` with the same keys (``report.SUMMARY_KEYS``,
 null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``; ``startup_s`` (start
 to pools up), ``shutdown_s`` and ``wall_s`` (start through shutdown) are added after shutdown.
@@ -246,6 +249,16 @@ def _complete_summary(report, **keys) -> None:
         logger.warning("could not add %s to the summary", sorted(keys), exc_info=True)
 
 
+def _scrape_targets(cfg: HFlowConfig, run_dir: Path, port: int):
+    """Write the job's Prometheus file_sd targets (``controller.prometheus_sd``): its metrics endpoint,
+    labelled with the run's name and mode; the ``TargetsFile`` (SGLang servers are added once rollers run)."""
+    from controller.prometheus_sd import TargetsFile, scrape_address
+
+    targets = TargetsFile(run_dir, cfg.metrics.sd_dir, {"run": run_dir.resolve().name, "mode": cfg.mode})
+    targets.update(controller=scrape_address(cfg.metrics.host, port))
+    return targets
+
+
 def _start_ray(cfg: HFlowConfig, owns_ray: bool) -> Path | None:
     """Start (or join) the Ray cluster of ``cfg.ray``; the session directory to remove at shutdown when
     this job started a local cluster (None when it joined one, or runs inside a caller's). Raises
@@ -300,7 +313,7 @@ def run_job(cfg: HFlowConfig) -> int:
         cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(cfg.run_dir)
     metrics = JobMetrics()
-    rt = report = session_dir = None
+    rt = report = session_dir = targets = None
     failed_run = False  # a pool or the algorithm raised: the Ray logs of a cluster this job started are kept
     summary = {"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task}
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
@@ -322,6 +335,7 @@ def run_job(cfg: HFlowConfig) -> int:
         if cfg.metrics.enabled:
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
             print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
+            targets = _scrape_targets(cfg, run_dir, port)
         session_dir = _start_ray(cfg, owns_ray)
         _stop_on_sigterm()  # again: ray.init installs its own SIGTERM handler
         t0 = time.monotonic()
@@ -332,6 +346,9 @@ def run_job(cfg: HFlowConfig) -> int:
             if isinstance(cause, ValueError):
                 raise StartError(str(cause)) from cause
             raise cause from None
+        if targets is not None and cfg.rollers.engine == "sglang":
+            urls = ray.get([r.metrics_url.remote() for r in rt.rollers])
+            targets.update(sglang={n: u for n, u in zip(rt.roller_names, urls, strict=True) if u})
         summary["startup_s"] = time.monotonic() - started
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
               f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
@@ -358,6 +375,8 @@ def run_job(cfg: HFlowConfig) -> int:
         if report is not None:  # this run created its directory: a summary, whatever the outcome
             _write_summary(report, {**summary, "wall_s": time.monotonic() - started, "config": to_dict(cfg)})
         stopping = time.monotonic()
+        if targets is not None:
+            targets.close()
         _shut_down(rt, metrics, owns_ray, session_dir, keep_logs=failed_run)
         if report is not None:  # known only now: the summary's shutdown time, and wall time through it
             _complete_summary(report, shutdown_s=time.monotonic() - stopping, wall_s=time.monotonic() - started)

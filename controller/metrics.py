@@ -34,11 +34,14 @@ hflow_tokens_per_second                gauge      tokens generated per second, a
 hflow_step_seconds                     histogram  per trainer step: seconds of the update (log-probs,
                                                   advantages, optimizer steps, checkpoint if due)
 hflow_reward_mean                      gauge      mean sequence reward of the last step's samples
+hflow_accuracy_ratio                   gauge      share of the last step's samples scored correct (reward >=
+                                                  0.999, the progress line's ``acc``)
 hflow_response_length                  histogram  per trained sample: response length in tokens
 hflow_response_clip_ratio              gauge      share of the last step's responses cut by a length limit
                                                   (finish_reason=length: rollout.max_response_length or the
                                                   model's context length)
 hflow_weight_version                   gauge      the trainer's weight version (updates completed)
+hflow_roller_pool_size                 gauge      rollers in the pool (started and not yet stopped); polled
 =====================================  =========  ==========================================================
 """
 
@@ -88,12 +91,16 @@ class JobMetrics:
         self.step_seconds = Histogram("hflow_step_seconds", "Per trainer step: seconds of the update",
                                       buckets=_TIME_BUCKETS, registry=r)
         self.reward_mean = Gauge("hflow_reward_mean", "Mean sequence reward of the last step's samples", registry=r)
+        self.accuracy = Gauge("hflow_accuracy_ratio", "Share of the last step's samples scored correct "
+                              "(reward >= 0.999)", registry=r)
         self.response_length = Histogram("hflow_response_length", "Per trained sample: response length in tokens",
                                          buckets=_LENGTH_BUCKETS, registry=r)
         self.response_clip_ratio = Gauge("hflow_response_clip_ratio", "Share of the last step's responses cut "
                                          "by a length limit (finish_reason=length)", registry=r)
         self.weight_version = Gauge("hflow_weight_version", "The trainer's weight version (updates completed)",
                                     registry=r)
+        self.roller_pool_size = Gauge("hflow_roller_pool_size", "Rollers in the pool (started and not yet "
+                                      "stopped)", registry=r)
         self._num_produced = 0.0  # what hflow_samples_produced_total holds
         self._server = None
 

@@ -71,7 +71,7 @@ class Runtime:
             self.trainer = TrainerGroup(cfg.trainer, cfg.algorithm, cfg.model, temperature=cfg.rollout.temperature,
                                         max_response_length=cfg.rollout.max_response_length, tq_handle=handle)
             on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine)")
-            roller_cls = remote_roller(num_cpus=0.5)
+            roller_cls = remote_roller(num_cpus=0.5, resources=cfg.rollers.resources)
             roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
             channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n)
             reward = resolve_reward(cfg.rollout.reward, cfg.data.task)

@@ -335,6 +335,7 @@ class Stages:
         }
         self.metrics.consumed.inc(len(tags))
         self.metrics.reward_mean.set(record["reward_mean"])
+        self.metrics.accuracy.set(record["accuracy"])
         self.metrics.response_clip_ratio.set(record["response_clip_ratio"])
         self.metrics.step_seconds.observe(step_s)
         self.metrics.weight_version.set(self.weight_version)
@@ -364,6 +365,7 @@ class Stages:
         for task, value in depth.items():
             self.metrics.queue_depth.labels(task=task).set(value)
         stats = [await r.stats.remote() for r in self.rt.rollers]
+        self.metrics.roller_pool_size.set(len(self.rt.rollers))
         self.num_groups_generated = int(sum(s["num_groups"] + s["num_failed_groups"] for s in stats))
         self.metrics.count_produced(sum(s["num_samples"] for s in stats))
         self.metrics.tokens_per_s.set(sum(s["tokens_per_s"] for s in stats))

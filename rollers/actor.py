@@ -86,6 +86,15 @@ class RollerActor:
             stats["weight_version"] = float(self.engine.weight_version)
         return stats
 
+    async def metrics_url(self) -> str | None:
+        """Base URL of the SGLang server whose ``/metrics`` Prometheus can scrape: a real SGLang server this
+        roller launched (with ``--enable-metrics``) or ``rollers.sglang_url``; None otherwise (the torch
+        engine, or our torch server behind SGLang's API, which serves no ``/metrics``)."""
+        cfg = self.rollers_cfg
+        if cfg.engine != "sglang" or self.engine is None or not (cfg.sglang_url or cfg.sglang_launch == "sglang"):
+            return None
+        return self.engine.url
+
     async def busy_intervals(self) -> list[tuple[float, float]]:
         """``Roller.busy_intervals``: (start, end) wall-clock seconds with >= 1 request in flight."""
         return self.roller.busy_intervals() if self.roller is not None else []
@@ -138,8 +147,9 @@ class RollerActor:
             self.roller.close()
 
 
-def remote_roller(num_cpus: float = 0.5):
-    """``RollerActor`` as a Ray actor class with ``num_cpus`` logical CPUs (imports Ray lazily)."""
+def remote_roller(num_cpus: float = 0.5, resources: dict[str, float] | None = None):
+    """``RollerActor`` as a Ray actor class with ``num_cpus`` logical CPUs and Ray custom ``resources``
+    (``rollers.resources``) (imports Ray lazily)."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus)(RollerActor)
+    return ray.remote(num_cpus=num_cpus, resources=dict(resources or {}))(RollerActor)

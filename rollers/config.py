@@ -93,6 +93,8 @@ class RollersConfig:
     retries (exponential backoff) while requests drain during a weight update.
     ``on_failed_group``: what the controller does with a group whose reward or generation failed —
     ``fail`` (stop the run with that error) | ``skip`` (count it, train the step on the other groups).
+    ``resources``: Ray custom resources each roller asks for (name -> amount, e.g. ``{hflow_roller: 1}``),
+    so rollers are placed only on the nodes started with them (``common.env.check_ray_resources``).
     """
 
     num_replicas: int = 1
@@ -107,8 +109,12 @@ class RollersConfig:
     sglang_request_timeout_s: float = 600.0
     sglang_max_retries: int = 8
     on_failed_group: str = "fail"
+    resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
+        from common.env import check_ray_resources
+
+        check_ray_resources("rollers.resources", self.resources)
         if self.on_failed_group not in ("fail", "skip"):
             raise ValueError(f"rollers.on_failed_group={self.on_failed_group!r} is not one of ['fail', 'skip']")
         if self.num_replicas < 1:

@@ -78,7 +78,8 @@ class SGLangLauncher:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
                "--host", self.host, "--port", str(self.port), "--mem-fraction-static", str(self.mem_fraction),
                "--dtype", self.model.dtype, "--tp-size", "1", "--random-seed", str(self.seed),
-               "--weight-version", str(self.weight_version), "--skip-tokenizer-init", "--log-level", "warning"]
+               "--weight-version", str(self.weight_version), "--skip-tokenizer-init", "--log-level", "warning",
+               "--enable-metrics"]  # /metrics: listed in the job's Prometheus targets (controller.prometheus_sd)
         if self.colocated:
             cmd.append("--enable-memory-saver")
         return [*cmd, *self.extra_args]

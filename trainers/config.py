@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainers.advantages import ADV_ESTIMATORS
 from trainers.kl import KL_ESTIMATORS
@@ -35,7 +35,9 @@ class TrainerConfig:
     ``critic_lr``: the critic's learning rate (GAE only). ``device``: auto (cuda when the Ray cluster has a
     GPU per rank, else cpu) | cpu (gloo) | cuda (nccl, one GPU per rank). ``num_cpus_per_rank``: Ray
     logical CPUs per rank actor (fractional allowed). ``timeout_s``: bound on every collective and on
-    every call the driver waits for.
+    every call the driver waits for. ``resources``: Ray custom resources each rank asks for (name ->
+    amount, e.g. ``{hflow_trainer: 1}``), so ranks are placed only on the nodes started with them
+    (``common.env.check_ray_resources``).
     """
 
     num_ranks: int = 1
@@ -56,8 +58,12 @@ class TrainerConfig:
     device: str = "auto"
     num_cpus_per_rank: float = 1.0
     timeout_s: float = 1800.0
+    resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
+        from common.env import check_ray_resources
+
+        check_ray_resources("trainer.resources", self.resources)
         for key in ("num_ranks", "total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
                     "num_threads"):
             if getattr(self, key) < 1:

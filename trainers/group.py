@@ -49,7 +49,7 @@ class TrainerGroup:
         device = trainer.device if trainer.device != "auto" else ("cuda" if gpus >= self.num_ranks else "cpu")
         if device == "cuda" and gpus < self.num_ranks:
             raise ValueError(f"trainer.device=cuda needs {self.num_ranks} GPUs, the Ray cluster has {gpus}")
-        bundle = {"CPU": trainer.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {})}
+        bundle = {"CPU": trainer.num_cpus_per_rank, **({"GPU": 1} if device == "cuda" else {}), **trainer.resources}
         self._pg = placement_group([dict(bundle) for _ in range(self.num_ranks)], strategy="PACK")
         self._actors: list = []
         try:
@@ -59,6 +59,7 @@ class TrainerGroup:
                 strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
                 self._actors.append(actor_cls.options(
                     num_cpus=trainer.num_cpus_per_rank, num_gpus=1 if device == "cuda" else 0,
+                    resources=dict(trainer.resources),
                     scheduling_strategy=strategy,
                 ).remote(trainer.num_threads))
             port = self._wait([self._actors[0].free_port.remote()], "free_port")[0]

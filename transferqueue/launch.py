@@ -27,6 +27,7 @@ from typing import Any
 
 from transferqueue.config import TransferQueueConfig
 from transferqueue.records import CurveKeys, TQError, TQHandle
+from transferqueue.shm_layout import node_id
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ def local_address(directory: str, i: int) -> str:
 
 
 def _info(server) -> dict[str, Any]:
-    from transferqueue.shm_layout import node_id
-
     return {"endpoint": server.endpoint, "local_endpoint": server.local_endpoint, "node": node_id(),
             "pid": os.getpid()}
 
@@ -85,6 +84,9 @@ def _server_main() -> None:
     _die_with_parent()
     spec = json.loads(sys.stdin.read())
     from transferqueue.server import write_endpoint_file
+    from transferqueue.shm_layout import adopt_node_id
+
+    adopt_node_id(spec["node"])  # the launcher's node (its Ray node id in a Ray cluster)
 
     server = build_server(spec)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
@@ -174,6 +176,7 @@ def start_transferqueue(cfg: TransferQueueConfig) -> TQServers:
         for i, spec in enumerate(_specs(cfg, curve)):
             spec["endpoint_file"] = files_i = os.path.join(run_dir, f"server{i}.json")
             spec["local_address"] = local_address(run_dir, i)
+            spec["node"] = node_id()
             files.append(files_i)
             p = subprocess.Popen([sys.executable, "-c", "from transferqueue.launch import _server_main; _server_main()"],
                                  stdin=subprocess.PIPE, env=env, start_new_session=True)

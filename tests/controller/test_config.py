@@ -142,3 +142,16 @@ def test_no_root_seed_key():
 def test_cli_export_after_flags_says_where_it_goes(capsys):
     assert main(["--preset", "tiny", "export", "runs/x"]) == 2
     assert "comes first: hflow-async export RUN_DIR" in capsys.readouterr().err
+
+
+def test_pool_resources_place_each_pool_and_reject_what_ray_owns():
+    cfg = load_config(preset="tiny", overrides=["rollers.resources={hflow_roller: 1}",
+                                                "trainer.resources={hflow_trainer: 0.5}"])
+    assert cfg.rollers.resources == {"hflow_roller": 1.0} and cfg.trainer.resources == {"hflow_trainer": 0.5}
+    assert load_config(preset="tiny").rollers.resources == {}  # default: anywhere
+    for bad, needle in [("rollers.resources={GPU: 1}", "rollers.resources: resource name 'GPU'"),
+                        ("trainer.resources={node:10.0.0.1: 1}", "trainer.resources: resource name 'node:10.0.0.1'"),
+                        ("trainer.resources={hflow_trainer: 0}", "trainer.resources.hflow_trainer=0.0 must be"),
+                        ("rollers.resources={hflow_roller: -1}", "rollers.resources.hflow_roller=-1.0 must be")]:
+        with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("{", r"\{")):
+            load_config(preset="tiny", overrides=[bad])

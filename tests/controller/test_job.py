@@ -190,7 +190,8 @@ def test_prompts_near_the_context_limit_are_truncated_not_failed(tmp_path, ray_c
 
 def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_cluster):
     """Scraped over HTTP all through a run: every series is served, and in every scrape produced samples
-    are at least consumed + dropped ones (a backlog panel never goes negative)."""
+    are at least consumed + dropped ones (a backlog panel never goes negative). The Prometheus file_sd
+    targets (run directory and ``metrics.sd_dir`` copy) name the endpoint while it runs, nothing after."""
     import threading
     import time
     import urllib.request
@@ -199,14 +200,19 @@ def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_clus
 
     from controller.metrics import JobMetrics
 
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(zip(("code", "steps", "summary"),
-                                                                run(tmp_path, "fully-async", "trainer.total_steps=40"), strict=True)))
+    result, run_dir, sd_dir = {}, tmp_path / "run", tmp_path / "sd"
+    thread = threading.Thread(target=lambda: result.update(zip(
+        ("code", "steps", "summary"), run(run_dir, "fully-async", "trainer.total_steps=40", f"metrics.sd_dir={sd_dir}"),
+        strict=True)))
     thread.start()
-    endpoint, bodies, deadline = tmp_path / "metrics_endpoint.json", [], time.monotonic() + 150
+    endpoint, bodies, deadline = run_dir / "metrics_endpoint.json", [], time.monotonic() + 150
+    targets_seen = []
     while thread.is_alive() and time.monotonic() < deadline:
         if endpoint.exists():
             port = json.loads(endpoint.read_text())["port"]
+            if not targets_seen and list(sd_dir.glob("*.json")):
+                targets_seen = [json.loads(p.read_text()) for p in [run_dir / "prometheus_targets.json",
+                                                                     *sd_dir.glob("*.json")]]
             try:
                 bodies.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
             except OSError:  # not serving yet, or already closed at the end of the run
@@ -225,6 +231,9 @@ def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_clus
     assert not missing, missing
     assert 'hflow_queue_depth{task="train"}' in body or 'hflow_queue_depth{task="rollout"}' in body
     assert "hflow_weight_sync_seconds_count" in body and "hflow_queue_lag_bucket" in body
+    group = {"targets": [f"127.0.0.1:{port}"], "labels": {"run": "run", "mode": "fully-async", "component": "controller"}}
+    assert targets_seen == [[group], [group]]
+    assert json.loads((run_dir / "prometheus_targets.json").read_text()) == [] and not list(sd_dir.iterdir())
 
 
 @pytest.mark.slow

@@ -69,6 +69,7 @@ def test_stages_count_samples_where_they_are_seen(tmp_path):
             assert get("hflow_samples_consumed_total") == 2 * n * (step + 1) == get("hflow_samples_produced_total")
             assert get("hflow_sample_age_seconds_count") == get("hflow_samples_consumed_total")
             assert get("hflow_queue_lag_count") == get("hflow_response_length_count") == 2 * n * (step + 1)
+            assert get("hflow_accuracy_ratio") == get("hflow_reward_mean") == 0.5  # rewards alternate 0, 1
 
     asyncio.run(steps())
     report.close()

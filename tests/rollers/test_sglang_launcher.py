@@ -34,7 +34,7 @@ def test_sglang_command_has_the_flags_a_roller_needs(monkeypatch, tmp_path):
     assert _flag(cmd, "--model-path") == str(tmp_path) and _flag(cmd, "--host") == "127.0.0.1"
     assert _flag(cmd, "--mem-fraction-static") == "0.45" and _flag(cmd, "--weight-version") == "3"
     assert _flag(cmd, "--dtype") == "bfloat16" and int(_flag(cmd, "--port")) > 0
-    assert "--enable-memory-saver" not in cmd and "--skip-tokenizer-init" in cmd
+    assert "--enable-memory-saver" not in cmd and "--skip-tokenizer-init" in cmd and "--enable-metrics" in cmd
     colocated = SGLangLauncher("sglang", model, colocated=True).command()
     assert "--enable-memory-saver" in colocated
 
