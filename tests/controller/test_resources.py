@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.env import available_cores, resolve_num_threads
 from controller.config import load_config
 from controller.resources import plan_threads
 
@@ -41,3 +42,10 @@ def test_explicit_integers_override_and_auto_takes_the_rest():
 def test_bad_thread_counts_name_the_key(value):
     with pytest.raises(ValueError, match="rollers.num_threads"):
         _cfg("sync", f"rollers.num_threads={value}")
+
+
+def test_a_pool_started_on_its_own_resolves_auto_to_every_core():
+    assert resolve_num_threads("auto") == available_cores() >= 1
+    assert resolve_num_threads(3) == 3
+    with pytest.raises(ValueError, match="'auto'"):
+        resolve_num_threads("3")
