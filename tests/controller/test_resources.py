@@ -10,7 +10,9 @@ from controller.resources import plan_threads
 
 
 def _cfg(mode: str, *overrides: str):
-    return load_config(mode=mode, preset="tiny", overrides=list(overrides))
+    """The tiny preset with both pools' threads auto (the preset pins them to 1), then ``overrides``."""
+    auto = ["rollers.num_threads=auto", "trainer.num_threads=auto"]
+    return load_config(mode=mode, preset="tiny", overrides=auto + list(overrides))
 
 
 @pytest.mark.parametrize("cores,rollers,trainer", [(2, 1, 1), (3, 1, 2), (16, 8, 8), (1, 1, 1)])
