@@ -73,6 +73,34 @@ def set_torch_threads(num_threads: int) -> None:
         pass
 
 
+AUTO_THREADS = "auto"
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which honours ``taskset`` and cgroup cpusets;
+    ``os.cpu_count()`` where the platform has no affinity call)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def check_num_threads(key: str, value: int | str) -> None:
+    """Raise ValueError naming ``key`` unless ``value`` is ``auto`` or an integer >= 1 (a config's thread
+    count: ``rollers.num_threads``, ``trainer.num_threads``)."""
+    if value == AUTO_THREADS or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return
+    raise ValueError(f"{key}={value!r} must be 'auto' (chosen per mode by the controller) or an integer >= 1")
+
+
+def resolve_num_threads(value: int | str) -> int:
+    """A thread count from a config value: the integer itself, or every available core for ``auto`` (what a
+    pool started on its own uses; a job's controller resolves ``auto`` per mode first,
+    ``controller.resources.plan_threads``). Raises ValueError for anything else."""
+    check_num_threads("num_threads", value)
+    return available_cores() if value == AUTO_THREADS else int(value)
+
+
 def ray_temp_dir() -> Path:
     """Ray's session directory root. Kept short: Ray's unix socket paths must fit in 107 bytes."""
     path = cache_dir() / "ray"

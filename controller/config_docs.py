@@ -5,6 +5,22 @@ description; the dataclass docstrings of each section (``rollers/config.py``, ``
 hold the longer story. A test checks that every key has a line and every line a key, so a new key
 without a description fails the suite. Units are in the key name or the line: lengths in tokens, times
 in seconds, sizes in bytes.
+
+Two settings need more than a line:
+
+* ``old_log_probs`` (``algorithm.bypass_mode``, ``trainers/rollout_corr.py``). ``false`` (the default):
+  the trainer's own log-probs before the update, recomputed with one extra forward, except when that
+  forward provably gives the first training forward's numbers: every sample's ``min_weight_version`` and
+  ``max_weight_version`` equal the trainer's ``weight_version`` (``sync``; ``fully-async`` at staleness 0;
+  the first step of ``one-step-off``), ``trainer.ppo_epochs`` is 1 with one mini-batch
+  (``trainer.ppo_mini_batch_size`` = the step's prompts), and no ``algorithm.use_kl_in_reward``. Then the
+  loss takes the training forward's log-probs, detached, and the step reports
+  ``actor/old_log_prob_recomputed`` 0. ``true`` (verl's bypass mode): the rollers' ``rollout_log_probs``
+  are ``old_log_probs`` in every mode, no extra forward; refused with a ``stale_correction``. Each step
+  reports ``rollout_corr/kl``, ``rollout_corr/k3_kl`` and ``rollout_corr/max_abs_diff`` (rollout vs
+  trainer log-probs on response tokens) whenever both exist.
+* ``rollers.num_threads`` / ``trainer.num_threads`` (``controller/resources.py``): ``auto`` (the
+  default) or an integer; see ``plan_threads``.
 """
 
 from __future__ import annotations
@@ -127,6 +143,7 @@ KEY_DOCS: dict[str, str] = {
     "algorithm.overlong_penalty_factor": "DAPO: the overlong penalty at the length limit",
     "algorithm.stale_correction": "off-policy correction of stale samples: none | decoupled | tis",
     "algorithm.tis_cap": "tis: cap of the truncated importance weight",
+    "algorithm.bypass_mode": "true: old_log_probs = rollout_log_probs; false: trainer's, forward skipped when on-policy, 1 mini-batch",
     "algorithm.max_staleness": "fully-async: most versions a trained sample may lag the trainer (admission bound)",
     "algorithm.stale_policy": "fully-async: a group staler than max_staleness: drop (re-issue its prompt) | keep",
     "algorithm.require_batches": "fully-async: train batches (of data.train_batch_size prompts) per update",

@@ -10,7 +10,10 @@ Prometheus' file-based service discovery (``controller.prometheus_sd``); emptied
 
 Every run that created its directory leaves ``summary.json`` with the same keys (``report.SUMMARY_KEYS``,
 null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``; ``startup_s`` (start
-to pools up), ``shutdown_s`` and ``wall_s`` (start through shutdown) are added after shutdown.
+to pools up) with its parts in ``startup_breakdown_s`` (``checks_s``: config, data and reward checks;
+``ray_s``; then ``controller.runtime.Runtime.startup_s``) and the pools' torch ``threads``
+(``controller.resources.plan_threads``); ``shutdown_s`` and ``wall_s`` (start through shutdown) are added
+after shutdown.
 
 Start-up prints one line per thing it starts (Ray, then each pool: ``Runtime(on_stage=...)``). A local Ray
 cluster this job started is shut down with it and its session directory removed, except after a failed
@@ -336,9 +339,11 @@ def run_job(cfg: HFlowConfig) -> int:
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
             print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
             targets = _scrape_targets(cfg, run_dir, port)
+        ray_start = time.monotonic()
         session_dir = _start_ray(cfg, owns_ray)
         _stop_on_sigterm()  # again: ray.init installs its own SIGTERM handler
         t0 = time.monotonic()
+        breakdown = {"checks_s": ray_start - started, "ray_s": t0 - ray_start}
         try:
             rt = Runtime(cfg, num_batches(cfg), on_stage=lambda what: print(f"hflow-async: {what}", flush=True))
         except ray.exceptions.RayTaskError as err:
@@ -350,6 +355,10 @@ def run_job(cfg: HFlowConfig) -> int:
             urls = ray.get([r.metrics_url.remote() for r in rt.rollers])
             targets.update(sglang={n: u for n, u in zip(rt.roller_names, urls, strict=True) if u})
         summary["startup_s"] = time.monotonic() - started
+        summary["startup_breakdown_s"] = breakdown | rt.startup_s
+        summary["threads"] = rt.threads.to_dict()
+        print("hflow-async: start-up " + ", ".join(f"{k} {v:.1f}" for k, v in summary["startup_breakdown_s"].items()),
+              flush=True)
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
               f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
         asyncio.run(_run_schedule(cfg, rt, metrics, report, summary))

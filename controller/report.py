@@ -19,14 +19,15 @@ REQUIRED_STEP_KEYS = ("step", "reward_mean", "weight_version", "staleness_mean",
 
 # Run-level keys every summary.json carries, whatever the outcome (null where unknown): what the run is,
 # how it ended, and the schedule's counters (``controller/job.py``).
-ABOUT_KEYS = ("status", "error", "mode", "model", "task", "model_dir")
+ABOUT_KEYS = ("status", "error", "mode", "model", "task", "model_dir", "threads")
 COUNT_KEYS = ("num_syncs", "num_groups_admitted", "num_groups_generated", "num_failed_groups",
               "num_dropped_groups", "num_zero_variance_groups", "weight_version", "frac_groups_reward_variance",
               "frac_groups_any_correct")
 STEP_SUMMARY_KEYS = ("num_steps", "wall_s", "reward_first", "reward_last", "reward_mean", "staleness_max")
 # Seconds from the job's start until its pools were up, and stopping pools and Ray after the last step (the
 # job writes the summary, then shuts down, then adds shutdown_s and the final wall_s: ``RunReport.amend``).
-TIME_KEYS = ("startup_s", "shutdown_s")
+# startup_breakdown_s: the parts of startup_s (controller/job.py); threads: the pools' torch threads.
+TIME_KEYS = ("startup_s", "shutdown_s", "startup_breakdown_s")
 SUMMARY_KEYS = STEP_SUMMARY_KEYS + TIME_KEYS + ABOUT_KEYS + COUNT_KEYS
 
 

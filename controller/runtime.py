@@ -16,8 +16,12 @@ through the controller.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 from controller.config import HFlowConfig
@@ -27,6 +31,7 @@ logger = logging.getLogger(__name__)
 # The TransferQueue partition holding a run's samples. Not "train": that is the trainer's consumer task
 # (``controller.schedules.TRAIN_TASK``; the rollers' is "rollout"), the label of hflow_queue_depth{task}.
 PARTITION = "samples"
+_POLL_S = 0.05  # how often start-up looks at the pools that are not ready yet
 
 
 class Runtime:
@@ -37,6 +42,26 @@ class Runtime:
     """
 
     def __init__(self, cfg: HFlowConfig, num_batches: int, on_stage: Callable[[str], None] = lambda what: None):
+        from controller.resources import plan_threads
+
+        self.cfg = cfg
+        self.tq_servers = None
+        self.feeder = None
+        self.rollers: list = []
+        self.roller_names: list[str] = []
+        self.trainer = None
+        self.tq = None
+        self.threads = plan_threads(cfg)
+        # Seconds each start-up stage took. The rollers and the trainer start at the same time, so
+        # rollers_s and trainer_s overlap (each is from its launch until it is ready).
+        self.startup_s: dict[str, float] = {}
+        try:
+            self._start(cfg, num_batches, on_stage)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg: HFlowConfig, num_batches: int, on_stage: Callable[[str], None]) -> None:
         import ray
 
         from common.schema import REMAX_BASELINE
@@ -50,46 +75,77 @@ class Runtime:
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
 
-        self.cfg = cfg
-        self.tq_servers = None
-        self.feeder = None
-        self.rollers: list = []
-        self.roller_names: list[str] = []
-        self.trainer = None
-        self.tq = None
         n_units, n_ranks, n_rollers = (cfg.transferqueue.num_storage_units, cfg.trainer.num_ranks,
                                        cfg.rollers.num_replicas)
-        try:
-            on_stage(f"starting the TransferQueue (index + {n_units} storage unit{'s' * (n_units > 1)})")
-            self.tq_servers = start_transferqueue(cfg.transferqueue)
-            handle = self.tq_servers.handle.to_dict()
-            self.tq = TQClient(self.tq_servers.handle)
-            on_stage(f"starting the prompt feeder (task {cfg.data.task})")
-            self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches)
-            ray.get(self.feeder.dataset_size.remote())  # surfaces data errors (too few steps, long prompts)
-            on_stage(f"starting {n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path})")
-            self.trainer = TrainerGroup(cfg.trainer, cfg.algorithm, cfg.model, temperature=cfg.rollout.temperature,
-                                        max_response_length=cfg.rollout.max_response_length, tq_handle=handle)
-            on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine)")
-            roller_cls = remote_roller(num_cpus=0.5, resources=cfg.rollers.resources)
-            roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
-            channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n)
-            reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
-            self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
-            self.rollers = [
-                roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, reward, channel,
-                                  remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
-                for name in self.roller_names
-            ]
-            on_stage(f"connecting weight sync ({cfg.checkpointengine.backend}) and starting the rollers' loops")
-            sync_handle = self.trainer.execute(attach_sender, cfg.checkpointengine,
-                                               self.roller_names)[0]
-            ray.get([r.attach_receiver.remote(sync_handle, name)
-                     for r, name in zip(self.rollers, self.roller_names, strict=True)])
-            ray.get([r.start.remote() for r in self.rollers])
-        except BaseException:
-            self.close()
-            raise
+        clock = _StageClock(self.startup_s)
+        on_stage(self.threads.describe(cfg.mode))
+        on_stage(f"starting the TransferQueue (index + {n_units} storage unit{'s' * (n_units > 1)})")
+        self.tq_servers = start_transferqueue(cfg.transferqueue)
+        handle = self.tq_servers.handle.to_dict()
+        self.tq = TQClient(self.tq_servers.handle)
+        clock.done("transferqueue_s")
+        # Launch the feeder and the rollers (actor creation does not block), then build the trainer
+        # meanwhile: their processes start and load models concurrently.
+        on_stage(f"starting the prompt feeder (task {cfg.data.task})")
+        self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches)
+        on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine) and "
+                 f"{n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path}) at once")
+        roller_cls = remote_roller(num_cpus=0.5, resources=cfg.rollers.resources)
+        roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
+        channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n)
+        reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
+        rollers_cfg = dataclasses.replace(cfg.rollers, num_threads=self.threads.roller_threads)
+        self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
+        self.rollers = [
+            roller_cls.remote(cfg.model, cfg.rollout, rollers_cfg, reward, channel,
+                              remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
+            for name in self.roller_names
+        ]
+        trainer_cfg = dataclasses.replace(cfg.trainer, num_threads=self.threads.trainer_threads)
+        waits = {self.feeder.dataset_size.remote(): "feeder_s"}  # surfaces data errors (too few steps, ...)
+        waits |= {r.stats.remote(): "rollers_s" for r in self.rollers}  # answered once a constructor is done
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-start") as pool:
+            trainer = pool.submit(TrainerGroup, trainer_cfg, cfg.algorithm, cfg.model,
+                                  temperature=cfg.rollout.temperature,
+                                  max_response_length=cfg.rollout.max_response_length, tq_handle=handle)
+            try:
+                self._wait_ready(waits, trainer, clock)
+            except BaseException:  # a roller or the feeder failed: never leave the trainer's actors behind
+                with contextlib.suppress(BaseException):
+                    self.trainer = trainer.result()  # close() stops it
+                raise
+            self.trainer = trainer.result()
+        clock.done("pools_s")
+        on_stage(f"connecting weight sync ({cfg.checkpointengine.backend}) and starting the rollers' loops")
+        sync_handle = self.trainer.execute(attach_sender, cfg.checkpointengine, self.roller_names)[0]
+        ray.get([r.attach_receiver.remote(sync_handle, name)
+                 for r, name in zip(self.rollers, self.roller_names, strict=True)])
+        ray.get([r.start.remote() for r in self.rollers])
+        clock.done("weight_plane_s")
+
+    @staticmethod
+    def _wait_ready(waits: dict, trainer: concurrent.futures.Future, clock: _StageClock) -> None:
+        """Wait for every ref of ``waits`` (ref -> the ``startup_s`` key it completes) and for ``trainer``,
+        noting when each pool became ready; raises the first failure (a pool's own error)."""
+        import ray
+
+        pending = dict(waits)
+        while pending or not trainer.done():
+            if trainer.done() and "trainer_s" not in clock.out:
+                trainer.result()  # raises the trainer's start error
+                clock.done("trainer_s", restart=False)
+            if not pending:
+                concurrent.futures.wait([trainer], timeout=_POLL_S)
+                continue
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_POLL_S)
+            for ref in ready:
+                ray.get(ref)  # raises a failed constructor's error
+                key = pending.pop(ref)
+                if key not in pending.values():  # the last roller (or the feeder) is ready
+                    clock.done(key, restart=False)
+        if "trainer_s" not in clock.out:
+            trainer.result()
+            clock.done("trainer_s", restart=False)
 
     def close(self) -> None:
         """Stop rollers, trainers, feeder and the TransferQueue servers (each at most once)."""
@@ -113,3 +169,17 @@ class Runtime:
         if self.tq_servers is not None:
             self.tq_servers.shutdown()
             self.tq_servers = None
+
+
+class _StageClock:
+    """Writes the seconds since the last (re)start into ``out[name]`` at each ``done``."""
+
+    def __init__(self, out: dict[str, float]):
+        self.out = out
+        self.t0 = time.monotonic()
+
+    def done(self, name: str, restart: bool = True) -> None:
+        now = time.monotonic()
+        self.out[name] = now - self.t0
+        if restart:
+            self.t0 = now

@@ -25,11 +25,11 @@ class RollerActor:
 
     def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, reward: str, channel_factory,
                  *, remax_baseline: bool = False, roller_id: str = "roller0"):
-        from common.env import set_torch_threads
+        from common.env import resolve_num_threads, set_torch_threads
         from common.models import load_tokenizer
         from rollers.rewards import build_reward_fn
 
-        set_torch_threads(rollers_cfg.num_threads)
+        set_torch_threads(resolve_num_threads(rollers_cfg.num_threads))
         self.model_cfg, self.rollout_cfg, self.rollers_cfg = model_cfg, rollout_cfg, rollers_cfg
         self.roller_id = roller_id
         self.tokenizer = load_tokenizer(model_cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.env import AUTO_THREADS, check_num_threads, check_ray_resources
 from rollers.engine import check_sampling
 
 ENGINES = ("torch", "sglang")
@@ -83,7 +84,8 @@ class RollersConfig:
     """The roller pool. ``engine``: torch (in-process) | sglang (HTTP client of an SGLang server).
 
     ``max_batch_slots``: concurrent sequences in the torch engine's continuous batch;
-    ``num_threads``: torch threads per roller process; ``sglang_url``: connect to this server instead of
+    ``num_threads``: torch threads per roller process, ``auto`` (chosen per mode by the controller,
+    ``controller.resources.plan_threads``) or an integer; ``sglang_url``: connect to this server instead of
     launching one (sglang engine only). When launching (``rollers.sglang_launcher``):
     ``sglang_launch`` sglang (``python -m sglang.launch_server``, needs SGLang and a GPU) | torch (our
     torch engine behind SGLang's API, ``python -m rollers.sglang_server``); ``sglang_mem_fraction``:
@@ -99,7 +101,7 @@ class RollersConfig:
 
     num_replicas: int = 1
     engine: str = "torch"
-    num_threads: int = 1
+    num_threads: int | str = AUTO_THREADS
     max_batch_slots: int = 16
     sglang_url: str = ""
     sglang_launch: str = "sglang"
@@ -112,8 +114,6 @@ class RollersConfig:
     resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
-        from common.env import check_ray_resources
-
         check_ray_resources("rollers.resources", self.resources)
         if self.on_failed_group not in ("fail", "skip"):
             raise ValueError(f"rollers.on_failed_group={self.on_failed_group!r} is not one of ['fail', 'skip']")
@@ -121,8 +121,7 @@ class RollersConfig:
             raise ValueError(f"rollers.num_replicas must be >= 1, got {self.num_replicas}")
         if self.engine not in ENGINES:
             raise ValueError(f"rollers.engine={self.engine!r} is not one of {list(ENGINES)}")
-        if self.num_threads < 1:
-            raise ValueError(f"rollers.num_threads must be >= 1, got {self.num_threads}")
+        check_num_threads("rollers.num_threads", self.num_threads)
         if self.max_batch_slots < 1:
             raise ValueError(f"rollers.max_batch_slots must be >= 1, got {self.max_batch_slots}")
         if self.sglang_launch not in SGLANG_LAUNCH:

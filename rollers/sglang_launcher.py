@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.env import cache_dir
+from common.env import cache_dir, resolve_num_threads
 from common.models import ModelConfig, resolve_model_dir
 from rollers.config import SGLANG_LAUNCH, RollersConfig
 from rollers.engine import EngineError
@@ -146,7 +146,8 @@ async def launch_sglang_engine(rollers: RollersConfig, model: ModelConfig, *, we
         launcher = SGLangLauncher(
             rollers.sglang_launch, model, mem_fraction=rollers.sglang_mem_fraction,
             colocated=rollers.sglang_colocated, weight_version=weight_version, seed=seed,
-            startup_timeout_s=rollers.sglang_startup_timeout_s, num_threads=rollers.num_threads,
+            startup_timeout_s=rollers.sglang_startup_timeout_s,
+            num_threads=resolve_num_threads(rollers.num_threads),
             max_batch_slots=rollers.max_batch_slots,
         )
         url = await launcher.start()

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
+from common.env import AUTO_THREADS, check_num_threads, check_ray_resources
 from trainers.advantages import ADV_ESTIMATORS
 from trainers.kl import KL_ESTIMATORS
 from trainers.losses import LOSS_AGG_MODES
@@ -31,7 +32,8 @@ class TrainerConfig:
     """The trainer pool and optimisation.
 
     ``ppo_mini_batch_size`` is in prompts (× ``rollout.n`` samples inside); ``ppo_micro_batch_size`` is
-    in samples; ``save_every`` in trainer steps (0 = never); ``num_threads`` torch threads per rank.
+    in samples; ``save_every`` in trainer steps (0 = never); ``num_threads`` torch threads per rank:
+    ``auto`` (chosen per mode by the controller, ``controller.resources.plan_threads``) or an integer.
     ``critic_lr``: the critic's learning rate (GAE only). ``device``: auto (cuda when the Ray cluster has a
     GPU per rank, else cpu) | cpu (gloo) | cuda (nccl, one GPU per rank). ``num_cpus_per_rank``: Ray
     logical CPUs per rank actor (fractional allowed). ``timeout_s``: bound on every collective and on
@@ -52,7 +54,7 @@ class TrainerConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     save_every: int = 0
-    num_threads: int = 1
+    num_threads: int | str = AUTO_THREADS
     use_reference: bool = False
     critic_lr: float = 1e-5
     device: str = "auto"
@@ -61,11 +63,9 @@ class TrainerConfig:
     resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
-        from common.env import check_ray_resources
-
         check_ray_resources("trainer.resources", self.resources)
-        for key in ("num_ranks", "total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
-                    "num_threads"):
+        check_num_threads("trainer.num_threads", self.num_threads)
+        for key in ("num_ranks", "total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("lr", "critic_lr", "num_cpus_per_rank", "timeout_s"):
@@ -92,6 +92,13 @@ class AlgorithmConfig:
     ``trigger_sync_steps`` pushes weights every that many updates (needs
     ``max_staleness >= trigger_sync_steps - 1``). ``stale_correction``: none | decoupled (proximal
     log-probs) | tis (truncated importance sampling on ``rollout_log_probs``, capped at ``tis_cap``).
+
+    ``old_log_probs`` (``trainers/rollout_corr.py``): recomputed by the trainer with one extra forward
+    before the update (the default), except when they provably equal the first training forward's (every
+    sample generated with the trainer's current weights, one epoch of one mini-batch, no KL-in-reward):
+    that forward is then skipped automatically. ``bypass_mode`` (verl's name) takes the rollers'
+    ``rollout_log_probs`` as ``old_log_probs`` instead, in every mode: no extra forward, the PPO ratio is
+    anchored at the behaviour policy (so no ``stale_correction`` is needed, and none is accepted with it).
 
     Plug-in names (README "Algorithms"; each validated against its registry, ``module:name`` for a plug-in
     module of your own, ``common/registry.py``): ``adv_estimator`` (``trainers/advantages.py``),
@@ -154,6 +161,7 @@ class AlgorithmConfig:
     overlong_penalty_factor: float = 1.0
     stale_correction: str = "none"
     tis_cap: float = 2.0
+    bypass_mode: bool = False
     max_staleness: int = 1
     stale_policy: str = "drop"
     require_batches: int = 1
@@ -188,6 +196,12 @@ class AlgorithmConfig:
             )
         if self.tis_cap <= 0:
             raise ValueError(f"algorithm.tis_cap must be > 0, got {self.tis_cap}")
+        if self.bypass_mode and self.stale_correction != "none":
+            raise ValueError(
+                f"algorithm.bypass_mode=true takes rollout_log_probs as old_log_probs, so "
+                f"algorithm.stale_correction={self.stale_correction!r} would weigh every token by "
+                "pi_rollout / pi_rollout = 1; set stale_correction=none (bypass_mode already anchors the "
+                "ratio at the rollout policy) or bypass_mode=false")
 
     def _check_algorithm_numbers(self) -> None:
         """KL controller, value clipping and DAPO knobs (the staleness knobs are checked above)."""

@@ -34,6 +34,7 @@ from trainers.kl import kl_loss
 from trainers.losses import aggregate_loss, policy_loss, value_loss
 from trainers.metrics import count_tokens_and_seqs, masked_sum
 from trainers.policy_losses import POLICY_LOSSES, PolicyLossParams
+from trainers.rollout_corr import MismatchSums
 
 ACTOR_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES, schema.RESPONSE_MASK,
                 schema.OLD_LOG_PROBS, schema.ADVANTAGES)
@@ -48,14 +49,16 @@ def require_fields(batch: dict, fields: tuple[str, ...], method: str) -> None:
         raise ValueError(f"{method} needs batch fields {missing}; the batch has {sorted(batch)}")
 
 
-def actor_fields(algorithm: AlgorithmConfig) -> tuple[str, ...]:
-    """The batch fields ``update_actor`` reads under ``algorithm``."""
+def actor_fields(algorithm: AlgorithmConfig, old_from_current: bool = False) -> tuple[str, ...]:
+    """The batch fields ``update_actor`` reads under ``algorithm`` (without ``old_log_probs`` when they
+    are taken from the training forward: ``old_from_current``)."""
+    base = tuple(f for f in ACTOR_FIELDS if not (old_from_current and f == schema.OLD_LOG_PROBS))
     extra = ()
     if algorithm.use_kl_loss:
         extra += (schema.REF_LOG_PROB,)
     if algorithm.stale_correction != "none":
         extra += (schema.ROLLOUT_LOG_PROBS,)
-    return ACTOR_FIELDS + extra
+    return base + extra
 
 
 def filler_sample(batch: dict) -> dict:
@@ -139,10 +142,15 @@ def _global_counts(mini: dict | None) -> tuple[float, float]:
 
 def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: dict | None, filler: dict,
                sums: StepSums, *, algorithm: AlgorithmConfig, temperature: float, micro_batch_size: int,
-               max_grad_norm: float, norm_length: int | None) -> None:
+               max_grad_norm: float, norm_length: int | None, old_from_current: bool = False,
+               mismatch: MismatchSums | None = None) -> None:
     """Accumulate the loss (``algorithm.policy_loss`` − entropy bonus + KL loss) of ``mini`` over
     micro-batches, clip the gradient norm to ``max_grad_norm`` and step ``optimizer``. Adds to ``sums``.
-    Collective."""
+
+    ``old_from_current``: ``old_log_probs`` are this forward's log-probs, detached (valid only when the
+    policy has not stepped since the samples were generated: ``trainers.rollout_corr``); the batch then
+    need not carry them. ``mismatch``: add this (pre-step) forward's log-probs against the micro-batches'
+    ``rollout_log_probs`` to it. Collective."""
     optimizer.zero_grad(set_to_none=True)
     tokens, seqs = _global_counts(mini)
     agg = {"loss_agg_mode": algorithm.loss_agg_mode, "global_num_tokens": tokens, "global_num_seqs": seqs,
@@ -152,8 +160,11 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
         mask = mb[schema.RESPONSE_MASK]
         log_probs, entropy = response_log_probs(policy, mb, temperature, with_entropy=True,
                                                 entropy_grad=algorithm.entropy_coeff > 0)
+        if mismatch is not None:
+            mismatch.add(log_probs, mb[schema.ROLLOUT_LOG_PROBS], mask)
+        old_log_probs = log_probs.detach() if old_from_current else mb[schema.OLD_LOG_PROBS]
         loss, pg = policy_loss(
-            log_probs, mb[schema.OLD_LOG_PROBS], mb[schema.ADVANTAGES], mask, loss_mode=loss_mode,
+            log_probs, old_log_probs, mb[schema.ADVANTAGES], mask, loss_mode=loss_mode,
             params=params, stale_correction=algorithm.stale_correction, tis_cap=algorithm.tis_cap,
             rollout_log_probs=mb[schema.ROLLOUT_LOG_PROBS] if algorithm.stale_correction != "none" else None,
             **agg,

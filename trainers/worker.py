@@ -8,7 +8,9 @@ slice of the batch (whole ``uid`` groups), in the same order.
 
 Stages, in the order a training step runs them (batch in, fields or metrics out)::
 
-    compute_log_prob(batch)     -> old_log_probs, entropy (+ ref_log_prob with a reference model)
+    compute_log_prob(batch)     -> old_log_probs, entropy (+ ref_log_prob with a reference model); skipped
+                                   when they equal the update's own forward, or taken from the rollers'
+                                   rollout_log_probs (algorithm.bypass_mode): trainers/rollout_corr.py
     compute_values(batch)       -> values                                  (critic only, GAE)
     compute_advantages(batch)   -> token_level_rewards, advantages, returns (+ metrics)
     update_critic(batch)        -> metrics                                 (critic only)
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from common import schema
-from common.env import set_torch_threads
+from common.env import resolve_num_threads, set_torch_threads
 from common.models import ModelConfig
 from trainers import checkpoint, collectives, export, fsdp
 from trainers.advantages import ADV_ESTIMATORS
@@ -41,6 +43,7 @@ from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.dapo import apply_overlong_penalty
 from trainers.kl import apply_kl_in_reward, make_kl_controller
 from trainers.metrics import masked_stats
+from trainers.rollout_corr import MismatchSums, can_skip_old_forward, is_on_policy
 from trainers.update import (
     CRITIC_FIELDS,
     StepSums,
@@ -165,11 +168,18 @@ class TrainerWorker:
         out[schema.OLD_LOG_PROBS] = torch.cat([lp for lp, _ in results]).cpu()
         out["entropy"] = torch.cat([ent for _, ent in results]).cpu()
         fsdp.reshard(self.policy)
-        if self.reference is not None:
-            refs = self._forward_all(b, lambda mb: fsdp.response_log_probs(self.reference, mb, self.temperature)[0])
-            out[schema.REF_LOG_PROB] = torch.cat(refs).cpu()
-            fsdp.reshard(self.reference)
-        return out
+        return out | self.compute_ref_log_prob(b)
+
+    def compute_ref_log_prob(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``ref_log_prob`` ``(batch, response_len)`` fp32 under the reference policy at ``temperature``;
+        ``{}`` without a reference model. Needs the fields of ``compute_log_prob``. Collective."""
+        if self.reference is None:
+            return {}
+        b = self._to_device(batch)
+        require_fields(b, FORWARD_FIELDS, "compute_ref_log_prob")
+        refs = self._forward_all(b, lambda mb: fsdp.response_log_probs(self.reference, mb, self.temperature)[0])
+        fsdp.reshard(self.reference)
+        return {schema.REF_LOG_PROB: torch.cat(refs).cpu()}
 
     def compute_values(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """``values`` ``(batch, response_len)`` fp32 from the critic. Raises RuntimeError without a critic
@@ -228,7 +238,8 @@ class TrainerWorker:
                schema.RETURNS: returns[rows]}
         return out, metrics
 
-    def update_actor(self, batch: Mapping[str, Any], mini_batch_sizes: list[int] | None = None) -> dict[str, float]:
+    def update_actor(self, batch: Mapping[str, Any], mini_batch_sizes: list[int] | None = None, *,
+                     old_from_current: bool = False) -> dict[str, float]:
         """``trainer.ppo_epochs`` passes of PPO over ``batch``; returns flat ``actor/*`` metrics.
 
         ``mini_batch_sizes``: this rank's samples in each global mini-batch, as ``TrainerGroup`` cuts
@@ -239,25 +250,43 @@ class TrainerWorker:
         missing field. Metrics are over exactly the valid tokens the loss uses: ``pg_loss`` (mean per
         mini-batch), ``pg_clipfrac``, ``ppo_kl``, ``entropy``, ``grad_norm`` (before clipping),
         ``lr``, ``tokens_per_s`` (valid response tokens, all ranks, all epochs), ``skipped_steps``,
-        ``advantages/mean|max|min``.
-        ``weight_version`` increases by one. Collective.
+        ``advantages/mean|max|min``; with ``rollout_log_probs`` in the batch, ``rollout_corr/*``
+        (``trainers.rollout_corr``) from the recomputed ``old_log_probs``, else from the first mini-batch's
+        forward before the first optimizer step.
+
+        ``old_from_current``: take ``old_log_probs`` from the training forward, detached (the batch need
+        not carry them); only valid when the samples were generated with the current weights (the caller's
+        promise, ``trainers.rollout_corr.can_skip_old_forward``); raises ValueError unless the update is one
+        epoch of one mini-batch. ``weight_version`` increases by one. Collective.
         """
         b = self._to_device(batch)
-        require_fields(b, actor_fields(self.algorithm) + ((schema.UID,) if mini_batch_sizes is None else ()),
-                       "update_actor")
+        require_fields(b, actor_fields(self.algorithm, old_from_current)
+                       + ((schema.UID,) if mini_batch_sizes is None else ()), "update_actor")
         sums = StepSums()
         start = time.perf_counter()
         minis = self._mini_batches(b, mini_batch_sizes)
+        if old_from_current and (self.trainer.ppo_epochs != 1 or len(minis) != 1):
+            raise ValueError(f"old_from_current needs one epoch of one mini-batch, got trainer.ppo_epochs="
+                             f"{self.trainer.ppo_epochs} and {len(minis)} mini-batches: recompute old_log_probs")
+        mismatch = MismatchSums() if schema.ROLLOUT_LOG_PROBS in b else None
+        recomputed = mismatch is not None and schema.OLD_LOG_PROBS in b and not old_from_current \
+            and not self.algorithm.bypass_mode
+        if recomputed:
+            mismatch.add(b[schema.OLD_LOG_PROBS], b[schema.ROLLOUT_LOG_PROBS], b[schema.RESPONSE_MASK])
         filler = filler_sample(b)
         lr = self.actor_scheduler.get_last_lr()[0]
-        for _ in range(self.trainer.ppo_epochs):
-            for mini in minis:
+        for epoch in range(self.trainer.ppo_epochs):
+            for i, mini in enumerate(minis):
+                probe = mismatch if (epoch == 0 and i == 0 and not recomputed) else None
                 actor_step(self.policy, self.actor_optimizer, mini, filler, sums, algorithm=self.algorithm,
                            temperature=self.temperature, micro_batch_size=self.trainer.ppo_micro_batch_size,
-                           max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length)
+                           max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length,
+                           old_from_current=old_from_current, mismatch=probe)
         self.actor_scheduler.step()
         self.weight_version += 1
         metrics = sums.finish("actor")
+        if mismatch is not None:
+            metrics.update(mismatch.finish())
         metrics["actor/lr"] = lr
         metrics["actor/tokens_per_s"] = metrics["actor/num_tokens"] / max(time.perf_counter() - start, 1e-9)
         metrics["actor/weight_version"] = float(self.weight_version)
@@ -306,16 +335,37 @@ class TrainerWorker:
             raise RuntimeError("train_step needs the trainer built with a TransferQueue handle (tq_handle)")
         if self._tq_client is None:
             self._tq_client = TQClient(TQHandle.from_dict(self.tq_handle))
-        batch = fetch_batch(self._tq_client, BatchMeta.from_wire(meta), self.estimator.roller_extras)
-        batch.update(self.compute_log_prob(batch))
+        batch_meta = BatchMeta.from_wire(meta)
+        batch = fetch_batch(self._tq_client, batch_meta, self.estimator.roller_extras)
+        old_from_current, old_metrics = self._old_log_probs(batch, batch_meta.tags, len(mini_batch_sizes))
         if self.critic is not None:
             batch.update(self.compute_values(batch))
         fields, metrics = self.compute_advantages(batch)
         batch.update(fields)
         if self.critic is not None:
             metrics.update(self.update_critic(batch, mini_batch_sizes))
-        metrics.update(self.update_actor(batch, mini_batch_sizes))
-        return metrics
+        metrics.update(self.update_actor(batch, mini_batch_sizes, old_from_current=old_from_current))
+        return metrics | old_metrics
+
+    def _old_log_probs(self, batch: dict, tags: list[dict], num_mini_batches: int) -> tuple[bool, dict[str, float]]:
+        """Put ``old_log_probs`` (and ``ref_log_prob``) into ``batch`` from the source this step allows
+        (``trainers.rollout_corr``); returns whether the update takes them from its own forward, and
+        ``actor/old_log_prob_s`` (seconds of the extra forward, 0 when skipped) and
+        ``actor/old_log_prob_recomputed`` (1 or 0). Collective: the ranks agree through one all-reduce."""
+        start = time.perf_counter()
+        local = is_on_policy(tags, self.weight_version)
+        on_policy = bool(collectives.all_reduce([float(local)], dist.ReduceOp.MIN)[0])
+        skip = can_skip_old_forward(self.algorithm, ppo_epochs=self.trainer.ppo_epochs,
+                                    num_mini_batches=num_mini_batches, on_policy=on_policy)
+        recompute = not skip and not self.algorithm.bypass_mode
+        if recompute:
+            batch.update(self.compute_log_prob(batch))
+        else:
+            if self.algorithm.bypass_mode:
+                batch[schema.OLD_LOG_PROBS] = batch[schema.ROLLOUT_LOG_PROBS]
+            batch.update(self.compute_ref_log_prob(batch))
+        return skip, {"actor/old_log_prob_s": time.perf_counter() - start if recompute else 0.0,
+                      "actor/old_log_prob_recomputed": float(recompute)}
 
     # ------------------------------------------------------------------------------- weights, checkpoint
 
@@ -395,8 +445,8 @@ class TrainerActor:
     checkpoint engine's sender).
     """
 
-    def __init__(self, num_threads: int):
-        set_torch_threads(num_threads)
+    def __init__(self, num_threads: int | str):
+        set_torch_threads(resolve_num_threads(num_threads))
         self.worker: TrainerWorker | None = None
 
     def free_port(self) -> int:

@@ -56,6 +56,16 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     assert summary["num_groups_generated"] == 8 * total_steps
     assert all(s["num_groups"] == 8 for s in steps)
     assert max(s["staleness_max"] for s in steps) <= 1
+    # Step 1 trains samples of the trainer's own weights (v0) in one mini-batch: no old-log-prob forward;
+    # later steps' samples are one version old: recomputed. The rollout-vs-trainer mismatch every step.
+    assert [s["actor/old_log_prob_recomputed"] for s in steps] == [0.0] + [1.0] * (total_steps - 1)
+    assert all(s["rollout_corr/num_tokens"] > 0 and s["rollout_corr/k3_kl"] >= 0 for s in steps)
+    parts = summary["startup_breakdown_s"]
+    assert {"checks_s", "ray_s", "transferqueue_s", "feeder_s", "rollers_s", "trainer_s", "pools_s",
+            "weight_plane_s"} == set(parts) and all(v >= 0 for v in parts.values())
+    assert sum(parts[k] for k in ("checks_s", "ray_s", "transferqueue_s", "pools_s", "weight_plane_s")) \
+        <= summary["startup_s"]
+    assert summary["threads"]["roller_threads"] >= 1 and summary["threads"]["trainer_threads"] >= 1
 
 
 def test_partial_final_batch_is_a_step(tmp_path, ray_cluster, capsys):
@@ -63,6 +73,10 @@ def test_partial_final_batch_is_a_step(tmp_path, ray_cluster, capsys):
                                "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", "trainer.save_every=1")
     assert code == EXIT_OK
     assert len(steps) == 1 and steps[0]["num_groups"] == 3 and steps[0]["num_samples"] == 3 * 8
+    # sync, one mini-batch: old_log_probs from the update's own forward, which matches the rollers' numbers
+    # (same fp32 weights; a KV-cached decode against one full forward differs only by rounding).
+    assert steps[0]["actor/old_log_prob_recomputed"] == 0.0 and steps[0]["actor/ratio_mean"] == 1.0
+    assert abs(steps[0]["rollout_corr/kl"]) < 1e-3 and steps[0]["rollout_corr/max_abs_diff"] < 1e-2
     assert any((tmp_path / "checkpoints" / "step_1").iterdir())  # trainer.save_every writes DCP checkpoints
     # The end of the run wrote the policy as a HF model directory; `hflow-async export` turns the step-1
     # checkpoint into the same weights (the run has one step).
