@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.node import node_id
 from transferqueue import wire
 from transferqueue.buffers import BufferPool, ShmCache, assemble_field
 from transferqueue.config import MIN_REQUEST_IDS
 from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQError, TQHandle
-from transferqueue.shm_layout import HEADER, aligned, node_id
+from transferqueue.shm_layout import HEADER, aligned
 from transferqueue.spares import Asked, SpareBlocks
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
 

@@ -25,9 +25,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from common.node import adopt_node_id, node_id
 from transferqueue.config import TransferQueueConfig
 from transferqueue.records import CurveKeys, TQError, TQHandle
-from transferqueue.shm_layout import node_id
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,6 @@ def _server_main() -> None:
     _die_with_parent()
     spec = json.loads(sys.stdin.read())
     from transferqueue.server import write_endpoint_file
-    from transferqueue.shm_layout import adopt_node_id
 
     adopt_node_id(spec["node"])  # the launcher's node (its Ray node id in a Ray cluster)
 

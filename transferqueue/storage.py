@@ -34,6 +34,7 @@ from collections import OrderedDict
 import numpy as np
 import zmq
 
+from common.node import node_id
 from transferqueue import wire
 from transferqueue.chunks import (
     Chunk,
@@ -44,7 +45,7 @@ from transferqueue.chunks import (
 )
 from transferqueue.records import CurveKeys, Full
 from transferqueue.server import Reply, RouterServer
-from transferqueue.shm_layout import HEADER, SHM_DIR, node_id, size_class
+from transferqueue.shm_layout import HEADER, SHM_DIR, size_class
 from transferqueue.wire import as_ids, id_range
 
 CHUNK_COST = 512  # bookkeeping bytes a chunk is counted as (a Chunk object and its table entry)

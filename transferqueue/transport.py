@@ -27,9 +27,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from common.node import node_id
 from transferqueue import wire
 from transferqueue.records import Closed, Full, RemoteError, Timeout, TQError, TQHandle
-from transferqueue.shm_layout import node_id
 
 INDEX = -1
 CLEANUP_GRACE_S = 5.0  # extra time a failed flow gets for its clean-up requests

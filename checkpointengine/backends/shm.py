@@ -11,13 +11,16 @@ from checkpointengine.backend import WeightSyncBackend, register_backend
 from checkpointengine.backends._packed import PackedReceiver, PackedSender
 from checkpointengine.protocol import BucketReady, ProtocolError
 from checkpointengine.storage import ShmSlots
+from common.node import node_id
 
 
 @dataclass(frozen=True)
 class ShmFields:
-    """``shm_paths``: one file per bucket slot, made by the leader."""
+    """``shm_paths``: one file per bucket slot, made by the leader; ``node``: the leader's node
+    (``common.node.node_id``: its Ray node in a Ray cluster), the only node whose rollers can map them."""
 
     shm_paths: list[str] = field(default_factory=list)
+    node: str = ""
 
 
 class ShmSender(PackedSender):
@@ -29,7 +32,7 @@ class ShmSender(PackedSender):
     @classmethod
     def create(cls, cfg) -> ShmSender:
         slots = ShmSlots.create(cfg.num_slots, cfg.bucket_bytes)
-        return cls(cfg, ShmFields(list(slots.paths)), slots)
+        return cls(cfg, ShmFields(list(slots.paths), node_id()), slots)
 
     @classmethod
     def attach(cls, cfg, handle) -> ShmSender:
@@ -49,7 +52,14 @@ class ShmSender(PackedSender):
 
 
 class ShmReceiver(PackedReceiver):
+    """Maps the leader's slot files; ValueError when this roller is on another node than the leader."""
+
     def __init__(self, handle, device):
+        here = node_id()
+        if handle.fields.node and handle.fields.node != here:
+            raise ValueError(f"checkpointengine.backend={handle.backend} moves weights through shared memory on one "
+                             f"node, but this roller is on node {here} and the trainer on {handle.fields.node}: "
+                             "use checkpointengine.backend=zmq (or broadcast on GPUs) across nodes")
         super().__init__(handle, device)
         self.slots: ShmSlots | None = ShmSlots.attach(handle.fields.shm_paths, handle.bucket_bytes)
 

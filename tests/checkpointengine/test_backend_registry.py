@@ -28,7 +28,7 @@ def test_config_validates_against_the_registry_and_lists_its_names():
     assert get_backend("shm").supports_shards and not get_backend("zmq").supports_shards
 
 
-@pytest.mark.parametrize("backend, fields", [("shm", {"shm_paths"}), ("zmq", set()),
+@pytest.mark.parametrize("backend, fields", [("shm", {"shm_paths", "node"}), ("zmq", set()),
                                              ("broadcast", {"broadcast_backend"}), ("disk", {"disk_dir"})])
 def test_handle_carries_only_its_backends_typed_fields(backend, fields, tmp_path):
     cfg = CheckpointEngineConfig(backend=backend, bucket_bytes=1024, disk_dir=str(tmp_path), group_backend="gloo")
@@ -80,3 +80,21 @@ def test_a_backend_from_outside_the_package_by_module_name():
     for name, tensor in NAMED:
         expect = tensor.bfloat16() if tensor.is_floating_point() else tensor
         assert got[name].dtype == expect.dtype and torch.equal(got[name], expect), name
+
+
+def test_shm_weights_stay_on_the_trainers_node():
+    """A roller on another node (common.node.node_id: its Ray node in a Ray cluster) cannot map the leader's
+    slot files: it is refused with what to use instead, not left to fail on a missing file."""
+    from common.node import node_id
+
+    sender = WeightSender(CheckpointEngineConfig(backend="shm", bucket_bytes=1024), ["r0"])
+    try:
+        wire = sender.handle.to_dict()
+        assert wire["fields"]["node"] == node_id()
+        WeightReceiver(WeightSyncHandle.from_dict(wire), "r0").close()  # same node: maps the slots
+        elsewhere = {**wire, "fields": {**wire["fields"], "node": "ray:0123"}}
+        with pytest.raises(ValueError, match="this roller is on node .* and the trainer on ray:0123: use "
+                                             "checkpointengine.backend=zmq"):
+            WeightReceiver(WeightSyncHandle.from_dict(elsewhere), "r0")
+    finally:
+        sender.close()
