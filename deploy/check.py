@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     binaries = shutil.which("prometheus"), shutil.which("promtool")
     if not all(binaries):
-        print("deploy-check: needs Prometheus (prometheus and promtool on PATH): apt-get install prometheus, "
-              "or `make deploy-check`, which installs it", file=sys.stderr)
+        print("deploy-check: needs Prometheus (prometheus and promtool on PATH): "
+              "`make deploy-check` unpacks Debian's package into .cache/prometheus", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="hflow-deploy-check-"))
     try:

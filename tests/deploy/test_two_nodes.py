@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODES = ["sync", "one-step-off", "fully-async"]
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.timeout(900)
 def test_rollers_and_trainer_on_two_ray_nodes_take_the_cross_node_paths(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
