@@ -42,8 +42,9 @@ class Runtime:
         from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
         from controller.tasks import resolve_reward
+        from controller.validation import VAL_PARTITION
         from rollers.actor import remote_roller
-        from rollers.roller import TQGroupChannel
+        from rollers.roller import GroupSource, TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
         from trainers.weight_sync import attach_sender
@@ -65,7 +66,8 @@ class Runtime:
             handle = self.tq_servers.handle.to_dict()
             self.tq = TQClient(self.tq_servers.handle)
             on_stage(f"starting the prompt feeder (task {cfg.data.task})")
-            self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches)
+            self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches,
+                                                                        VAL_PARTITION)
             ray.get(self.feeder.dataset_size.remote())  # surfaces data errors (too few steps, long prompts)
             on_stage(f"starting {n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path})")
             self.trainer = TrainerGroup(cfg.trainer, cfg.algorithm, cfg.model, temperature=cfg.rollout.temperature,
@@ -73,7 +75,10 @@ class Runtime:
             on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine)")
             roller_cls = remote_roller(num_cpus=0.5)
             roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
-            channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n)
+            validation = (GroupSource(VAL_PARTITION, cfg.val.n + int(cfg.val.greedy), int(cfg.val.greedy))
+                          if cfg.data.val_size else None)
+            channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n,
+                                        validation=validation, put_text=cfg.metrics.dump_every > 0)
             reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
             self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
             self.rollers = [
