@@ -25,12 +25,12 @@ GENERATIONS_FILE = "generations.jsonl"
 
 
 class GenerationDump:
-    """Appends dumps to ``run_dir/generations.jsonl`` every ``dump_every`` steps (0 = never); ``feeder``:
-    the job's PromptFeeder actor (``dump_rows``)."""
+    """Appends dumps to ``run_dir/generations.jsonl`` every ``dump_every`` steps (0 = never); ``rt``: the
+    job's ``Runtime`` (its PromptFeeder actor's ``dump_rows``)."""
 
-    def __init__(self, run_dir: str | Path, dump_every: int, feeder):
+    def __init__(self, run_dir: str | Path, dump_every: int, rt):
         self.path = Path(run_dir) / GENERATIONS_FILE
-        self.dump_every, self.feeder = dump_every, feeder
+        self.dump_every, self.rt = dump_every, rt
 
     def due(self, step: int) -> bool:
         """Whether ``step`` (a trainer step, or a validated weight version: 0 included) is dumped."""
@@ -40,7 +40,7 @@ class GenerationDump:
         """Dump ``meta``'s samples when ``step`` is due; returns the number of lines written (0 if not)."""
         if not self.due(step):
             return 0
-        rows = await self.feeder.dump_rows.remote(meta)
+        rows = await self.rt.feeder.dump_rows.remote(meta)
         lines = "".join(json.dumps({"kind": kind, "step": step, "weight_version": weight_version, **row}) + "\n"
                         for row in rows)
         await asyncio.to_thread(self._append, lines)

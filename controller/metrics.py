@@ -10,7 +10,8 @@ series                                 type       meaning (what one count or obs
 =====================================  =========  ==========================================================
 hflow_queue_depth{task}                gauge      samples ready for consumer ``task`` and not yet taken by it
                                                   (``rollout``: prompts waiting for a roller; ``train``:
-                                                  scored samples waiting for the trainer); polled
+                                                  scored samples waiting for the trainer; ``validate``:
+                                                  validation samples waiting for the controller); polled
 hflow_queue_lag                        histogram  per trained sample: trainer version it was trained at −
                                                   its ``min_weight_version`` (its staleness, in versions)
 hflow_sample_age_seconds               histogram  per trained sample: seconds from its prompt's admission

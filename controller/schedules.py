@@ -98,7 +98,7 @@ class Stages:
         self.num_groups_generated = 0
         # (start, end) wall-clock seconds (time.time()) of every trainer update and weight sync: timeline.json
         self.timeline: dict[str, list[tuple[float, float]]] = {"update": [], "sync": []}
-        self.dump = GenerationDump(cfg.run_dir, cfg.metrics.dump_every, rt.feeder)
+        self.dump = GenerationDump(cfg.run_dir, cfg.metrics.dump_every, rt)
         self.validator = Validator(cfg, rt, self._record_validation, self.check_rollers, self.dump)
 
     # ------------------------------------------------------------------------------------------ stages

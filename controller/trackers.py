@@ -78,10 +78,6 @@ class Trackers:
         if self._wandb is not None:
             self._wandb.log({**values, "val_step" if record.get("validation") else "step": step})
 
-    def flush(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
-
     def close(self) -> None:
         """Flush and close every tracker (idempotent)."""
         if self._tb is not None:

@@ -231,8 +231,12 @@ def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_clus
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async"])
 def test_tiny_model_learns_the_prompt_dependent_task(tmp_path, ray_cluster, mode):
-    code, steps, summary = run(tmp_path, mode)
+    code, rows, summary = run(tmp_path, mode, "data.val_size=32", "trainer.val_every=125")
     assert code == EXIT_OK
+    steps = [r for r in rows if not r.get("validation")]
+    # Held-out accuracy (32 prompts after the training rows, 4 samples each + 1 greedy) rises with training.
+    assert [r["weight_version"] for r in rows if r.get("validation")] == [0, 125, 250]
+    assert summary["val_accuracy_first"] < 0.2 and summary["val_accuracy_last"] > 0.8, summary
     rewards = [s["reward_mean"] for s in steps]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.2, rewards[:5]
