@@ -227,7 +227,7 @@ def prompt_fields(
     """The prompt fields and per-sample tags of ``prompts``, each prompt repeated ``n`` (``rollout.n``) times.
 
     Returns ``(data, tags)`` ready for ``TQClient.put(data, partition, tags=tags)`` (what
-    ``rollers.roller.TQGroupChannel`` reads), with batch = ``len(prompts) * n``: ``data`` holds
+    ``rollers.tq_channel.TQGroupChannel`` reads), with batch = ``len(prompts) * n``: ``data`` holds
     ``input_ids`` (batch, prompt_len) int64 left-padded with ``pad_token_id``, ``attention_mask``
     (batch, prompt_len) int64 and ``ground_truth`` (batch JSON str, ``common.ground_truth.encode_ground_truth``);
     ``tags[j]`` is ``{"uid": uids[j // n]}``. ``with_text``: also ``prompt_text`` (batch str, the user message

@@ -44,7 +44,7 @@ class Runtime:
         from controller.tasks import resolve_reward
         from controller.validation import VAL_PARTITION
         from rollers.actor import remote_roller
-        from rollers.roller import GroupSource, TQGroupChannel
+        from rollers.tq_channel import GroupSource, TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
         from trainers.weight_sync import attach_sender

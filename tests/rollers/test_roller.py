@@ -496,7 +496,7 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
     into the same ids → a trainer-side get_meta(group_complete) sees complete groups with every field."""
     from controller.config import DataConfig
     from controller.data import PromptDataset, prompt_fields
-    from rollers.roller import TQGroupChannel
+    from rollers.tq_channel import TQGroupChannel
     from transferqueue.client import TQClient
 
     cfg = DataConfig(task="tiny_repeat", size=3, train_batch_size=3, max_prompt_length=32)
