@@ -10,8 +10,8 @@ Time axis: seconds from the run's first generation (the earliest roller busy int
 ``timeline.json``) to the end of the update that produced the evaluated ``weight_version`` (0 s for the
 initial weights), so start-up and validation's own wall time are not counted. Sample axis: samples trained
 up to that version. **Time to accuracy** (how PipelineRL and AReaL compare schedules): the first evaluated
-version whose sampled held-out accuracy reaches ``--target`` (default: twice the initial accuracy);
-``nan`` when a mode never gets there.
+version whose sampled held-out accuracy reaches ``--target`` (default: twice the initial accuracy, 0.5
+when that is 0); ``nan`` when a mode never gets there.
 
 Outputs in ``--out`` (default ``bench/results/``, git-ignored): ``learning_bench.json`` (per mode: the
 curve, final accuracy, time to accuracy), ``learning_bench.png`` (accuracy over wall time and over trained
@@ -112,6 +112,7 @@ def plot(curves: dict[str, dict], target: float, path: Path) -> None:
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     ax_t.set_ylabel("held-out accuracy (sampled pass@1)")
+    ax_t.set_ylim(-0.02, 1.02)
     ax_s.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
