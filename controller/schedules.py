@@ -84,6 +84,9 @@ class Stages:
         self.step = 0
         self.num_syncs = 0
         self.num_failed_groups = 0
+        # Skipped training groups not yet counted by ``generate`` (the validator's collector also calls
+        # check_rollers, so a failure it drains must still reach the generate that waits for the group).
+        self.num_unclaimed_skips = 0
         self.num_dropped_groups = 0
         self.num_zero_variance_groups = 0  # dropped by dynamic sampling (each replaced by a fresh prompt)
         self.refill_depth: dict[str, int] = {}  # uid -> refill round that admitted it (absent = 0)
@@ -142,7 +145,8 @@ class Stages:
             meta = await self.rt.tq.aget_meta(TRAIN_FIELDS, self.n, TRAIN_TASK, PARTITION, sampler="group_complete",
                                               options={"group_size": self.n}, timeout_s=POLL_S)
             if len(meta) == 0:
-                skipped += await self.check_rollers()
+                await self.check_rollers()
+                skipped, self.num_unclaimed_skips = skipped + self.num_unclaimed_skips, 0
                 continue
             self.num_samples_received += len(meta)
             self.metrics.count_produced(self.num_samples_received)
@@ -243,7 +247,9 @@ class Stages:
 
     async def check_rollers(self) -> int:
         """Raise the error of a roller whose loop died; handle failed groups per
-        ``rollers.on_failed_group`` (``fail``: raise; ``skip``: count, clear, return how many)."""
+        ``rollers.on_failed_group`` (``fail``: raise; ``skip``: count, clear, return how many training groups
+        were skipped and add them to ``num_unclaimed_skips`` for ``generate``). Failed validation groups go
+        to the validator (``Validator.on_failed``)."""
         import ray
 
         refs = [r.wait.remote(0.0) for r in self.rt.rollers]
@@ -271,6 +277,7 @@ class Stages:
             logger.warning("group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
             await self.rt.tq.aclear(PARTITION, list(f.sample_ids))
         self.outstanding -= len(failures)
+        self.num_unclaimed_skips += len(failures)
         return len(failures)
 
     # -------------------------------------------------------------------------------------- bookkeeping

@@ -170,13 +170,22 @@ def test_failing_reward_fails_the_run(tmp_path, ray_cluster, capsys):
 
 
 def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
+    """A failed training group is skipped; so are failed validation groups (from a data.val_file here):
+    their rounds complete without them."""
     seed = _seed_with_one_c()
-    code, steps, summary = run(tmp_path, "sync", "data.size=4", f"data.seed={seed}", "data.train_batch_size=4",
-                               "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1",
-                               f"rollout.reward={HOOKS}:raise_on_c", "rollers.on_failed_group=skip")
+    val_file = tmp_path.parent / f"{tmp_path.name}-val.jsonl"
+    val_file.write_text("".join(json.dumps({"prompt": f"repeat the word {s}", "answer": s}) + "\n" for s in "acbc"))
+    code, rows, summary = run(tmp_path, "sync", "data.size=4", f"data.seed={seed}", "data.train_batch_size=4",
+                              "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", "data.val_size=4",
+                              f"data.val_file={val_file}", f"rollout.reward={HOOKS}:raise_on_c",
+                              "rollers.on_failed_group=skip")
     assert code == EXIT_OK
-    assert summary["num_failed_groups"] == 1
+    assert summary["num_failed_groups"] == 1  # training groups only
+    steps = [r for r in rows if not r.get("validation")]
     assert len(steps) == 1 and steps[0]["num_groups"] == 3
+    rounds = [r for r in rows if r.get("validation")]
+    assert [r["weight_version"] for r in rounds] == [0, 1]
+    assert all(r["val/num_failed_groups"] == 2 and r["val/num_prompts"] == 2 for r in rounds)
 
 
 def test_prompts_near_the_context_limit_are_truncated_not_failed(tmp_path, ray_cluster):
