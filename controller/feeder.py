@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from common import schema
 from controller.config import HFlowConfig
 from controller.data import Prompt, PromptDataset, prompt_fields
 
@@ -63,13 +64,17 @@ class PromptFeeder:
 
     def feed_validation(self, round_index: int) -> list[str]:
         """Put every validation prompt as one group (``val.n`` rows, + 1 greedy row last with ``val.greedy``)
-        into the validation partition; returns their uids ``v<round_index>.p<position>``. Raises
+        into the validation partition; returns their uids ``v<round_index>.p<position>``. Their ``seed_key``
+        tag ``val.p<position>`` makes every round draw the same sampling seeds, so rounds differ by weights,
+        not by sampling noise. Raises
         RuntimeError when the run has no validation set."""
         if self.val_dataset is None or not self.val_partition:
             raise RuntimeError("feed_validation without data.val_size (no validation set)")
         prompts = self.val_dataset.prompts
         uids = [f"v{round_index}.p{pos}" for pos in range(len(prompts))]
         data, tags = prompt_fields(prompts, self.val_group_size, self.pad_token_id, uids, self.with_text)
+        for j, tag in enumerate(tags):  # every round samples prompt p with the same seeds (common random numbers)
+            tag[schema.SEED_KEY] = f"val.p{j // self.val_group_size}"
         self.client.put(data, self.val_partition, tags=tags)
         return uids
 
@@ -78,7 +83,6 @@ class PromptFeeder:
         ``prompt``, ``response``, ``ground_truth``, ``reward``, ``greedy``, ``min_weight_version``,
         ``max_weight_version``, ``finish_reason``, ``response_length`` (tokens). Needs
         ``metrics.dump_every`` > 0 (the text fields are put only then)."""
-        from common import schema
         from common.ground_truth import decode_ground_truth
 
         batch = self.client.get_data(meta, [schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.GROUND_TRUTH])

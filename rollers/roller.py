@@ -68,7 +68,8 @@ class PromptGroup:
     the prompt token ids (unpadded; the same for every sample); ``ground_truth``: the task's answer;
     ``num_greedy``: its last ``num_greedy`` samples are greedy (temperature 0), put like the others;
     ``validation``: a validation group (no ReMax baseline, no forced lengths); ``partition``: where its
-    responses go (empty: the channel's own).
+    responses go (empty: the channel's own); ``seed_key``: what its sampling seeds derive from (empty: the
+    uid).
     """
 
     uid: str
@@ -78,6 +79,7 @@ class PromptGroup:
     num_greedy: int = 0
     validation: bool = False
     partition: str = ""
+    seed_key: str = ""
 
 
 @dataclass
@@ -408,7 +410,7 @@ class Roller:
                 max_new_tokens=limit - done,
                 temperature=0.0 if greedy else cfg.temperature,
                 top_p=cfg.top_p, top_k=cfg.top_k,
-                seed=sample_seed(cfg.seed, group.uid, index, done),
+                seed=sample_seed(cfg.seed, group.seed_key or group.uid, index, done),
                 stop_token_ids=self._stop_ids if forced is None else (),
                 ignore_eos=forced is not None,
             )

@@ -83,7 +83,8 @@ class TQGroupChannel:
         if len(uids) != 1 or None in uids:
             raise ValueError(f"samples {meta.sample_ids} do not share one uid tag: {uids}")
         return PromptGroup(uids.pop(), tuple(meta.sample_ids), tuple(ids[mask.bool()].tolist()),
-                           decode_ground_truth(batch[schema.GROUND_TRUTH][0]), num_greedy, validation, partition)
+                           decode_ground_truth(batch[schema.GROUND_TRUTH][0]), num_greedy, validation, partition,
+                           str(meta.tags[0].get(schema.SEED_KEY, "")))
 
     async def put_group(self, result: GroupResult) -> None:
         fields = result.fields
