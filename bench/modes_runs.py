@@ -53,7 +53,8 @@ def read_run(run_dir: Path, warmup_steps: int, tail_steps: int) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     if summary.get("status") != "completed":
         raise ValueError(f"{run_dir}: run {summary.get('status')}: {summary.get('error')}")
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if not r.get("validation")]  # validation rounds are rows of their own
     timeline = json.loads((run_dir / "timeline.json").read_text())
     updates, syncs = timeline["update"], timeline["sync"]
     last = len(steps) - tail_steps

@@ -47,6 +47,10 @@ RESPONSE_LENGTH = "response_length"
 GROUND_TRUTH = "ground_truth"
 REWARD = "reward"  # per-sample tag: the sequence reward (sum of token_level_scores), for the controller's stats
 RESPONSE_DIGEST = "response_digest"  # per-sample tag: hex digest of the response token ids (parity checks)
+SEED_KEY = "seed_key"  # per-sample tag (validation): what sampling seeds derive from instead of the uid
+GREEDY = "greedy"  # per-sample tag: 1 for a greedy (temperature 0) response, 0 for a sampled one
+PROMPT_TEXT = "prompt_text"  # batch of str: the user message before the chat template (generation dumps)
+RESPONSE_TEXT = "response_text"  # batch of str: the decoded response, as the reward saw it (generation dumps)
 REMAX_BASELINE = "remax_baseline"  # (batch,) fp32: reward of the prompt's greedy response (ReMax)
 
 PROMPT_FIELDS = (INPUT_IDS, ATTENTION_MASK)

@@ -25,6 +25,7 @@ from transferqueue.config import TransferQueueConfig
 MODES = ("sync", "one-step-off", "fully-async")
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "smollm2-reasoning"
+WANDB_MODES = ("offline", "online")
 
 
 @dataclass
@@ -34,7 +35,11 @@ class DataConfig:
     file with ``prompt_key`` and ``answer_key`` columns (``controller.tasks``; checked against the registry
     when the job starts, before any pool). ``size``: examples generated for a procedural task (files use all rows).
     ``train_batch_size`` in prompts per training step; ``max_prompt_length`` in tokens (longer prompts
-    raise, naming the row, unless ``skip_long_prompts``)."""
+    raise, naming the row, unless ``skip_long_prompts``). ``val_size``: held-out prompts evaluated during
+    training (0 = no validation): the ``val_size`` rows after the training ones of the same task (a
+    procedural task is generated with ``size + val_size`` rows; a file's last ``val_size`` rows are held out),
+    or the first ``val_size`` rows of ``val_file`` (a ``.jsonl``/``.parquet`` file with ``prompt_key`` and
+    ``answer_key``, scored by the training reward)."""
 
     task: str = "chain_sum"
     task_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -49,11 +54,19 @@ class DataConfig:
     epochs: int = 1
     drop_last: bool = False
     shuffle: bool = True
+    val_size: int = 0
+    val_file: str = ""
 
     def __post_init__(self):
         for key in ("size", "train_batch_size", "max_prompt_length", "epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        if self.val_size < 0:
+            raise ValueError(f"data.val_size must be >= 0 (0 = no validation), got {self.val_size}")
+        if self.val_file and not self.val_file.endswith((".jsonl", ".parquet")):
+            raise ValueError(f"data.val_file must be a .jsonl or .parquet file, got {self.val_file!r}")
+        if self.val_file and not self.val_size:
+            raise ValueError(f"data.val_file={self.val_file!r} needs data.val_size >= 1 (rows of it to evaluate)")
         if not self.task:
             raise ValueError("data.task must name a registered task (e.g. 'tiny_repeat'), a task plug-in "
                              "'module:name', a reasoning-gym task, or a .jsonl/.parquet file")
@@ -68,22 +81,50 @@ class DataConfig:
 
 
 @dataclass
+class ValConfig:
+    """Validation on ``data.val_size`` held-out prompts (``controller.validation``), every
+    ``trainer.val_every`` steps, before the first step (``before_train``) and after the last. ``n``:
+    samples per prompt at ``rollout.temperature`` (pass@1 and pass@k, Chen et al. 2021); ``greedy``: also
+    one greedy response per prompt (temperature 0)."""
+
+    n: int = 4
+    greedy: bool = True
+    before_train: bool = True
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"val.n must be >= 1, got {self.n}")
+
+
+@dataclass
 class MetricsConfig:
-    """Prometheus endpoint (``host``:``port``, loopback by default; port 0 = pick a free one) and the
-    per-step JSONL log in the run directory. The job writes its scrape targets as a Prometheus file_sd
-    file, ``RUN_DIR/prometheus_targets.json``; ``sd_dir`` (empty = no copy) also puts a copy in that
-    directory, removed when the job ends, for a Prometheus watching ``SD_DIR/*.json``
-    (``controller.prometheus_sd``)."""
+    """Prometheus endpoint (``host``:``port``, loopback by default; port 0 = pick a free one), the
+    per-step JSONL log in the run directory, and optional trackers: ``tensorboard`` (event files in
+    ``RUN_DIR/tensorboard``), ``wandb`` (Weights & Biases, offline into ``RUN_DIR/wandb`` unless
+    ``wandb_mode``/the environment says otherwise). ``dump_every``: every N trainer steps, the decoded
+    samples of that step (and of validation at that version) go to ``RUN_DIR/generations.jsonl``; 0 = never.
+    The job writes its scrape targets as a Prometheus file_sd file, ``RUN_DIR/prometheus_targets.json``;
+    ``sd_dir`` (empty = no copy) also puts a copy in that directory, removed when the job ends, for a
+    Prometheus watching ``SD_DIR/*.json`` (``controller.prometheus_sd``)."""
 
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 0
     progress: bool = True
     sd_dir: str = ""
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "hflow-async"
+    wandb_mode: str = "offline"
+    dump_every: int = 0
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"metrics.port must be in [0, 65535], got {self.port}")
+        if self.dump_every < 0:
+            raise ValueError(f"metrics.dump_every must be >= 0 (0 = never), got {self.dump_every}")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"metrics.wandb_mode={self.wandb_mode!r} is not one of {list(WANDB_MODES)}")
 
 
 @dataclass
@@ -126,6 +167,7 @@ class HFlowConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     transferqueue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
     checkpointengine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    val: ValConfig = field(default_factory=ValConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -137,6 +179,9 @@ class HFlowConfig:
                 f"trainer.ppo_mini_batch_size={self.trainer.ppo_mini_batch_size} (prompts) exceeds "
                 f"data.train_batch_size={self.data.train_batch_size}"
             )
+        if self.trainer.val_every and not self.data.val_size:
+            raise ValueError(f"trainer.val_every={self.trainer.val_every} needs held-out prompts: set "
+                             "data.val_size >= 1")
         algo = self.algorithm
         if (algo.use_kl_loss or algo.use_kl_in_reward) and not self.trainer.use_reference:
             raise ValueError(

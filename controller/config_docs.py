@@ -62,6 +62,10 @@ KEY_DOCS: dict[str, str] = {
     "data.epochs": "passes over the data available to the run (trainer.total_steps must fit in them)",
     "data.drop_last": "drop an epoch's final partial batch instead of training it as a shorter step",
     "data.shuffle": "reshuffle the prompts each epoch (with data.seed + epoch)",
+    "data.val_size": "held-out prompts for validation (the rows after the training ones, or of data.val_file); "
+                     "0 = no validation",
+    "data.val_file": "a .jsonl / .parquet file of validation prompts (its first data.val_size rows); empty:"
+                     " rows of data.task",
     # rollout
     "rollout.n": "samples generated per prompt (the GRPO group size)",
     "rollout.temperature": "sampling temperature (> 0)",
@@ -101,6 +105,8 @@ KEY_DOCS: dict[str, str] = {
     "trainer.warmup_steps": "linear learning-rate warm-up, in trainer steps",
     "trainer.max_grad_norm": "gradient clipping by global norm",
     "trainer.save_every": "keep a resumable trainer checkpoint every N steps in RUN_DIR/checkpoints; 0 = never",
+    "trainer.val_every": "validate every N trainer steps (also before the first and after the last); 0 = only "
+                         "those two",
     "trainer.num_threads": "torch threads per trainer rank",
     "trainer.use_reference": "keep a frozen reference policy (needed by KL loss or KL in reward)",
     "trainer.critic_lr": "the critic's learning rate (adv_estimator=gae only)",
@@ -183,12 +189,23 @@ KEY_DOCS: dict[str, str] = {
     "checkpointengine.disk_dir": "root of the disk backend's version directories; empty = a temp dir",
     "checkpointengine.group_backend": "torch.distributed backend of the broadcast group: auto | gloo | nccl",
     "checkpointengine.reuse_receive_buffers": "rollers copy buckets into their previous update's tensors",
+    # val
+    "val.n": "validation samples per prompt at rollout.temperature (pass@1, pass@k)",
+    "val.greedy": "also one greedy (temperature 0) validation response per prompt",
+    "val.before_train": "validate the initial weights (weight_version 0) before the first step",
     # metrics
     "metrics.enabled": "serve the Prometheus endpoint",
     "metrics.host": "address of the Prometheus endpoint (loopback by default)",
     "metrics.port": "port of the Prometheus endpoint; 0 = a free one each run (fix it for a scrape target)",
     "metrics.progress": "print one progress line per trainer step",
     "metrics.sd_dir": "also put the job's Prometheus file_sd targets in this directory; empty = only in the run dir",
+    "metrics.tensorboard": "write the metrics.jsonl scalars as TensorBoard events in RUN_DIR/tensorboard "
+                           "(pip install tensorboard)",
+    "metrics.wandb": "log the metrics.jsonl scalars to Weights & Biases (pip install wandb)",
+    "metrics.wandb_project": "the W&B project of the run",
+    "metrics.wandb_mode": "offline (files in RUN_DIR/wandb, wandb sync uploads them) | online",
+    "metrics.dump_every": "every N trainer steps, decoded prompts, responses and rewards to "
+                          "RUN_DIR/generations.jsonl; 0 = never",
     # ray
     "ray.address": "join a Ray cluster at HOST:PORT or auto; empty = start a local one on loopback",
     "ray.connect_timeout_s": "seconds joining ray.address waits for it to answer",

@@ -49,12 +49,14 @@ logger = logging.getLogger(__name__)
 class Prompt:
     """One tokenized prompt. ``index``: its row in the task's records (stable across epochs, from 0);
     ``input_ids``: chat-templated token ids, unpadded; ``ground_truth``: the task's JSON-able answer;
-    ``where``: how messages name its row (``data row N`` counting from 1, or a file's ``FILE:LINE``)."""
+    ``where``: how messages name its row (``data row N`` counting from 1, or a file's ``FILE:LINE``);
+    ``text``: the user message before the chat template (for generation dumps)."""
 
     index: int
     input_ids: tuple[int, ...]
     ground_truth: dict[str, Any]
     where: str = ""
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,34 @@ class PromptBatch:
     global_step: int
     epoch: int
     prompts: tuple[Prompt, ...]
+
+
+def load_split(cfg: DataConfig) -> tuple[list[TaskRecord], list[TaskRecord]]:
+    """The training and validation records of ``cfg`` (validation empty when ``data.val_size`` is 0).
+
+    Held-out rows of ``data.task``: the task is loaded with ``size + val_size`` rows and the last
+    ``val_size`` are held out (a procedural task draws row i from its seed and i alone — reasoning-gym's
+    ``Random(seed + i)``, tiny_repeat's stream — so the training rows are those of ``size`` rows; a file
+    keeps all but its last ``val_size`` rows for training). A different seed would not do: reasoning-gym's
+    row i of seed s+1 is row i+1 of seed s. With ``data.val_file``, its first ``val_size`` rows. Disjoint
+    by row; a task with few distinct prompts (tiny_repeat has ``num_symbols``) repeats prompt texts.
+    Raises ValueError naming ``data.val_size`` when too few rows are left for either side.
+    """
+    def load(task: str, size: int, kwargs) -> list[TaskRecord]:
+        return load_task_records(task, size, cfg.seed, kwargs, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+
+    if not cfg.val_size:
+        return load(cfg.task, cfg.size, cfg.task_kwargs), []
+    if cfg.val_file:
+        val = load(cfg.val_file, cfg.val_size, {})
+        if len(val) < cfg.val_size:
+            raise ValueError(f"data.val_size={cfg.val_size} but data.val_file={cfg.val_file!r} has {len(val)} rows")
+        return load(cfg.task, cfg.size, cfg.task_kwargs), val[: cfg.val_size]
+    records = load(cfg.task, cfg.size + cfg.val_size, cfg.task_kwargs)
+    if len(records) <= cfg.val_size:
+        raise ValueError(f"data.val_size={cfg.val_size} leaves no training rows: data.task={cfg.task!r} has "
+                         f"{len(records)} rows (lower data.val_size, or give data.val_file)")
+    return records[: -cfg.val_size], records[-cfg.val_size:]
 
 
 def num_available_steps(dataset_size: int, train_batch_size: int, epochs: int, drop_last: bool = False) -> int:
@@ -108,12 +138,11 @@ class PromptDataset:
         self.num_skipped = num_skipped
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, tokenizer) -> PromptDataset:
-        """Load, template and tokenize ``cfg.task``; raises ValueError as described in the module docstring."""
-        records = load_task_records(
-            cfg.task, cfg.size, cfg.seed, cfg.task_kwargs, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key
-        )
-        return cls.from_records(records, cfg, tokenizer)
+    def from_config(cls, cfg: DataConfig, tokenizer, split: str = "train") -> PromptDataset:
+        """Load, template and tokenize the ``split`` (``train`` | ``val``) of ``cfg.task`` (``load_split``);
+        raises ValueError as described in the module docstring."""
+        train, val = load_split(cfg)
+        return cls.from_records(train if split == "train" else val, cfg, tokenizer)
 
     @classmethod
     def from_records(cls, records: Sequence[TaskRecord], cfg: DataConfig, tokenizer) -> PromptDataset:
@@ -131,7 +160,7 @@ class PromptDataset:
                     )
                 skipped.append(index + 1)
                 continue
-            prompts.append(Prompt(index, tuple(ids), record.ground_truth, where))
+            prompts.append(Prompt(index, tuple(ids), record.ground_truth, where, record.prompt))
         if skipped:
             logger.warning(
                 "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s, counting from 1)",
@@ -193,15 +222,16 @@ class PromptDataset:
 
 
 def prompt_fields(
-    prompts: Sequence[Prompt], n: int, pad_token_id: int, uids: Sequence[str]
+    prompts: Sequence[Prompt], n: int, pad_token_id: int, uids: Sequence[str], with_text: bool = False
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The prompt fields and per-sample tags of ``prompts``, each prompt repeated ``n`` (``rollout.n``) times.
 
     Returns ``(data, tags)`` ready for ``TQClient.put(data, partition, tags=tags)`` (what
-    ``rollers.roller.TQGroupChannel`` reads), with batch = ``len(prompts) * n``: ``data`` holds
+    ``rollers.tq_channel.TQGroupChannel`` reads), with batch = ``len(prompts) * n``: ``data`` holds
     ``input_ids`` (batch, prompt_len) int64 left-padded with ``pad_token_id``, ``attention_mask``
     (batch, prompt_len) int64 and ``ground_truth`` (batch JSON str, ``common.ground_truth.encode_ground_truth``);
-    ``tags[j]`` is ``{"uid": uids[j // n]}``. Raises ValueError when ``uids`` and ``prompts`` differ in
+    ``tags[j]`` is ``{"uid": uids[j // n]}``. ``with_text``: also ``prompt_text`` (batch str, the user message
+before the chat template), for generation dumps. Raises ValueError when ``uids`` and ``prompts`` differ in
     length, ``prompts`` is empty or ``n`` < 1.
     """
     if len(uids) != len(prompts):
@@ -222,4 +252,6 @@ def prompt_fields(
         schema.ATTENTION_MASK: attention_mask,
         schema.GROUND_TRUTH: [encode_ground_truth(p.ground_truth) for p in prompts for _ in range(n)],
     }
+    if with_text:
+        data[schema.PROMPT_TEXT] = [p.text for p in prompts for _ in range(n)]
     return data, [{schema.UID: uid} for uid in uids for _ in range(n)]

@@ -6,12 +6,19 @@ Each group is ``rollout.n`` rows of the same prompt under one ``uid``
 (``controller.data.prompt_fields``). ``uid`` = ``s<global_step>.p<position>`` — deterministic, so the
 per-sample seeds (``rollers.roller.sample_seed``) and hence the responses do not depend on the schedule.
 A re-issued prompt (``stale_policy=drop``) gets ``uid`` + ``.r<k>``.
+
+Validation (``data.val_size``): ``feed_validation(round)`` puts every held-out prompt as one group of
+``val.n`` sampled rows (+ 1 greedy row with ``val.greedy``) under ``uid`` = ``v<round>.p<position>`` into
+the validation partition. Generation dumps (``metrics.dump_every``): prompts carry ``prompt_text`` and
+``dump_rows(meta)`` reads the decoded text of finished samples from the TransferQueue, so the controller
+receives strings and tags, never tensors.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from common import schema
 from controller.config import HFlowConfig
 from controller.data import Prompt, PromptDataset, prompt_fields
 
@@ -26,7 +33,8 @@ class PromptFeeder:
     ``data.train_batch_size``, ``data.epochs`` and the steps asked for.
     """
 
-    def __init__(self, cfg: HFlowConfig, tq_handle: dict, partition: str, num_batches: int):
+    def __init__(self, cfg: HFlowConfig, tq_handle: dict, partition: str, num_batches: int,
+                 val_partition: str = ""):
         from common.env import set_torch_threads
         from common.models import load_tokenizer
         from transferqueue.client import TQClient
@@ -39,6 +47,10 @@ class PromptFeeder:
         self.partition = partition
         self.dataset = PromptDataset.from_config(cfg.data, tokenizer)
         self.dataset.check_total_steps(num_batches)
+        self.val_partition = val_partition
+        self.val_dataset = PromptDataset.from_config(cfg.data, tokenizer, "val") if cfg.data.val_size else None
+        self.val_group_size = cfg.val.n + int(cfg.val.greedy)
+        self.with_text = cfg.metrics.dump_every > 0
         self._pending: deque[tuple[str, int, Prompt]] = deque()
         if cfg.algorithm.dynamic_sampling:  # refills may use every prompt the epochs provide
             num_batches = self.dataset.num_available_steps()
@@ -49,6 +61,43 @@ class PromptFeeder:
 
     def dataset_size(self) -> int:
         return len(self.dataset)
+
+    def feed_validation(self, round_index: int) -> list[str]:
+        """Put every validation prompt as one group (``val.n`` rows, + 1 greedy row last with ``val.greedy``)
+        into the validation partition; returns their uids ``v<round_index>.p<position>``. Their ``seed_key``
+        tag ``val.p<position>`` makes every round draw the same sampling seeds, so rounds differ by weights,
+        not by sampling noise. Raises
+        RuntimeError when the run has no validation set."""
+        if self.val_dataset is None or not self.val_partition:
+            raise RuntimeError("feed_validation without data.val_size (no validation set)")
+        prompts = self.val_dataset.prompts
+        uids = [f"v{round_index}.p{pos}" for pos in range(len(prompts))]
+        data, tags = prompt_fields(prompts, self.val_group_size, self.pad_token_id, uids, self.with_text)
+        for j, tag in enumerate(tags):  # every round samples prompt p with the same seeds (common random numbers)
+            tag[schema.SEED_KEY] = f"val.p{j // self.val_group_size}"
+        self.client.put(data, self.val_partition, tags=tags)
+        return uids
+
+    def dump_rows(self, meta) -> list[dict]:
+        """The decoded samples of ``meta`` (a BatchMeta of finished samples) as JSON-able rows: ``uid``,
+        ``prompt``, ``response``, ``ground_truth``, ``reward``, ``greedy``, ``min_weight_version``,
+        ``max_weight_version``, ``finish_reason``, ``response_length`` (tokens). Needs
+        ``metrics.dump_every`` > 0 (the text fields are put only then)."""
+        from common.ground_truth import decode_ground_truth
+
+        batch = self.client.get_data(meta, [schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.GROUND_TRUTH])
+        rows = []
+        for i, tag in enumerate(meta.tags):
+            rows.append({
+                "uid": tag[schema.UID],
+                "prompt": batch[schema.PROMPT_TEXT][i],
+                "response": batch[schema.RESPONSE_TEXT][i],
+                "ground_truth": decode_ground_truth(batch[schema.GROUND_TRUTH][i]),
+                "reward": float(tag[schema.REWARD]),
+                **{k: tag.get(k) for k in (schema.GREEDY, schema.MIN_WEIGHT_VERSION, schema.MAX_WEIGHT_VERSION,
+                                           schema.FINISH_REASON, schema.RESPONSE_LENGTH)},
+            })
+        return rows
 
     def _next(self) -> tuple[str, int, Prompt] | None:
         if not self._pending:
@@ -85,7 +134,8 @@ class PromptFeeder:
             return []
         for uid, step, prompt in picked:
             self._by_uid.setdefault(uid, (step, prompt))
-        data, tags = prompt_fields([p for _, _, p in picked], self.n, self.pad_token_id, [u for u, _, _ in picked])
+        data, tags = prompt_fields([p for _, _, p in picked], self.n, self.pad_token_id, [u for u, _, _ in picked],
+                                   self.with_text)
         self.client.put(data, self.partition, tags=tags)
         return [{"uid": uid, "global_step": step} for uid, step, _ in picked]
 

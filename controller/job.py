@@ -71,13 +71,16 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
     stages = Stages(cfg, rt, metrics, report)
     gauges = asyncio.ensure_future(_gauges(stages))
     try:
+        await stages.validator.maybe_start(0)  # the initial weights, before the first step (val.before_train)
         await SCHEDULES[cfg.mode](stages)
+        await stages.validator.wait()  # the round of the last version
         await stages.refresh_gauges()
         try:
             await stages.write_timeline()
         except Exception as exc:  # noqa: BLE001 - a benchmark aid must never fail a run that completed
             logger.warning("could not write timeline.json: %s", exc)
     finally:
+        await stages.validator.close()
         gauges.cancel()
         await asyncio.gather(gauges, return_exceptions=True)
         counts.update({
@@ -126,15 +129,20 @@ def check_data(cfg: HFlowConfig) -> int:
     from common.models import load_hf_config, load_tokenizer
     from controller.data import PromptDataset
     from controller.tasks import resolve_reward
+    from controller.trackers import check_trackers
     from rollers.model_limits import context_length
     from rollers.rewards import build_reward_fn
 
     try:
+        check_trackers(cfg.metrics)
         hf_config = load_hf_config(cfg.model)
         cfg.rollout.check_model(int(hf_config.vocab_size))
         dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
         dataset.check_context(context_length(hf_config))
         dataset.check_total_steps(num_batches(cfg))
+        if cfg.data.val_size:
+            PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model), "val").check_context(
+                context_length(hf_config))
         build_reward_fn(resolve_reward(cfg.rollout.reward, cfg.data.task))
     except ValueError as exc:
         raise StartError(str(exc)) from exc
@@ -310,6 +318,7 @@ def run_job(cfg: HFlowConfig) -> int:
     from controller.metrics import JobMetrics
     from controller.report import RunReport
     from controller.runtime import Runtime
+    from controller.trackers import Trackers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not cfg.run_dir:  # resolved here, not in the config: a saved config starts a new run each time
@@ -333,7 +342,8 @@ def run_job(cfg: HFlowConfig) -> int:
                 raise StartError(f"cannot serve metrics on metrics.host={cfg.metrics.host!r} "
                                  f"metrics.port={cfg.metrics.port}: {exc}") from exc
         run_dir.mkdir(parents=True, exist_ok=True)
-        report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
+        report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress,
+                           trackers=Trackers(cfg.metrics, run_dir, to_dict(cfg)))
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.metrics.enabled:
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))

@@ -10,7 +10,8 @@ series                                 type       meaning (what one count or obs
 =====================================  =========  ==========================================================
 hflow_queue_depth{task}                gauge      samples ready for consumer ``task`` and not yet taken by it
                                                   (``rollout``: prompts waiting for a roller; ``train``:
-                                                  scored samples waiting for the trainer); polled
+                                                  scored samples waiting for the trainer; ``validate``:
+                                                  validation samples waiting for the controller); polled
 hflow_queue_lag                        histogram  per trained sample: trainer version it was trained at −
                                                   its ``min_weight_version`` (its staleness, in versions)
 hflow_sample_age_seconds               histogram  per trained sample: seconds from its prompt's admission
@@ -42,6 +43,11 @@ hflow_response_clip_ratio              gauge      share of the last step's respo
                                                   model's context length)
 hflow_weight_version                   gauge      the trainer's weight version (updates completed)
 hflow_roller_pool_size                 gauge      rollers in the pool (started and not yet stopped); polled
+hflow_val_accuracy{kind}               gauge      held-out accuracy of the last validation round: ``sampled``
+                                                  (pass@1 at rollout.temperature) or ``greedy``
+hflow_val_reward_mean{kind}            gauge      held-out mean reward of the last validation round, per kind
+hflow_val_pass_at_k{k}                 gauge      held-out unbiased pass@k of the last validation round
+hflow_val_weight_version               gauge      the weight version the last validation round evaluated
 =====================================  =========  ==========================================================
 """
 
@@ -101,6 +107,14 @@ class JobMetrics:
                                     registry=r)
         self.roller_pool_size = Gauge("hflow_roller_pool_size", "Rollers in the pool (started and not yet "
                                       "stopped)", registry=r)
+        self.val_accuracy = Gauge("hflow_val_accuracy", "Held-out accuracy of the last validation round "
+                                  "(kind: sampled = pass@1 at rollout.temperature, or greedy)", ["kind"], registry=r)
+        self.val_reward_mean = Gauge("hflow_val_reward_mean", "Held-out mean reward of the last validation "
+                                     "round (kind: sampled or greedy)", ["kind"], registry=r)
+        self.val_pass_at_k = Gauge("hflow_val_pass_at_k", "Held-out unbiased pass@k (Chen et al. 2021) of the "
+                                   "last validation round", ["k"], registry=r)
+        self.val_weight_version = Gauge("hflow_val_weight_version", "The weight version the last validation "
+                                        "round evaluated", registry=r)
         self._num_produced = 0.0  # what hflow_samples_produced_total holds
         self._server = None
 
@@ -114,6 +128,17 @@ class JobMetrics:
         if at_least > self._num_produced:
             self.produced.inc(at_least - self._num_produced)
             self._num_produced = at_least
+
+    def observe_validation(self, record: dict) -> None:
+        """Set the ``hflow_val_*`` gauges from a validation record (``controller.validation``)."""
+        self.val_weight_version.set(record["weight_version"])
+        for kind, suffix in (("sampled", ""), ("greedy", "_greedy")):
+            if f"val/accuracy{suffix}" in record:
+                self.val_accuracy.labels(kind=kind).set(record[f"val/accuracy{suffix}"])
+                self.val_reward_mean.labels(kind=kind).set(record[f"val/reward_mean{suffix}"])
+        for key, value in record.items():
+            if key.startswith("val/pass@"):
+                self.val_pass_at_k.labels(k=key.removeprefix("val/pass@")).set(value)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint on ``host:port`` (port 0 picks a free one); returns the bound port."""

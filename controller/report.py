@@ -28,7 +28,29 @@ STEP_SUMMARY_KEYS = ("num_steps", "wall_s", "reward_first", "reward_last", "rewa
 # job writes the summary, then shuts down, then adds shutdown_s and the final wall_s: ``RunReport.amend``).
 # startup_breakdown_s: the parts of startup_s (controller/job.py); threads: the pools' torch threads.
 TIME_KEYS = ("startup_s", "shutdown_s", "startup_breakdown_s")
-SUMMARY_KEYS = STEP_SUMMARY_KEYS + TIME_KEYS + ABOUT_KEYS + COUNT_KEYS
+# Held-out accuracy of the validation rounds (controller.validation), null without data.val_size: sampled
+# (pass@1 at rollout.temperature) and greedy, at the first round, the best one and the last one, and the
+# weight_version of the best (sampled) one.
+VAL_METRICS = ("accuracy", "accuracy_greedy")
+VAL_SUMMARY_KEYS = ("num_val_rounds", "val_best_weight_version",
+                    *(f"val_{m}_{at}" for m in VAL_METRICS for at in ("first", "best", "last")))
+SUMMARY_KEYS = STEP_SUMMARY_KEYS + TIME_KEYS + ABOUT_KEYS + COUNT_KEYS + VAL_SUMMARY_KEYS
+
+
+def validation_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """``VAL_SUMMARY_KEYS`` from the validation records in the order they were logged (None where unknown)."""
+    out: dict[str, Any] = dict.fromkeys(VAL_SUMMARY_KEYS)
+    out["num_val_rounds"] = len(rounds)
+    rounds = sorted(rounds, key=lambda r: r["weight_version"])
+    for metric in VAL_METRICS:
+        values = [(r[f"val/{metric}"], r["weight_version"]) for r in rounds if f"val/{metric}" in r]
+        if values:
+            best = max(values, key=lambda v: v[0])
+            out.update({f"val_{metric}_first": values[0][0], f"val_{metric}_best": best[0],
+                        f"val_{metric}_last": values[-1][0]})
+            if metric == "accuracy":
+                out["val_best_weight_version"] = best[1]
+    return out
 
 
 def group_reward_stats(rewards_by_uid: dict[str, list[float]]) -> dict[str, float | None]:
@@ -46,11 +68,13 @@ class RunReport:
     """Writes ``metrics.jsonl`` as steps complete and ``summary.json`` + ``plot.png`` at the end
     (``finish``; ``amend`` adds what is known only after it, ``announce`` prints it)."""
 
-    def __init__(self, run_dir: str | Path, total_steps: int, progress: bool = True):
+    def __init__(self, run_dir: str | Path, total_steps: int, progress: bool = True, trackers=None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
+        self.trackers = trackers  # controller.trackers.Trackers, or None
         self.steps: list[dict[str, Any]] = []
+        self.validations: list[dict[str, Any]] = []  # validation records (``"validation": true``)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._console = Console(highlight=False, soft_wrap=True) if progress else None
         self._t0 = time.monotonic()
@@ -63,6 +87,8 @@ class RunReport:
             raise ValueError(f"step record lacks {missing}")
         self.steps.append(record)
         self._jsonl.write(json.dumps(record, default=float) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
         if self._console is not None:
             acc = record.get("accuracy", float("nan"))
             self._console.print(
@@ -71,6 +97,22 @@ class RunReport:
                 f"{record['staleness_mean']:.2f}/{record['staleness_max']} | "
                 f"{record['samples_per_s']:.1f} samples/s | step {record.get('step_s', float('nan')):.1f}s"
             )
+
+    def log_validation(self, record: dict[str, Any]) -> None:
+        """Append one validation round (``controller.validation.validation_record``) to metrics.jsonl,
+        marked ``"validation": true``; raises ValueError when it lacks ``weight_version``."""
+        if not record.get("validation") or "weight_version" not in record:
+            raise ValueError(f"validation record lacks 'validation': true or weight_version: {sorted(record)}")
+        self.validations.append(record)
+        self._jsonl.write(json.dumps(record, default=float) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
+        if self._console is not None:
+            nan = float("nan")
+            self._console.print(
+                f"validation v{record['weight_version']:<3} | acc {record.get('val/accuracy', nan):.3f} sampled, "
+                f"{record.get('val/accuracy_greedy', nan):.3f} greedy | reward {record.get('val/reward_mean', nan):.3f}"
+                f" | {record['val/num_prompts']} prompts")
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Write ``summary.json`` and ``plot.png``; returns the summary: every key of ``SUMMARY_KEYS``
@@ -84,11 +126,12 @@ class RunReport:
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "staleness_max": max((s["staleness_max"] for s in self.steps), default=None),
             **dict.fromkeys(TIME_KEYS + ABOUT_KEYS + COUNT_KEYS),
+            **validation_summary(self.validations),
             **summary,
         }
         self._write(summary)
         if self.steps:
-            fig = plot_steps(self.steps, summary, self.total_steps)
+            fig = plot_steps(self.steps, summary, self.total_steps, self.validations)
             import matplotlib.pyplot as plt  # after plot_steps chose the Agg backend
 
             fig.savefig(self.run_dir / "plot.png", dpi=100)
@@ -114,11 +157,15 @@ class RunReport:
 
     def close(self) -> None:
         self._jsonl.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
-def plot_steps(steps: list[dict[str, Any]], summary: dict[str, Any], total_steps: int):
+def plot_steps(steps: list[dict[str, Any]], summary: dict[str, Any], total_steps: int,
+               validations: list[dict[str, Any]] = ()):
     """The figure of ``plot.png`` (a matplotlib Figure; the caller saves and closes it): reward, accuracy
-    (when every step has it) and staleness per step, one panel each, titled with mode, model and task
+    (when every step has it), held-out accuracy (with ``validations``: sampled and greedy per evaluated
+    weight_version, on the step axis) and staleness per step, one panel each, titled with mode, model and task
     from ``summary``. Reward and accuracy axes span at least [0, 1] (noise stays small), staleness axes
     whole versions from 0, step ticks whole steps. ``steps``: step records (``REQUIRED_STEP_KEYS``), not empty."""
     import matplotlib
@@ -131,9 +178,21 @@ def plot_steps(steps: list[dict[str, Any]], summary: dict[str, Any], total_steps
     series = [("reward mean", [s["reward_mean"] for s in steps])]
     if all("accuracy" in s for s in steps):
         series.append(("accuracy (share correct)", [s["accuracy"] for s in steps]))
+    held_out = sorted(validations, key=lambda r: r["weight_version"])
+    if held_out:
+        series.append(("held-out accuracy", None))
     fig, axes = plt.subplots(len(series) + 1, 1, figsize=(8, 2.2 * (len(series) + 1) + 0.8), sharex=True)
     for ax, (label, values) in zip(axes, series, strict=False):
-        ax.plot(x, values, marker="o", markersize=3)
+        if values is None:  # validation: one line per kind, at the weight_version each round evaluated
+            values = []
+            for key, kind in (("val/accuracy", "sampled (pass@1)"), ("val/accuracy_greedy", "greedy")):
+                points = [(r["weight_version"], r[key]) for r in held_out if key in r]
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker="s", markersize=3, label=kind)
+                    values += [p[1] for p in points]
+            ax.legend(loc="best")
+        else:
+            ax.plot(x, values, marker="o", markersize=3)
         low, high = min(0.0, min(values)), max(1.0, max(values))
         pad = 0.05 * (high - low)
         ax.set_ylim(low - pad, high + pad)

@@ -67,8 +67,9 @@ class Runtime:
         from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
         from controller.tasks import resolve_reward
+        from controller.validation import VAL_PARTITION
         from rollers.actor import remote_roller
-        from rollers.roller import TQGroupChannel
+        from rollers.tq_channel import GroupSource, TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
         from trainers.weight_sync import attach_sender
@@ -87,12 +88,16 @@ class Runtime:
         # Launch the feeder and the rollers (actor creation does not block), then build the trainer
         # meanwhile: their processes start and load models concurrently.
         on_stage(f"starting the prompt feeder (task {cfg.data.task})")
-        self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches)
+        self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches,
+                                                                    VAL_PARTITION)
         on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine) and "
                  f"{n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path}) at once")
         roller_cls = remote_roller(num_cpus=0.5, resources=cfg.rollers.resources)
         roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
-        channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n)
+        validation = (GroupSource(VAL_PARTITION, cfg.val.n + int(cfg.val.greedy), int(cfg.val.greedy))
+                      if cfg.data.val_size else None)
+        channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n,
+                                    validation=validation, put_text=cfg.metrics.dump_every > 0)
         reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
         rollers_cfg = dataclasses.replace(cfg.rollers, num_threads=self.threads.roller_threads)
         self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]

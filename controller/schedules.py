@@ -27,6 +27,12 @@ score, put back); a schedule only decides when prompt groups are admitted, when 
 and when weights move. ``v`` in the admission rule is the version the rollers hold.
 The controller handles metadata only: uids, sample ids, tags (weight versions, lengths, rewards),
 counts and timings.
+
+Validation (``controller.validation``) hangs off ``sync_weights``: after a sync makes version v current on
+every roller, a round starts when v is due; the rollers take its groups before training groups. ``sync``
+and ``one-step-off`` wait for the round before the next sync (single-version rows); ``fully-async`` keeps
+training and syncing. Generation dumps (``controller.generations``) are written in ``update`` before the
+trained samples are cleared.
 """
 
 from __future__ import annotations
@@ -41,9 +47,11 @@ import torch
 from common import schema
 from controller.admission import Admission, staleness
 from controller.config import HFlowConfig
+from controller.generations import GenerationDump
 from controller.metrics import JobMetrics
 from controller.report import RunReport, group_reward_stats
 from controller.runtime import PARTITION, Runtime
+from controller.validation import VAL_PARTITION, Validator
 from trainers.dapo import filter_zero_variance_groups
 from transferqueue.records import BatchMeta
 
@@ -76,6 +84,9 @@ class Stages:
         self.step = 0
         self.num_syncs = 0
         self.num_failed_groups = 0
+        # Skipped training groups not yet counted by ``generate`` (the validator's collector also calls
+        # check_rollers, so a failure it drains must still reach the generate that waits for the group).
+        self.num_unclaimed_skips = 0
         self.num_dropped_groups = 0
         self.num_zero_variance_groups = 0  # dropped by dynamic sampling (each replaced by a fresh prompt)
         self.refill_depth: dict[str, int] = {}  # uid -> refill round that admitted it (absent = 0)
@@ -90,6 +101,8 @@ class Stages:
         self.num_groups_generated = 0
         # (start, end) wall-clock seconds (time.time()) of every trainer update and weight sync: timeline.json
         self.timeline: dict[str, list[tuple[float, float]]] = {"update": [], "sync": []}
+        self.dump = GenerationDump(cfg.run_dir, cfg.metrics.dump_every, rt)
+        self.validator = Validator(cfg, rt, self._record_validation, self.check_rollers, self.dump)
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -132,7 +145,8 @@ class Stages:
             meta = await self.rt.tq.aget_meta(TRAIN_FIELDS, self.n, TRAIN_TASK, PARTITION, sampler="group_complete",
                                               options={"group_size": self.n}, timeout_s=POLL_S)
             if len(meta) == 0:
-                skipped += await self.check_rollers()
+                await self.check_rollers()
+                skipped, self.num_unclaimed_skips = skipped + self.num_unclaimed_skips, 0
                 continue
             self.num_samples_received += len(meta)
             self.metrics.count_produced(self.num_samples_received)
@@ -203,14 +217,19 @@ class Stages:
             path = Path(self.cfg.run_dir) / "checkpoints" / f"step_{self.step}"
             await asyncio.to_thread(self.rt.trainer.save_checkpoint, str(path))
         self.outstanding -= len(set(t[schema.UID] for t in meta.tags))
+        await self.dump(meta, "train", self.step, self.weight_version - 1)
         await self.rt.tq.aclear(PARTITION, meta.sample_ids)
         self._record(meta, train_metrics, time.monotonic() - start, wait_s)
         return train_metrics
 
-    async def sync_weights(self, pause_mode: str | None = None) -> None:
-        """Push the trainer's weights (``weight_version``) to every roller and wait for every ack."""
+    async def sync_weights(self, pause_mode: str | None = None, wait_validation: bool = True) -> None:
+        """Push the trainer's weights (``weight_version``) to every roller and wait for every ack; then start
+        a validation round when the new version is due. ``wait_validation``: first wait for the rounds in
+        flight, so their samples come from one version (fully-async does not)."""
         from trainers.weight_sync import send_weights
 
+        if wait_validation:
+            await self.validator.wait()
         start, wall_start = time.monotonic(), time.time()
         mode = pause_mode or self.cfg.checkpointengine.pause_mode
         send = asyncio.to_thread(self.rt.trainer.execute, send_weights, self.weight_version)
@@ -224,10 +243,13 @@ class Stages:
         self.metrics.sync_bytes.inc(float(sent.get("num_bytes", 0)) * len(self.rt.rollers))
         self._last_step_end = time.monotonic()
         self.changed.set()
+        await self.validator.maybe_start(self.synced_weight_version)
 
     async def check_rollers(self) -> int:
         """Raise the error of a roller whose loop died; handle failed groups per
-        ``rollers.on_failed_group`` (``fail``: raise; ``skip``: count, clear, return how many)."""
+        ``rollers.on_failed_group`` (``fail``: raise; ``skip``: count, clear, return how many training groups
+        were skipped and add them to ``num_unclaimed_skips`` for ``generate``). Failed validation groups go
+        to the validator (``Validator.on_failed``)."""
         import ray
 
         refs = [r.wait.remote(0.0) for r in self.rt.rollers]
@@ -242,6 +264,12 @@ class Stages:
         if not failures:
             return 0
         first = failures[0]
+        if self.cfg.rollers.on_failed_group == "skip":  # validation groups: their round completes without them
+            for f in [f for f in failures if f.partition == VAL_PARTITION]:
+                logger.warning("validation group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
+                await self.rt.tq.aclear(VAL_PARTITION, list(f.sample_ids))
+                self.validator.on_failed(f.uid)
+            failures = [f for f in failures if f.partition != VAL_PARTITION]
         self.num_failed_groups += len(failures)  # counted whatever follows: the summary of a failed run too
         if self.cfg.rollers.on_failed_group == "fail":
             raise RolloutFailure(f"group {first.uid} failed in {first.stage}: {'; '.join(first.errors)}")
@@ -249,6 +277,7 @@ class Stages:
             logger.warning("group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
             await self.rt.tq.aclear(PARTITION, list(f.sample_ids))
         self.outstanding -= len(failures)
+        self.num_unclaimed_skips += len(failures)
         return len(failures)
 
     # -------------------------------------------------------------------------------------- bookkeeping
@@ -341,6 +370,10 @@ class Stages:
         self.metrics.weight_version.set(self.weight_version)
         self.report.log_step(record)
         self._last_step_end = now
+
+    def _record_validation(self, record: dict) -> None:
+        self.metrics.observe_validation(record)
+        self.report.log_validation(record)
 
     def _dynamic_sampling_stats(self, rewards_by_uid: dict[str, list[float]]) -> dict[str, int]:
         """Per-step DAPO counts (only with ``algorithm.dynamic_sampling``): a group admitted in refill
@@ -435,7 +468,7 @@ async def run_fully_async(st: Stages) -> None:
             await st.update(meta)
             last = step == st.cfg.trainer.total_steps - 1
             if st.weight_version % st.cfg.algorithm.trigger_sync_steps == 0 or last:
-                await st.sync_weights()
+                await st.sync_weights(wait_validation=False)  # validation overlaps training
             if admitter.done():
                 admitter.result()  # re-raise an admission error
     finally:

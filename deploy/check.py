@@ -193,10 +193,11 @@ class Prometheus:
 
 
 def job_command(run_dir: Path, sd_dir: Path, num_steps: int) -> list[str]:
-    """The short run: the tiny preset, fully-async (every stage, every series), ``num_steps`` steps."""
+    """The short run: the tiny preset, fully-async (every stage, every series, validation rounds included),
+    ``num_steps`` steps."""
     return [sys.executable, "-m", "controller.cli", "--preset", "tiny", "--mode", "fully-async",
             f"trainer.total_steps={num_steps}", f"run_dir={run_dir}", f"metrics.sd_dir={sd_dir}",
-            "metrics.progress=false"]
+            "metrics.progress=false", "data.val_size=4", "val.n=2", "trainer.val_every=4"]
 
 
 def run_job(prom: Prometheus, run_dir: Path, sd_dir: Path, num_steps: int, timeout_s: float) -> int:

@@ -20,8 +20,8 @@ from rollers.roller import FailedGroup, Roller
 class RollerActor:
     """One roller (see the module docstring). ``reward``: ``rollout.reward`` with ``auto`` resolved by the
     controller (``rollers.rewards.build_reward_fn``). ``channel_factory()`` is called inside the actor and
-    must be serialisable by Ray (runs pass ``TQGroupChannel.from_handle`` bound to the TransferQueue
-    handle; the feeder puts only admitted groups). Use ``remote_roller(num_cpus)`` to get the Ray class."""
+    must be serialisable by Ray (runs pass ``rollers.tq_channel.TQGroupChannel.from_handle`` bound to the
+    TransferQueue handle; the feeder puts only admitted groups). Use ``remote_roller(num_cpus)`` to get the Ray class."""
 
     def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, reward: str, channel_factory,
                  *, remax_baseline: bool = False, roller_id: str = "roller0"):

@@ -17,8 +17,8 @@ generated at once (enough to fill the engine's batch slots).
 
 **Channel.** ``GroupChannel`` is the roller's only view of the data plane: ``take_group`` (one whole
 ``uid`` group of the ``rollout`` task, or ``None`` on timeout) and ``put_group`` (response fields into
-the same sample ids). ``TQGroupChannel`` is the TransferQueue one (what runs use; tests also use in-process
-ones).
+the same sample ids). ``rollers.tq_channel.TQGroupChannel`` is the TransferQueue one (what runs use; tests
+also use in-process ones).
 
 **Truncation.** A response ends with ``finish_reason=length`` at ``rollout.max_response_length`` tokens
 or where prompt + response reach the engine's context length; both count in ``truncation_ratio``.
@@ -46,7 +46,6 @@ from typing import Any, Protocol
 import torch
 
 from common import schema
-from common.ground_truth import decode_ground_truth
 from rollers.config import RolloutConfig
 from rollers.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
 from rollers.rewards import RewardFn, RewardResult, score_responses
@@ -66,33 +65,48 @@ class PromptGroup:
     """One prompt group as the roller receives it: ``rollout.n`` samples sharing ``uid``.
 
     ``sample_ids``: the data plane's ids of the samples (responses go back into them); ``input_ids``:
-    the prompt token ids (unpadded; the same for every sample); ``ground_truth``: the task's answer.
+    the prompt token ids (unpadded; the same for every sample); ``ground_truth``: the task's answer;
+    ``num_greedy``: its last ``num_greedy`` samples are greedy (temperature 0), put like the others;
+    ``validation``: a validation group (no ReMax baseline, no forced lengths); ``partition``: where its
+    responses go (empty: the channel's own); ``seed_key``: what its sampling seeds derive from (empty: the
+    uid).
     """
 
     uid: str
     sample_ids: tuple[int, ...]
     input_ids: tuple[int, ...]
     ground_truth: dict
+    num_greedy: int = 0
+    validation: bool = False
+    partition: str = ""
+    seed_key: str = ""
 
 
 @dataclass
 class GroupResult:
-    """What is put back for a group: ``fields`` (``build_response_fields`` output) for ``sample_ids``."""
+    """What is put back for a group: ``fields`` (``build_response_fields`` output) for ``sample_ids``;
+    ``greedy``: per sample, whether it was decoded greedily; ``texts``: the decoded responses;
+    ``partition``: the group's (``PromptGroup.partition``)."""
 
     uid: str
     sample_ids: tuple[int, ...]
     fields: dict[str, Any]
     rewards: list[float]
+    greedy: tuple[bool, ...] = ()
+    texts: tuple[str, ...] = ()
+    partition: str = ""
 
 
 @dataclass(frozen=True)
 class FailedGroup:
-    """A group that was not put: ``stage`` is ``reward`` or ``generate``; ``errors`` one line per problem."""
+    """A group that was not put: ``stage`` is ``reward`` or ``generate``; ``errors`` one line per problem;
+    ``partition``: the group's (empty: the channel's own, i.e. training)."""
 
     uid: str
     sample_ids: tuple[int, ...]
     stage: str
     errors: tuple[str, ...]
+    partition: str = ""
 
 
 class GroupChannel(Protocol):
@@ -101,64 +115,6 @@ class GroupChannel(Protocol):
 
     async def put_group(self, result: GroupResult) -> None:
         """Put the response fields of ``result`` into its sample ids."""
-
-
-class TQGroupChannel:
-    """A ``GroupChannel`` over the TransferQueue (``transferqueue.client.TQClient``).
-
-    ``take_group``: ``aget_meta([input_ids, attention_mask, ground_truth], n, task, partition,
-    sampler="group_complete", options={"group_size": n})`` long-polls for one whole ``uid`` group the
-    ``task`` (default ``rollout``) has not consumed, then ``aget_data``; the prompt is row 0's
-    ``input_ids`` where ``attention_mask`` is 1 (the feeder puts them with ``controller.data.prompt_fields``).
-    ``put_group``: ``aput`` of the response fields into the same sample ids, with tags
-    ``min_weight_version``, ``max_weight_version``, ``finish_reason``, ``response_length``, ``reward``
-    (the sequence reward) and ``response_digest`` per sample.
-    """
-
-    PROMPT_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.GROUND_TRUTH)
-    TAG_FIELDS = (schema.MIN_WEIGHT_VERSION, schema.MAX_WEIGHT_VERSION, schema.FINISH_REASON, schema.RESPONSE_LENGTH)
-
-    def __init__(self, client, partition: str, n: int, task: str = "rollout", put_timeout_s: float = 60.0):
-        if n < 1:
-            raise ValueError(f"rollout.n must be >= 1, got {n}")
-        self.client, self.partition, self.n, self.task = client, partition, n, task
-        self.put_timeout_s = put_timeout_s
-
-    @classmethod
-    def from_handle(cls, handle: dict, partition: str, n: int) -> TQGroupChannel:
-        """A channel with its own ``TQClient`` of the TransferQueue ``handle`` (``TQHandle.to_dict()``), for
-        ``partition`` and groups of ``n``: what each roller process builds (bind the arguments with
-        ``functools.partial`` to get a ``channel_factory``; Ray ships it by reference)."""
-        from transferqueue.client import TQClient
-        from transferqueue.records import TQHandle
-
-        return cls(TQClient(TQHandle.from_dict(handle)), partition, n)
-
-    async def take_group(self, timeout_s: float) -> PromptGroup | None:
-        meta = await self.client.aget_meta(list(self.PROMPT_FIELDS), self.n, self.task, self.partition,
-                                           sampler="group_complete", options={"group_size": self.n},
-                                           timeout_s=timeout_s)
-        if len(meta) == 0:
-            return None
-        batch = await self.client.aget_data(meta)
-        ids, mask = batch[schema.INPUT_IDS][0], batch[schema.ATTENTION_MASK][0]
-        uids = {tag.get(schema.UID) for tag in meta.tags}
-        if len(uids) != 1 or None in uids:
-            raise ValueError(f"samples {meta.sample_ids} do not share one uid tag: {uids}")
-        return PromptGroup(uids.pop(), tuple(meta.sample_ids), tuple(ids[mask.bool()].tolist()),
-                           decode_ground_truth(batch[schema.GROUND_TRUTH][0]))
-
-    async def put_group(self, result: GroupResult) -> None:
-        fields = result.fields
-        tags = [
-            {name: (fields[name][i] if name == schema.FINISH_REASON else int(fields[name][i]))
-             for name in self.TAG_FIELDS}
-            | {schema.REWARD: float(result.rewards[i]), schema.RESPONSE_DIGEST: response_digest(fields, i)}
-            for i in range(len(result.sample_ids))
-        ]
-        data = {k: v for k, v in fields.items() if k != schema.FINISH_REASON}
-        await self.client.aput(data, self.partition, sample_ids=list(result.sample_ids), tags=tags,
-                               timeout_s=self.put_timeout_s)
 
 
 # ------------------------------------------------------------------------------ outputs → schema
@@ -259,6 +215,8 @@ class _Counters:
     num_tokens: int = 0
     num_samples: int = 0
     num_groups: int = 0
+    num_val_groups: int = 0
+    num_val_samples: int = 0
     num_truncated: int = 0
     num_failed_rewards: int = 0
     num_failed_groups: int = 0
@@ -378,10 +336,11 @@ class Roller:
     async def process_group(self, group: PromptGroup) -> GroupResult | FailedGroup:
         """Generate, score and put one group; returns what was put or the recorded failure."""
         n = len(group.sample_ids)
+        greedy = tuple(i >= n - group.num_greedy for i in range(n))
         try:
             async with asyncio.TaskGroup() as samples:  # one failing sample cancels its siblings
-                tasks = [samples.create_task(self._generate(group, i, greedy=False)) for i in range(n)]
-                if self.remax_baseline:
+                tasks = [samples.create_task(self._generate(group, i, greedy=greedy[i])) for i in range(n)]
+                if self.remax_baseline and not group.validation:
                     tasks.append(samples.create_task(self._generate(group, n, greedy=True)))
         except ExceptionGroup as group_error:
             # A request the engine rejects (ValueError) or a sample aborted too often fails this group;
@@ -407,18 +366,23 @@ class Roller:
         if failed:
             self._counters.num_failed_rewards += len(failed)
             return self._fail(group, "reward", failed)
-        return await self._put(group, outputs[:n], results)
+        return await self._put(group, outputs[:n], results, greedy, tuple(texts[:n]))
 
-    async def _put(self, group: PromptGroup, outputs: list[GenerationOutput],
-                   results: list[RewardResult]) -> GroupResult:
+    async def _put(self, group: PromptGroup, outputs: list[GenerationOutput], results: list[RewardResult],
+                   greedy: tuple[bool, ...], texts: tuple[str, ...]) -> GroupResult:
         scores = [r.score for r in results]
         pad_to = self.rollout.max_response_length if self.pad_to_max_length else None
         fields = build_response_fields(outputs, scores[: len(outputs)], self.pad_token_id, pad_to)
         if self.remax_baseline:
             fields[REWARD_BASELINES] = torch.full((len(outputs),), scores[-1], dtype=torch.float32)
-        result = GroupResult(group.uid, group.sample_ids, fields, scores[: len(outputs)])
+        result = GroupResult(group.uid, group.sample_ids, fields, scores[: len(outputs)], greedy, texts,
+                             group.partition)
         await self.channel.put_group(result)
         c = self._counters
+        if group.validation:  # validation groups are counted apart: the training counts stay the schedule's
+            c.num_val_groups += 1
+            c.num_val_samples += len(outputs)
+            return result
         c.num_groups += 1
         c.num_samples += len(outputs)
         c.num_truncated += sum(o.finish_reason == "length" for o in outputs)
@@ -426,7 +390,8 @@ class Roller:
         return result
 
     def _fail(self, group: PromptGroup, stage: str, errors: list[str]) -> FailedGroup:
-        failure = FailedGroup(group.uid, group.sample_ids, stage, tuple(errors))
+        failure = FailedGroup(group.uid, group.sample_ids, stage, tuple(errors),
+                              group.partition if group.validation else "")
         self._counters.num_failed_groups += 1
         self._failures.append(failure)
         logger.warning("group %s failed at %s: %s", group.uid, stage, "; ".join(errors)[:500])
@@ -435,7 +400,7 @@ class Roller:
     async def _generate(self, group: PromptGroup, index: int, greedy: bool) -> GenerationOutput:
         """One sample, resubmitting prompt + partial output after each abort (partial rollout)."""
         cfg = self.rollout
-        forced = None if greedy else forced_response_length(cfg, group.uid, index)
+        forced = None if greedy or group.validation else forced_response_length(cfg, group.uid, index)
         limit = cfg.max_response_length if forced is None else forced
         merged = GenerationOutput(request_id=f"{self.roller_id}/{group.uid}/{index}",
                                   prompt_tokens=len(group.input_ids))
@@ -445,7 +410,7 @@ class Roller:
                 max_new_tokens=limit - done,
                 temperature=0.0 if greedy else cfg.temperature,
                 top_p=cfg.top_p, top_k=cfg.top_k,
-                seed=sample_seed(cfg.seed, group.uid, index, done),
+                seed=sample_seed(cfg.seed, group.seed_key or group.uid, index, done),
                 stop_token_ids=self._stop_ids if forced is None else (),
                 ignore_eos=forced is not None,
             )
@@ -496,7 +461,8 @@ class Roller:
         """Since construction: ``tokens_per_s`` (generated, incl. aborted parts), ``requests_in_flight``,
         ``busy_ratio`` (share of wall time with >= 1 request in flight), ``response_length_mean/min/max``
         (tokens, last 4096 put samples), ``truncation_ratio`` (finish_reason ``length`` / put samples),
-        ``num_groups``, ``num_samples``, ``num_failed_groups``, ``num_failed_rewards`` (samples),
+        ``num_groups``, ``num_samples`` (training groups; validation ones in ``num_val_groups``,
+        ``num_val_samples``), ``num_failed_groups``, ``num_failed_rewards`` (samples),
         ``num_resubmits`` (partial-rollout continuations)."""
         c = self._counters
         now = time.perf_counter()
@@ -513,6 +479,8 @@ class Roller:
             "truncation_ratio": c.num_truncated / c.num_samples if c.num_samples else 0.0,
             "num_groups": float(c.num_groups),
             "num_samples": float(c.num_samples),
+            "num_val_groups": float(c.num_val_groups),
+            "num_val_samples": float(c.num_val_samples),
             "num_failed_groups": float(c.num_failed_groups),
             "num_failed_rewards": float(c.num_failed_rewards),
             "num_resubmits": float(c.num_resubmits),

@@ -19,7 +19,7 @@ def test_glossary_page_holds_designs_names_and_the_disambiguations():
 def test_partition_and_consumer_tasks_are_spelled_apart():
     from controller.runtime import PARTITION
     from controller.schedules import TRAIN_TASK
-    from rollers.roller import TQGroupChannel
+    from rollers.tq_channel import TQGroupChannel
 
     rollout_task = inspect.signature(TQGroupChannel).parameters["task"].default
     assert PARTITION not in (TRAIN_TASK, rollout_task)

@@ -15,7 +15,7 @@ TEST_ONLY = [
     ("transferqueue.launch", "start_transferqueue_ray", "tests/transferqueue/ray_servers.py"),
     ("transferqueue", "start_transferqueue_ray", "tests/transferqueue/ray_servers.py"),
     ("controller.feeder", "FedGroup", "unused"),
-    ("controller.runtime", "_tq_channel", "rollers.roller.TQGroupChannel.from_handle"),
+    ("controller.runtime", "_tq_channel", "rollers.tq_channel.TQGroupChannel.from_handle"),
     ("trainers.metrics", "compute_data_metrics", "tests/trainers/test_losses.py"),
 ]
 

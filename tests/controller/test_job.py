@@ -184,13 +184,22 @@ def test_failing_reward_fails_the_run(tmp_path, ray_cluster, capsys):
 
 
 def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
+    """A failed training group is skipped; so are failed validation groups (from a data.val_file here):
+    their rounds complete without them."""
     seed = _seed_with_one_c()
-    code, steps, summary = run(tmp_path, "sync", "data.size=4", f"data.seed={seed}", "data.train_batch_size=4",
-                               "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1",
-                               f"rollout.reward={HOOKS}:raise_on_c", "rollers.on_failed_group=skip")
+    val_file = tmp_path.parent / f"{tmp_path.name}-val.jsonl"
+    val_file.write_text("".join(json.dumps({"prompt": f"repeat the word {s}", "answer": s}) + "\n" for s in "acbc"))
+    code, rows, summary = run(tmp_path, "sync", "data.size=4", f"data.seed={seed}", "data.train_batch_size=4",
+                              "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", "data.val_size=4",
+                              f"data.val_file={val_file}", f"rollout.reward={HOOKS}:raise_on_c",
+                              "rollers.on_failed_group=skip")
     assert code == EXIT_OK
-    assert summary["num_failed_groups"] == 1
+    assert summary["num_failed_groups"] == 1  # training groups only
+    steps = [r for r in rows if not r.get("validation")]
     assert len(steps) == 1 and steps[0]["num_groups"] == 3
+    rounds = [r for r in rows if r.get("validation")]
+    assert [r["weight_version"] for r in rounds] == [0, 1]
+    assert all(r["val/num_failed_groups"] == 2 and r["val/num_prompts"] == 2 for r in rounds)
 
 
 def test_prompts_near_the_context_limit_are_truncated_not_failed(tmp_path, ray_cluster):
@@ -254,8 +263,12 @@ def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_clus
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async"])
 def test_tiny_model_learns_the_prompt_dependent_task(tmp_path, ray_cluster, mode):
-    code, steps, summary = run(tmp_path, mode)
+    code, rows, summary = run(tmp_path, mode, "data.val_size=32", "trainer.val_every=125")
     assert code == EXIT_OK
+    steps = [r for r in rows if not r.get("validation")]
+    # Held-out accuracy (32 prompts after the training rows, 4 samples each + 1 greedy) rises with training.
+    assert [r["weight_version"] for r in rows if r.get("validation")] == [0, 125, 250]
+    assert summary["val_accuracy_first"] < 0.2 and summary["val_accuracy_last"] > 0.8, summary
     rewards = [s["reward_mean"] for s in steps]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.2, rewards[:5]

@@ -496,7 +496,7 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
     into the same ids → a trainer-side get_meta(group_complete) sees complete groups with every field."""
     from controller.config import DataConfig
     from controller.data import PromptDataset, prompt_fields
-    from rollers.roller import TQGroupChannel
+    from rollers.tq_channel import TQGroupChannel
     from transferqueue.client import TQClient
 
     cfg = DataConfig(task="tiny_repeat", size=3, train_batch_size=3, max_prompt_length=32)
@@ -561,3 +561,46 @@ def test_rollout_top_k_beyond_the_vocabulary_is_refused_naming_the_key():
     RolloutConfig(top_k=100).check_model(vocab_size=100)
     with pytest.raises(ValueError, match=r"rollout.top_k=101 exceeds the model's vocabulary of 100"):
         RolloutConfig(top_k=101).check_model(vocab_size=100)
+
+
+def test_validation_groups_go_first_to_their_own_partition_with_common_seeds(tq_servers, model, tok):
+    """A channel with a validation GroupSource takes a validation group before a training one, decodes its
+    last row greedily, puts it back into the validation partition (greedy tag, decoded text), and two rounds
+    of one prompt (same seed_key, other uids) sample the same responses."""
+    from controller.config import DataConfig
+    from controller.data import PromptDataset, prompt_fields
+    from rollers.tq_channel import GroupSource, TQGroupChannel
+    from transferqueue.client import TQClient
+
+    dataset = PromptDataset.from_config(DataConfig(task="tiny_repeat", size=1, train_batch_size=1), tok)
+    train_data, train_tags = prompt_fields(dataset.prompts, 2, tok.pad_token_id, uids=["s0.p0"])
+    val_data, val_tags = prompt_fields(dataset.prompts * 2, 3, tok.pad_token_id, uids=["v0.p0", "v1.p0"])
+    for tag in val_tags:
+        tag[schema.SEED_KEY] = "val.p0"
+
+    async def scenario():
+        client = TQClient(tq_servers.handle)
+        try:
+            await client.aput(train_data, "t", tags=train_tags)
+            await client.aput(val_data, "v", tags=val_tags)
+            channel = TQGroupChannel(client, "t", n=2, validation=GroupSource("v", 3, num_greedy=1), put_text=True)
+            engine = TorchEngine(model, tok, max_batch_slots=8)
+            roller = Roller(engine, tok, tiny_repeat_reward, RolloutConfig(n=2, max_response_length=4), channel)
+            groups = [await channel.take_group(1.0) for _ in range(3)]
+            for group in groups:
+                await roller.process_group(group)
+            await engine.shutdown()
+            roller.close()
+            val = await client.aget_meta([schema.RESPONSES, schema.RESPONSE_TEXT], 6, "validate", "v", timeout_s=10)
+            return groups, val, await client.aget_data(val)
+        finally:
+            client.close()
+
+    groups, val, batch = run(scenario())
+    assert [(g.uid, g.validation, g.num_greedy, g.seed_key) for g in groups] == [
+        ("v0.p0", True, 1, "val.p0"), ("v1.p0", True, 1, "val.p0"), ("s0.p0", False, 0, "")]
+    tags = sorted(val.tags, key=lambda t: t[schema.UID])
+    assert [t[schema.GREEDY] for t in tags] == [0, 0, 1, 0, 0, 1]
+    by_round = [[t[schema.RESPONSE_DIGEST] for t in tags if t[schema.UID] == uid] for uid in ("v0.p0", "v1.p0")]
+    assert by_round[0] == by_round[1]  # common random numbers: same seeds, same weights, same responses
+    assert all(isinstance(text, str) for text in batch[schema.RESPONSE_TEXT])

@@ -1,0 +1,163 @@
+"""Learning benchmark: held-out accuracy over wall time and over trained samples, per schedule.
+
+Every mode (``sync``, ``one-step-off``, ``fully-async``) runs ``hflow-async`` (a subprocess, as a user runs
+it) with the same preset, data, seeds and hyper-parameters; only ``--mode`` differs. Each run validates
+(``controller.validation``) on the same ``--val-size`` held-out prompts — the rows after the training ones,
+so never trained on — every ``--val-every`` steps, before the first step and after the last: sampled
+accuracy (pass@1 at the training temperature, ``val.n`` samples per prompt) and greedy accuracy.
+
+Time axis: seconds from the run's first generation (the earliest roller busy interval of
+``timeline.json``) to the end of the update that produced the evaluated ``weight_version`` (0 s for the
+initial weights), so start-up and validation's own wall time are not counted. Sample axis: samples trained
+up to that version. **Time to accuracy** (how PipelineRL and AReaL compare schedules): the first evaluated
+version whose sampled held-out accuracy reaches ``--target`` (default: twice the initial accuracy, 0.5
+when that is 0); ``nan`` when a mode never gets there.
+
+Outputs in ``--out`` (default ``bench/results/``, git-ignored): ``learning_bench.json`` (per mode: the
+curve, final accuracy, time to accuracy), ``learning_bench.png`` (accuracy over wall time and over trained
+samples, one line per mode), the run directories under ``learning_runs/``, and the last line::
+
+    RESULT acc0=… acc_sync=… acc_one_step_off=… acc_fully_async=… tta_s_sync=… tta_s_one_step_off=…
+           tta_s_fully_async=… target=…
+
+``--quick``: fewer steps and held-out prompts (a first look, not a result). Results need a quiet machine.
+Smoke-test with the tiny preset: ``python bench/learning_bench.py --quick --preset tiny --steps 4
+--val-every 2 --val-size 8 --set data.size=64 data.train_batch_size=8 trainer.ppo_mini_batch_size=8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("sync", "one-step-off", "fully-async")
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def run_mode(mode: str, args) -> Path:
+    """Run ``mode``; its run directory. Raises RuntimeError naming the log when the run fails."""
+    run_dir = args.out / "learning_runs" / mode
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", args.preset,
+           f"trainer.total_steps={args.steps}", f"data.val_size={args.val_size}",
+           f"trainer.val_every={args.val_every}", f"val.n={args.val_n}", f"run_dir={run_dir}",
+           "metrics.progress=false", *args.set]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    log(f"{mode}: running")
+    log_path = run_dir.parent / f"{mode}.log"
+    with open(log_path, "w") as out:
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=args.run_timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0:
+        raise RuntimeError(f"{mode} run failed ({code}); log: {log_path}")
+    return run_dir
+
+
+def read_curve(run_dir: Path) -> dict:
+    """The held-out curve of one run: points ``{weight_version, time_s, samples, accuracy,
+    accuracy_greedy}`` in version order (see the module docstring for the axes)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = {r["step"]: r for r in rows if not r.get("validation")}
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    busy = [start for intervals in timeline["rollers"].values() for start, _ in intervals]
+    origin = min(busy) if busy else timeline["update"][0][0]
+    points = []
+    for r in sorted((r for r in rows if r.get("validation")), key=lambda r: r["weight_version"]):
+        v = r["weight_version"]
+        points.append({
+            "weight_version": v,
+            "time_s": 0.0 if v == 0 else timeline["update"][v - 1][1] - origin,
+            "samples": sum(steps[s]["num_samples"] for s in range(1, v + 1)),
+            "accuracy": r.get("val/accuracy"),
+            "accuracy_greedy": r.get("val/accuracy_greedy"),
+        })
+    return {"points": points, "wall_s": json.loads((run_dir / "summary.json").read_text())["wall_s"]}
+
+
+def time_to_accuracy(points: list[dict], target: float) -> float:
+    """Seconds to the first point whose sampled accuracy reaches ``target``; nan if none does."""
+    return next((p["time_s"] for p in points if p["accuracy"] is not None and p["accuracy"] >= target), math.nan)
+
+
+def plot(curves: dict[str, dict], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for mode, curve in curves.items():
+        pts = curve["points"]
+        ax_t.plot([p["time_s"] for p in pts], [p["accuracy"] for p in pts], marker="o", markersize=3, label=mode)
+        ax_s.plot([p["samples"] for p in pts], [p["accuracy"] for p in pts], marker="o", markersize=3, label=mode)
+    for ax, xlabel in ((ax_t, "wall time from first generation (s)"), (ax_s, "trained samples")):
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.3f}")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    ax_t.set_ylabel("held-out accuracy (sampled pass@1)")
+    ax_t.set_ylim(-0.02, 1.02)
+    ax_s.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="smollm2-reasoning")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 60, --quick 24)")
+    p.add_argument("--val-every", type=int, default=None, help="steps between rounds (default 10, --quick 6)")
+    p.add_argument("--val-size", type=int, default=None, help="held-out prompts (default 64, --quick 32)")
+    p.add_argument("--val-n", type=int, default=4, help="samples per held-out prompt (val.n)")
+    p.add_argument("--target", type=float, default=None, help="time-to-accuracy target (default 2 x acc0)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--quick", action="store_true", help="fewer steps and held-out prompts: a first look")
+    p.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run (key=value)")
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = p.parse_args(argv)
+    for key, full, quick in (("steps", 60, 24), ("val_every", 10, 6), ("val_size", 64, 32)):
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    curves = {mode: read_curve(run_mode(mode, args)) for mode in args.modes}
+    first = curves[args.modes[0]]["points"]
+    acc0 = first[0]["accuracy"] if first and first[0]["weight_version"] == 0 else math.nan
+    target = args.target if args.target is not None else min(1.0, 2 * acc0) if acc0 > 0 else 0.5
+    results = {"acc0": acc0, "target": target, "args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
+    for mode, curve in curves.items():
+        pts = curve["points"]
+        results["modes"][mode] = {**curve, "final_accuracy": pts[-1]["accuracy"] if pts else math.nan,
+                                  "tta_s": time_to_accuracy(pts, target)}
+    (args.out / "learning_bench.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
+    plot(curves, target, args.out / "learning_bench.png")
+    fields = [f"acc0={acc0:.4f}"]
+    fields += [f"acc_{m.replace('-', '_')}={results['modes'][m]['final_accuracy']:.4f}" for m in args.modes]
+    fields += [f"tta_s_{m.replace('-', '_')}={results['modes'][m]['tta_s']:.1f}" for m in args.modes]
+    print("RESULT " + " ".join(fields) + f" target={target:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
