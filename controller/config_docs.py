@@ -71,6 +71,11 @@ KEY_DOCS: dict[str, str] = {
     "rollers.sglang_request_timeout_s": "seconds one /generate request may take",
     "rollers.sglang_max_retries": "/flush_cache retries (exponential backoff) during a weight update",
     "rollers.on_failed_group": "a group whose generation or reward failed: fail (stop the run) | skip (train on)",
+    "rollers.health_timeout_s": "seconds a roller may leave a health check or weight update unanswered; "
+                                "then it is replaced",
+    "rollers.max_restarts": "replacements of lost rollers over the run; past it the pool shrinks",
+    "rollers.fault_injection": "tests: ROLLER:FAULT:TRIGGER=N[:SECONDS] (kill|hang|slow, group|weight_sync); "
+                               "[] = off",
     # trainer
     "trainer.num_ranks": "FSDP2 trainer processes (data parallel)",
     "trainer.total_steps": "trainer steps (updates) the run makes, then it stops",

@@ -64,6 +64,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
     _STOP.attach(asyncio.current_task())
     stages = Stages(cfg, rt, metrics, report)
     gauges = asyncio.ensure_future(_gauges(stages))
+    stages.keeper.start()
     try:
         await SCHEDULES[cfg.mode](stages)
         await stages.refresh_gauges()
@@ -74,6 +75,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
     finally:
         gauges.cancel()
         await asyncio.gather(gauges, return_exceptions=True)
+        await stages.keeper.stop()
         counts.update({
             "num_syncs": stages.num_syncs,
             "num_groups_admitted": stages.admission.started,
@@ -82,6 +84,9 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
             "num_dropped_groups": stages.num_dropped_groups,
             "num_zero_variance_groups": stages.num_zero_variance_groups,
             "weight_version": stages.weight_version,
+            "num_rollers_lost": stages.keeper.num_lost,
+            "num_roller_restarts": stages.keeper.num_restarts,
+            "num_reissued_groups": stages.keeper.num_reissued_groups,
             **group_reward_stats(stages.rewards_by_uid),
         })
         _STOP.attach(None)

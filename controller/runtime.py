@@ -6,7 +6,7 @@ roller pool, the trainer group, and the weight-sync wiring between trainers and 
     controller ── TQClient (metadata only: get_meta / status / clear) ──┐
         │                                                              │
         ├── PromptFeeder (Ray actor) ──put prompt groups──> TransferQueue servers (index + storage units)
-        ├── RollerPool: N RollerActors (placement group) ──take group / put responses──┘   ▲
+        ├── RollerPool (controller.pool): N RollerActors, elastic ──take group / put responses──┘   ▲
         ├── TrainerGroup: M FSDP2 ranks (placement group) ──get_data(meta slice)──────────┘
         └── weight sync: trainer rank(s) ──checkpoint engine (versioned buckets)──> every roller
 
@@ -41,20 +41,19 @@ class Runtime:
 
         from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
+        from controller.pool import RollerPool
         from controller.tasks import resolve_reward
         from rollers.actor import remote_roller
         from rollers.roller import TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
-        from trainers.weight_sync import attach_sender
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
 
         self.cfg = cfg
         self.tq_servers = None
         self.feeder = None
-        self.rollers: list = []
-        self.roller_names: list[str] = []
+        self.pool: RollerPool | None = None
         self.trainer = None
         self.tq = None
         n_units, n_ranks, n_rollers = (cfg.transferqueue.num_storage_units, cfg.trainer.num_ranks,
@@ -75,18 +74,15 @@ class Runtime:
             roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
             channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n)
             reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
-            self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
-            self.rollers = [
-                roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, reward, channel,
-                                  remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
-                for name in self.roller_names
-            ]
+            remax = REMAX_BASELINE in roller_extras
+
+            def make_roller(name: str):
+                return roller_cls.remote(cfg.model, cfg.rollout, cfg.rollers, reward, channel, remax_baseline=remax,
+                                         roller_id=name)
+
+            self.pool = RollerPool(cfg, make_roller, self.trainer)
             on_stage(f"connecting weight sync ({cfg.checkpointengine.backend}) and starting the rollers' loops")
-            sync_handle = self.trainer.execute(attach_sender, cfg.checkpointengine,
-                                               self.roller_names)[0]
-            ray.get([r.attach_receiver.remote(sync_handle, name)
-                     for r, name in zip(self.rollers, self.roller_names, strict=True)])
-            ray.get([r.start.remote() for r in self.rollers])
+            self.pool.start(n_rollers)
         except BaseException:
             self.close()
             raise
@@ -95,12 +91,8 @@ class Runtime:
         """Stop rollers, trainers, feeder and the TransferQueue servers (each at most once)."""
         import ray
 
-        rollers, self.rollers = self.rollers, []
-        if rollers:
-            refs = [r.shutdown.remote(timeout_s=5.0) for r in rollers]
-            ray.wait(refs, num_returns=len(refs), timeout=30)
-            for r in rollers:
-                ray.kill(r, no_restart=True)
+        if self.pool is not None:
+            self.pool.close()
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None

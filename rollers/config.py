@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rollers.engine import check_sampling
@@ -93,6 +94,13 @@ class RollersConfig:
     retries (exponential backoff) while requests drain during a weight update.
     ``on_failed_group``: what the controller does with a group whose reward or generation failed —
     ``fail`` (stop the run with that error) | ``skip`` (count it, train the step on the other groups).
+
+    Elastic pool (``controller.pool``): ``health_timeout_s``: a roller that does not answer a health check
+    or a pool call within this many seconds, or a weight update within it after the sender gave up, is
+    taken out of rotation, its groups re-issued, and replaced; ``max_restarts``: replacements of lost
+    rollers over the run (past it the pool shrinks; the run fails only when no roller is left);
+    ``fault_injection``: ``ROLLER:FAULT:TRIGGER=N[:SECONDS]`` specs that kill, hang or slow a roller on
+    purpose (``rollers.faults``).
     """
 
     num_replicas: int = 1
@@ -107,8 +115,20 @@ class RollersConfig:
     sglang_request_timeout_s: float = 600.0
     sglang_max_retries: int = 8
     on_failed_group: str = "fail"
+    health_timeout_s: float = 60.0
+    max_restarts: int = 3
+    fault_injection: list[str] = field(default_factory=list)
 
     def __post_init__(self):
+        from rollers.faults import FaultSpec
+
+        for spec in self.fault_injection:
+            FaultSpec.parse(spec)  # ValueError naming rollers.fault_injection and the accepted form
+        if not math.isfinite(self.health_timeout_s) or self.health_timeout_s <= 0:
+            raise ValueError(f"rollers.health_timeout_s must be a finite number of seconds > 0, "
+                             f"got {self.health_timeout_s}")
+        if self.max_restarts < 0:
+            raise ValueError(f"rollers.max_restarts must be >= 0, got {self.max_restarts}")
         if self.on_failed_group not in ("fail", "skip"):
             raise ValueError(f"rollers.on_failed_group={self.on_failed_group!r} is not one of ['fail', 'skip']")
         if self.num_replicas < 1:

@@ -1,0 +1,152 @@
+"""Keeps the roller pool whole while a schedule runs: health checks, lost rollers, joins and scale requests.
+
+::
+
+    PoolKeeper.run (a task beside the schedule)
+       every HEALTH_PERIOD_S: ping every roller (RollerPool.check_health)
+          lost → retire (kill) → re-issue the groups no live roller holds (find_orphans → Stages.reissue)
+               → a replacement joins (rollers.max_restarts; past it the pool shrinks)
+          no roller left and none joining → RolloutFailure (the run fails; never a silent hang)
+       a scale request (``scale_to``): joins, or drains the newest rollers, one request at a time
+
+Each change is a scale event (direction, reason, roller, pool size): logged, counted in
+``hflow_roller_scale_events_total{reason}``, and written with the next step's record of ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from controller.pool import RollerLost, find_orphans
+from controller.runtime import PARTITION
+
+logger = logging.getLogger(__name__)
+
+HEALTH_PERIOD_S = 1.0
+DRAIN_TIMEOUT_S = 60.0  # a draining roller's held groups finish within this, else they are handed back
+
+
+class NoRollerLeft(RuntimeError):
+    """Every roller was lost and no replacement is allowed or joining: the run cannot go on."""
+
+
+class PoolKeeper:
+    """The keeper of ``stages.rt.pool`` (see the module docstring). ``start()`` once the schedule runs;
+    ``stop()`` at its end; ``raise_error()`` re-raises what ended the keeper."""
+
+    def __init__(self, stages):
+        self.st = stages
+        self.pool = stages.rt.pool
+        self.cfg = stages.cfg
+        self.metrics = stages.metrics
+        self.num_restarts = 0
+        self.num_lost = 0
+        self.num_weight_sync_timeouts = 0
+        self.num_reissued_groups = 0
+        self.events: list[dict] = []        # since the last step record (Stages._record takes them)
+        self._changing = asyncio.Lock()      # one recovery or scale request at a time
+        self._joins: set[asyncio.Task] = set()
+        self._task: asyncio.Task | None = None
+        self.metrics.pool_size.set(self.pool.size())
+
+    # --------------------------------------------------------------------------------------- running
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self.run())
+
+    async def stop(self) -> None:
+        """Cancel the keeper and any join in flight, and wait for them (the pools are closed after)."""
+        tasks = [t for t in (self._task, *self._joins) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def raise_error(self) -> None:
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            self._task.result()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            lost = await self.pool.check_health()
+            if lost:
+                await self.recover(lost)
+            self._check_alive()
+
+    def _check_alive(self, changing: bool | None = None) -> None:
+        """Raise NoRollerLeft when no roller is live or joining (outside a change in progress)."""
+        if self._changing.locked() if changing is None else changing:
+            return
+        if not self.pool.live() and not self._joins:
+            raise NoRollerLeft(f"no roller left: {self.num_lost} lost, {self.num_restarts} replaced "
+                               f"(rollers.max_restarts={self.cfg.rollers.max_restarts})")
+
+    # --------------------------------------------------------------------------------------- changes
+
+    def event(self, direction: str, reason: str, roller: str) -> None:
+        size = self.pool.size()
+        record = {"time": time.time(), "direction": direction, "reason": reason, "roller": roller,
+                  "pool_size": size}
+        self.events.append(record)
+        self.metrics.scale_events.labels(reason=reason).inc()
+        self.metrics.pool_size.set(size)
+        logger.info("roller pool: %s %s (%s); %d active", "+" if direction == "up" else "-", roller, reason, size)
+
+    async def recover(self, lost: list[RollerLost]) -> None:
+        """Take ``lost`` rollers out (kill), re-issue the groups they held, start replacements."""
+        async with self._changing:
+            fresh = [x for x in lost if x.name in self.pool.members]
+            for x in fresh:
+                logger.warning("%s; its groups are re-issued", x)
+                self.pool.retire(x.name)
+                self.num_lost += 1
+                if x.reason == "weight_sync":
+                    self.num_weight_sync_timeouts += 1
+                    self.metrics.weight_sync_timeouts.inc()
+                self.event("down", f"lost_{x.reason}", x.name)
+            for _ in fresh:  # replacements first: they start while the orphans are looked for
+                if self.num_restarts >= self.cfg.rollers.max_restarts:
+                    logger.warning("rollers.max_restarts=%d reached: the pool shrinks to %d",
+                                   self.cfg.rollers.max_restarts, self.pool.size())
+                    continue
+                self.num_restarts += 1
+                self.metrics.restarts.inc()
+                self.spawn("replacement")
+            if fresh:
+                await self.reissue_orphans()
+            self._check_alive(changing=False)
+
+    async def reissue_orphans(self) -> None:
+        """Re-issue every group taken by a roller that no live roller holds (metadata only)."""
+        if self.st.outstanding <= 0:  # nothing admitted and untrained: nothing can be held
+            return
+        orphans = await find_orphans(self.st.rt.tq, PARTITION, self.cfg.transferqueue.max_request_ids,
+                                     self.pool.held_by_live)
+        for uid, sample_ids in orphans.items():
+            await self.reissue(uid, sample_ids)
+
+    async def reissue(self, uid: str, sample_ids: list[int]) -> None:
+        await self.st.reissue(uid, sample_ids, "its roller left the pool")
+        self.num_reissued_groups += 1
+        self.metrics.reissued_groups.inc()
+
+    def spawn(self, reason: str) -> str:
+        """Start a roller joining in the background (``RollerPool.join``); returns its name."""
+        name = self.pool.next_name()
+        task = asyncio.ensure_future(self._join(name, reason))
+        self._joins.add(task)
+        task.add_done_callback(self._joins.discard)
+        return name
+
+    async def _join(self, name: str, reason: str) -> None:
+        try:
+            await self.pool.join(name, self.st.trainer_lock, lambda: self.st.weight_version)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a roller that cannot join is retired; the pool goes on
+            logger.error("roller %s could not join the pool: %s: %s", name, type(exc).__name__, exc)
+            self.pool.retire(name)
+            return
+        self.event("up", reason, name)
