@@ -73,6 +73,7 @@ KEY_DOCS: dict[str, str] = {
     "rollers.on_failed_group": "a group whose generation or reward failed: fail (stop the run) | skip (train on)",
     "rollers.health_timeout_s": "seconds a roller may leave a health check or weight update unanswered; "
                                 "then it is replaced",
+    "rollers.max_replicas": "the most rollers a scale request (hflow-async scale) may ask for",
     "rollers.max_restarts": "replacements of lost rollers over the run; past it the pool shrinks",
     "rollers.fault_injection": "tests: ROLLER:FAULT:TRIGGER=N[:SECONDS] (kill|hang|slow, group|weight_sync); "
                                "[] = off",

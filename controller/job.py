@@ -58,6 +58,7 @@ async def _gauges(stages) -> None:
 async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> None:
     """Run the schedule of ``cfg.mode``; fills ``counts`` with the run's counters however it ends (a stop
     signal cancels this task: see ``_Stop``)."""
+    from controller.admin import AdminServer
     from controller.report import group_reward_stats
     from controller.schedules import SCHEDULES, Stages
 
@@ -65,7 +66,11 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
     stages = Stages(cfg, rt, metrics, report)
     gauges = asyncio.ensure_future(_gauges(stages))
     stages.keeper.start()
+    admin = AdminServer(stages.keeper, Path(cfg.run_dir))
     try:
+        port = await admin.start()
+        print(f"hflow-async: admin endpoint at http://127.0.0.1:{port} (hflow-async scale --rollers N "
+              f"--run-dir {cfg.run_dir})", flush=True)
         await SCHEDULES[cfg.mode](stages)
         await stages.refresh_gauges()
         try:
@@ -76,6 +81,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
         gauges.cancel()
         await asyncio.gather(gauges, return_exceptions=True)
         await stages.keeper.stop()
+        await admin.close()
         counts.update({
             "num_syncs": stages.num_syncs,
             "num_groups_admitted": stages.admission.started,

@@ -46,7 +46,9 @@ class PoolKeeper:
         self.num_weight_sync_timeouts = 0
         self.num_reissued_groups = 0
         self.events: list[dict] = []        # since the last step record (Stages._record takes them)
-        self._changing = asyncio.Lock()      # one recovery or scale request at a time
+        self._changing = asyncio.Lock()      # one recovery at a time
+        self._scaling = asyncio.Lock()       # one scale request at a time
+        self._reissuing = asyncio.Lock()     # one look for orphans (and their re-issue) at a time
         self._joins: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self.metrics.pool_size.set(self.pool.size())
@@ -120,22 +122,56 @@ class PoolKeeper:
 
     async def reissue_orphans(self) -> None:
         """Re-issue every group taken by a roller that no live roller holds (metadata only)."""
-        if self.st.outstanding <= 0:  # nothing admitted and untrained: nothing can be held
-            return
-        orphans = await find_orphans(self.st.rt.tq, PARTITION, self.cfg.transferqueue.max_request_ids,
-                                     self.pool.held_by_live)
-        for uid, sample_ids in orphans.items():
-            await self.reissue(uid, sample_ids)
+        async with self._reissuing:
+            if self.st.outstanding <= 0:  # nothing admitted and untrained: nothing can be held
+                return
+            orphans = await find_orphans(self.st.rt.tq, PARTITION, self.cfg.transferqueue.max_request_ids,
+                                         self.pool.held_by_live)
+            for uid, sample_ids in orphans.items():
+                await self.reissue(uid, sample_ids)
 
     async def reissue(self, uid: str, sample_ids: list[int]) -> None:
         await self.st.reissue(uid, sample_ids, "its roller left the pool")
         self.num_reissued_groups += 1
         self.metrics.reissued_groups.inc()
 
+    # ---------------------------------------------------------------------------------------- resizing
+
+    def check_target(self, num_rollers: int) -> None:
+        """ValueError unless ``1 <= num_rollers <= rollers.max_replicas``."""
+        top = self.cfg.rollers.max_replicas
+        if not 1 <= num_rollers <= top:
+            raise ValueError(f"rollers={num_rollers}: the pool holds 1 .. rollers.max_replicas={top} rollers")
+
+    async def scale_to(self, num_rollers: int, up: str = "scale_up", down: str = "scale_down") -> None:
+        """Resize the pool to ``num_rollers`` active rollers; returns once the new ones joined (they hold the
+        trainer's current weights and take work) or the removed ones drained and left. Serialised and
+        idempotent (a request for the current size changes nothing). Scale-down removes the oldest rollers
+        (those the job started with included): each takes no new group, finishes what it holds within
+        ``DRAIN_TIMEOUT_S`` and hands back the rest, which is re-issued."""
+        self.check_target(num_rollers)
+        async with self._scaling:
+            await asyncio.gather(*self._joins, return_exceptions=True)  # joins in flight count as done
+            current = self.pool.size()
+            if num_rollers > current:
+                names = [self.spawn(up) for _ in range(num_rollers - current)]
+                await asyncio.gather(*[t for t in self._joins if t.get_name() in names], return_exceptions=True)
+            elif num_rollers < current:
+                victims = [m.name for m in self.pool.live() if m.state == "active"][: current - num_rollers]
+                results = await asyncio.gather(*(self.pool.drain(n, DRAIN_TIMEOUT_S) for n in victims),
+                                               return_exceptions=True)
+                for name, result in zip(victims, results, strict=True):
+                    if isinstance(result, BaseException):
+                        logger.warning("roller %s left while draining: %s", name, result)
+                    self.event("down", down, name)
+                await self.reissue_orphans()  # the groups the drained rollers handed back
+            self._check_alive(changing=False)
+
     def spawn(self, reason: str) -> str:
         """Start a roller joining in the background (``RollerPool.join``); returns its name."""
         name = self.pool.next_name()
         task = asyncio.ensure_future(self._join(name, reason))
+        task.set_name(name)
         self._joins.add(task)
         task.add_done_callback(self._joins.discard)
         return name

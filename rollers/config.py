@@ -97,8 +97,9 @@ class RollersConfig:
 
     Elastic pool (``controller.pool``): ``health_timeout_s``: a roller that does not answer a health check
     or a pool call within this many seconds, or a weight update within it after the sender gave up, is
-    taken out of rotation, its groups re-issued, and replaced; ``max_restarts``: replacements of lost
-    rollers over the run (past it the pool shrinks; the run fails only when no roller is left);
+    taken out of rotation, its groups re-issued, and replaced; ``max_replicas``: the most rollers a
+    scale request (``hflow-async scale``) may ask for; ``max_restarts``: replacements of lost rollers
+    over the run (past it the pool shrinks; the run fails only when no roller is left);
     ``fault_injection``: ``ROLLER:FAULT:TRIGGER=N[:SECONDS]`` specs that kill, hang or slow a roller on
     purpose (``rollers.faults``).
     """
@@ -116,6 +117,7 @@ class RollersConfig:
     sglang_max_retries: int = 8
     on_failed_group: str = "fail"
     health_timeout_s: float = 60.0
+    max_replicas: int = 16
     max_restarts: int = 3
     fault_injection: list[str] = field(default_factory=list)
 
@@ -127,6 +129,9 @@ class RollersConfig:
         if not math.isfinite(self.health_timeout_s) or self.health_timeout_s <= 0:
             raise ValueError(f"rollers.health_timeout_s must be a finite number of seconds > 0, "
                              f"got {self.health_timeout_s}")
+        if self.max_replicas < self.num_replicas:
+            raise ValueError(f"rollers.max_replicas={self.max_replicas} is below rollers.num_replicas="
+                             f"{self.num_replicas}")
         if self.max_restarts < 0:
             raise ValueError(f"rollers.max_restarts must be >= 0, got {self.max_restarts}")
         if self.on_failed_group not in ("fail", "skip"):

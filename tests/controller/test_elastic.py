@@ -5,11 +5,14 @@ is still trained exactly once (uid accounting over the whole run, from metrics.j
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from controller.admin import ADDRESS_FILE, TOKEN_FILE, AdminError, pool_state, request_scale
 from controller.config import load_config
 from controller.job import EXIT_OK, run_job
 from rollers.faults import FaultSpec
@@ -31,12 +34,12 @@ def run(tmp_path: Path, mode: str, *overrides: str) -> tuple[int, list[dict], di
     return code, steps, json.loads((tmp_path / "summary.json").read_text())
 
 
-def assert_every_prompt_trained_once(steps: list[dict]) -> None:
+def assert_every_prompt_trained_once(steps: list[dict], num_steps: int = STEPS) -> None:
     """Each step trained B whole groups; over the run, every prompt (uid without its ``.r<k>`` re-issue
     suffix) exactly once: none lost, none repeated."""
-    assert [s["num_groups"] for s in steps] == [B] * STEPS
+    assert [s["num_groups"] for s in steps] == [B] * num_steps
     prompts = Counter(uid.split(".r")[0] for s in steps for uid in s["uids"])
-    assert sum(prompts.values()) == B * STEPS and max(prompts.values()) == 1, prompts.most_common(3)
+    assert sum(prompts.values()) == B * num_steps and max(prompts.values()) == 1, prompts.most_common(3)
 
 
 def events(steps: list[dict]) -> list[tuple[str, str]]:
@@ -97,3 +100,41 @@ def test_no_roller_left_fails_the_run_with_a_clear_error(tmp_path, ray_cluster):
 def test_bad_fault_spec_names_the_key(spec):
     with pytest.raises(ValueError, match="rollers.fault_injection"):
         FaultSpec.parse(spec)
+
+
+@pytest.mark.slow
+def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
+    # roller0 is slowed (1.5 s per group taken) so the run outlasts both requests on a loaded machine.
+    num_steps = 6
+    cfg = load_config(mode="fully-async", preset="tiny", overrides=[
+        f"run_dir={tmp_path}", "metrics.progress=false", *SMALL, "rollers.num_replicas=1",
+        f"trainer.total_steps={num_steps}", "rollers.fault_injection=[roller0:slow:group=1:1.5]"])
+    outcome: dict = {}
+    job = threading.Thread(target=lambda: outcome.update(code=run_job(cfg)))
+    job.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / ADDRESS_FILE).exists():
+            assert job.is_alive() and time.monotonic() < deadline, "the job never served its admin endpoint"
+            time.sleep(0.5)
+        assert (tmp_path / TOKEN_FILE).stat().st_mode & 0o777 == 0o600
+        with pytest.raises(AdminError, match="HTTP 401"):
+            request_scale(tmp_path, 2, token="not-the-token")
+        with pytest.raises(AdminError, match="HTTP 400.*rollers"):
+            request_scale(tmp_path, 0)
+        assert pool_state(tmp_path)["pool_size"] == 1  # the refused requests changed nothing
+        up = request_scale(tmp_path, 2)
+        by_name = {r["name"]: r for r in up["rollers"]}
+        assert up["pool_size"] == 2 and set(by_name) == {"roller0", "roller1"}
+        # The new roller took work only once it held the trainer's weights: none older than roller0's.
+        assert by_name["roller1"]["weight_version"] >= by_name["roller0"]["weight_version"]
+        assert request_scale(tmp_path, 2)["pool_size"] == 2  # idempotent: no third roller
+        down = request_scale(tmp_path, 1)  # drains the oldest: one the job started with
+        assert [(r["name"], r["state"]) for r in down["rollers"]] == [("roller1", "active")]
+    finally:
+        job.join(timeout=400)
+    assert outcome["code"] == EXIT_OK
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {("scale_up", "roller1"), ("scale_down", "roller0")} <= set(events(steps))
+    assert not (tmp_path / ADDRESS_FILE).exists()  # the endpoint went with the job
+    assert_every_prompt_trained_once(steps, num_steps)
