@@ -94,6 +94,11 @@ class PoolKeeper:
         self.events.append(record)
         self.metrics.scale_events.labels(reason=reason).inc()
         self.metrics.pool_size.set(size)
+        if direction == "down":
+            try:
+                self.metrics.roller_busy.remove(roller)  # a roller that left has no busy ratio
+            except KeyError:
+                pass
         logger.info("roller pool: %s %s (%s); %d active", "+" if direction == "up" else "-", roller, reason, size)
 
     async def recover(self, lost: list[RollerLost]) -> None:
