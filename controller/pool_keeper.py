@@ -7,7 +7,8 @@
           lost → retire (kill) → re-issue the groups no live roller holds (find_orphans → Stages.reissue)
                → a replacement joins (rollers.max_restarts; past it the pool shrinks)
           no roller left and none joining → RolloutFailure (the run fails; never a silent hang)
-       a scale request (``scale_to``): joins, or drains the newest rollers, one request at a time
+       a scale request (``scale_to``): joins, or drains the oldest rollers, one request at a time
+       rollers.autoscale: ``Autoscaler`` decides a scale_to from RL signals (trainer starved / staleness cap)
 
 Each change is a scale event (direction, reason, roller, pool size): logged, counted in
 ``hflow_roller_scale_events_total{reason}``, and written with the next step's record of ``metrics.jsonl``.
@@ -51,6 +52,8 @@ class PoolKeeper:
         self._reissuing = asyncio.Lock()     # one look for orphans (and their re-issue) at a time
         self._joins: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
+        self._autoscaling: asyncio.Task | None = None
+        self.autoscaler = Autoscaler(self) if self.cfg.rollers.autoscale else None
         self.metrics.pool_size.set(self.pool.size())
 
     # --------------------------------------------------------------------------------------- running
@@ -60,7 +63,7 @@ class PoolKeeper:
 
     async def stop(self) -> None:
         """Cancel the keeper and any join in flight, and wait for them (the pools are closed after)."""
-        tasks = [t for t in (self._task, *self._joins) if t is not None]
+        tasks = [t for t in (self._task, self._autoscaling, *self._joins) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -76,6 +79,18 @@ class PoolKeeper:
             if lost:
                 await self.recover(lost)
             self._check_alive()
+            if self.autoscaler is not None:
+                self._autoscale()
+
+    def _autoscale(self) -> None:
+        """Sample the autoscaler's signals; start its decision, if any, in the background."""
+        self.autoscaler.sample()
+        decision = self.autoscaler.decide()
+        if decision is None or (self._autoscaling is not None and not self._autoscaling.done()):
+            return
+        num_rollers, reason, why = decision
+        logger.info("autoscale: %d -> %d rollers (%s): %s", self.pool.size(), num_rollers, reason, why)
+        self._autoscaling = asyncio.ensure_future(self.scale_to(num_rollers, up=reason, down=reason))
 
     def _check_alive(self, changing: bool | None = None) -> None:
         """Raise NoRollerLeft when no roller is live or joining (outside a change in progress)."""
@@ -191,3 +206,49 @@ class PoolKeeper:
             self.pool.retire(name)
             return
         self.event("up", reason, name)
+
+
+class Autoscaler:
+    """``rollers.autoscale``: one decision per ``rollers.autoscale_period_s`` from signals averaged over that
+    window (sampled each health period): add a roller when the trainer waited for data at least
+    ``rollers.autoscale_wait_share`` of the window while prompts waited for a roller (the rollers are the
+    bottleneck); remove one when, most of the window, admission sat at its staleness cap (fully-async) with
+    no prompt waiting (the rollers idle because the bound stops them). Within ``rollers.min_replicas`` ..
+    ``rollers.max_replicas``; the window restarts after each decision (the cooldown)."""
+
+    def __init__(self, keeper: PoolKeeper):
+        self.keeper, self.st, self.cfg = keeper, keeper.st, keeper.cfg.rollers
+        self._reset()
+
+    def _reset(self) -> None:
+        self.window_start, self.wait_start = time.monotonic(), self.st.total_wait_s
+        self.num_looks = self.num_backlogged = self.num_capped_idle = 0
+
+    def sample(self) -> None:
+        st = self.st
+        backlog = st.queue_depth.get("rollout", 0) > 0
+        bounded = st.cfg.mode == "fully-async" and not st.exhausted
+        at_cap = bounded and st.admission.num_admissible(st.synced_weight_version) == 0
+        self.num_looks += 1
+        self.num_backlogged += backlog
+        self.num_capped_idle += at_cap and not backlog
+
+    def decide(self) -> tuple[int, str, str] | None:
+        """(new size, reason label, why) when the window is over and a signal fired; None otherwise."""
+        elapsed = time.monotonic() - self.window_start
+        if elapsed < self.cfg.autoscale_period_s or not self.num_looks:
+            return None
+        wait_share = (self.st.total_wait_s - self.wait_start) / elapsed
+        backlog_share, idle_share = self.num_backlogged / self.num_looks, self.num_capped_idle / self.num_looks
+        size = self.keeper.pool.size()
+        self._reset()
+        logger.debug("autoscale window of %.1f s: trainer waited %.0f%%, prompts waiting %.0f%%, capped idle %.0f%%",
+                     elapsed, 100 * wait_share, 100 * backlog_share, 100 * idle_share)
+        if wait_share >= self.cfg.autoscale_wait_share and backlog_share >= 0.5 and size < self.cfg.max_replicas:
+            return size + 1, "autoscale_up", (f"the trainer waited for data {wait_share:.0%} of {elapsed:.0f} s "
+                                              f"(>= rollers.autoscale_wait_share) with prompts waiting for a "
+                                              f"roller {backlog_share:.0%} of it")
+        if idle_share >= 0.5 and size > self.cfg.min_replicas:
+            return size - 1, "autoscale_down", (f"admission sat at its staleness cap with no prompt waiting "
+                                                f"{idle_share:.0%} of {elapsed:.0f} s")
+        return None

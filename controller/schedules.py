@@ -86,6 +86,8 @@ class Stages:
         self.admitted_at: dict[str, float] = {}
         self.rewards_by_uid: dict[str, list[float]] = {}
         self.changed = asyncio.Event()  # version synced or groups dropped: admission may allow more
+        self.total_wait_s = 0.0  # seconds the trainer waited for data (the autoscaler's signal)
+        self.queue_depth: dict[str, int] = {}  # samples ready per consumer task, as of the last gauge refresh
         self.trainer_lock = asyncio.Lock()  # held by update and weight pushes: the policy is at weight_version
         self.keeper = PoolKeeper(self)  # the roller pool's health, replacements and resizes
         self._last_step_end = time.monotonic()
@@ -196,6 +198,7 @@ class Stages:
         start, wall_start = time.monotonic(), time.time()
         wait_s = max(0.0, start - self._last_step_end)
         self.metrics.trainer_wait.inc(wait_s)
+        self.total_wait_s += wait_s
         self._note_short_step(meta)
         async with self.trainer_lock:  # a roller joining waits: it gets the weights of the version after
             train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
@@ -381,6 +384,7 @@ class Stages:
             for key, value in counts.items():
                 task = key.split("|", 1)[0]
                 depth[task] = depth.get(task, 0) + value
+        self.queue_depth = depth
         for task, value in depth.items():
             self.metrics.queue_depth.labels(task=task).set(value)
         pool = self.rt.pool

@@ -100,6 +100,11 @@ class RollersConfig:
     taken out of rotation, its groups re-issued, and replaced; ``max_replicas``: the most rollers a
     scale request (``hflow-async scale``) may ask for; ``max_restarts``: replacements of lost rollers
     over the run (past it the pool shrinks; the run fails only when no roller is left);
+    ``autoscale``: resize on RL signals within ``min_replicas`` .. ``max_replicas``, at most one change per
+    ``autoscale_period_s`` (also the window the signals are averaged over): add a roller when the trainer
+    waited for data at least ``autoscale_wait_share`` of the window while prompts waited for a roller;
+    remove one when admission sat at its staleness cap with no prompt waiting most of the window
+    (``controller.pool_keeper.Autoscaler``);
     ``fault_injection``: ``ROLLER:FAULT:TRIGGER=N[:SECONDS]`` specs that kill, hang or slow a roller on
     purpose (``rollers.faults``).
     """
@@ -118,6 +123,10 @@ class RollersConfig:
     on_failed_group: str = "fail"
     health_timeout_s: float = 60.0
     max_replicas: int = 16
+    min_replicas: int = 1
+    autoscale: bool = False
+    autoscale_wait_share: float = 0.3
+    autoscale_period_s: float = 30.0
     max_restarts: int = 3
     fault_injection: list[str] = field(default_factory=list)
 
@@ -129,6 +138,14 @@ class RollersConfig:
         if not math.isfinite(self.health_timeout_s) or self.health_timeout_s <= 0:
             raise ValueError(f"rollers.health_timeout_s must be a finite number of seconds > 0, "
                              f"got {self.health_timeout_s}")
+        if not 1 <= self.min_replicas <= self.num_replicas:
+            raise ValueError(f"rollers.min_replicas={self.min_replicas} must be in 1 .. rollers.num_replicas="
+                             f"{self.num_replicas}")
+        if not 0 < self.autoscale_wait_share <= 1:
+            raise ValueError(f"rollers.autoscale_wait_share must be in (0, 1], got {self.autoscale_wait_share}")
+        if not math.isfinite(self.autoscale_period_s) or self.autoscale_period_s <= 0:
+            raise ValueError(f"rollers.autoscale_period_s must be a finite number of seconds > 0, "
+                             f"got {self.autoscale_period_s}")
         if self.max_replicas < self.num_replicas:
             raise ValueError(f"rollers.max_replicas={self.max_replicas} is below rollers.num_replicas="
                              f"{self.num_replicas}")

@@ -138,3 +138,27 @@ def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
     assert {("scale_up", "roller1"), ("scale_down", "roller0")} <= set(events(steps))
     assert not (tmp_path / ADDRESS_FILE).exists()  # the endpoint went with the job
     assert_every_prompt_trained_once(steps, num_steps)
+
+
+@pytest.mark.slow
+def test_autoscaler_adds_a_roller_when_the_trainer_is_starved(tmp_path, ray_cluster):
+    # One roller slowed to 1.5 s per group: the trainer waits for data while prompts wait for a roller.
+    code, steps, summary = run(tmp_path, "fully-async", "rollers.num_replicas=1", "trainer.total_steps=6",
+                               "rollers.fault_injection=[roller0:slow:group=1:1.5]", "rollers.autoscale=true",
+                               "rollers.max_replicas=2", "rollers.autoscale_period_s=5",
+                               "rollers.autoscale_wait_share=0.2")
+    assert code == EXIT_OK, summary["error"]
+    assert ("autoscale_up", "roller1") in events(steps)
+    assert max(s["roller_pool_size"] for s in steps) == 2  # and never past rollers.max_replicas
+    assert_every_prompt_trained_once(steps, 6)
+
+
+@pytest.mark.slow
+def test_autoscaler_removes_a_roller_at_the_staleness_cap(tmp_path, ray_cluster):
+    # max_staleness=0: two fast rollers finish each admitted batch, then sit at the cap until the sync.
+    code, steps, summary = run(tmp_path, "fully-async", "data.size=128", "trainer.total_steps=14",
+                               "algorithm.max_staleness=0", "rollers.autoscale=true", "rollers.autoscale_period_s=3")
+    assert code == EXIT_OK, summary["error"]
+    assert any(reason == "autoscale_down" for reason, _ in events(steps))
+    assert min(s["roller_pool_size"] for s in steps) == 1  # never below rollers.min_replicas
+    assert_every_prompt_trained_once(steps, 14)
