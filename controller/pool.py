@@ -153,7 +153,7 @@ class RollerPool:
             else:
                 m.held_uids = list(result["held_uids"])
                 if not result["running"] and m.state == ACTIVE:
-                    lost.append(RollerLost(m.name, "died", "its generation loop ended (engine failure)"))
+                    lost.append(RollerLost(m.name, "died", f"its generation loop ended: {result['error'] or 'no error'}"))
         return lost
 
     async def held_by_live(self) -> set[str]:

@@ -88,12 +88,15 @@ class RollerActor:
 
     async def ping(self) -> dict:
         """Health check (answered from the event loop, so a blocked loop does not answer): the committed
-        ``weight_version``, the uids of the groups this roller holds (``Roller.held_uids``), and whether
-        its loop is running."""
+        ``weight_version``, the uids of the groups this roller holds (``Roller.held_uids``), whether its
+        loop is running, and the error that ended it ("" when none)."""
         return {
             "weight_version": self.engine.weight_version if self.engine is not None else -1,
             "held_uids": self.roller.held_uids() if self.roller is not None else [],
             "running": self._run_task is not None and not self._run_task.done(),
+            "error": (f"{type(self._run_task.exception()).__name__}: {self._run_task.exception()}"
+                      if self._run_task is not None and self._run_task.done() and not self._run_task.cancelled()
+                      and self._run_task.exception() is not None else ""),
         }
 
     async def drain(self, timeout_s: float) -> list[str]:
