@@ -89,6 +89,12 @@ class ControlServer:
             self._wants.pop(roller, None)
         rnd.started = True
 
+    def forget_wants(self, rollers: list[str]) -> None:
+        """Drop the pending ``Want`` of ``rollers`` (their update was aborted: a roller retried asks again,
+        and its late ``Fail`` of the aborted update, sent before that new ``Want``, is then ignored)."""
+        for roller in rollers:
+            self._wants.pop(roller, None)
+
     def await_consumed(self, rnd: Round, index: int) -> None:
         def pending() -> list[str]:
             return [r for r in rnd.active if rnd.consumed.get(r, -1) < index and r not in rnd.results]

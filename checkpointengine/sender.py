@@ -184,6 +184,7 @@ class WeightSender:
             self.control.await_results(rnd)
         except BaseException as exc:
             self.control.broadcast(rnd, Abort(version, f"{type(exc).__name__}: {exc}"), quiet=True)
+            self.control.forget_wants(rnd.targets)
             self._stats["num_failed_syncs"] += 1
             self._stats["last_error"] = f"{type(exc).__name__}: {exc}"
             raise

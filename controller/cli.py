@@ -3,6 +3,7 @@
     hflow-async [run] [--mode {sync,one-step-off,fully-async}] [--preset NAME | --config FILE.yaml] [a.b=c ...]
     hflow-async show-config [--describe] [--mode M] [--preset NAME | --config FILE.yaml] [a.b=c ...]
     hflow-async export RUN_DIR [--step N] [--out DIR]
+    hflow-async scale [--rollers N] [--run-dir DIR]
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
             "Commands: 'run' (the default: no command) runs the job; 'show-config' prints the resolved config "
             "and exits ('show-config --describe': each key with a one-line description); "
             "'export RUN_DIR [--step N] [--out DIR]' writes a trainer checkpoint of a run as a Hugging Face "
-            "model directory (see 'hflow-async export --help'). "
+            "model directory (see 'hflow-async export --help'); 'scale --rollers N [--run-dir DIR]' resizes "
+            "the roller pool of a running job (see 'hflow-async scale --help'). "
             "Overrides are dotted keys, e.g. rollout.n=8 trainer.total_steps=20 run_dir=runs/x. "
             f"Presets: {', '.join(available_presets())} (default: {DEFAULT_PRESET})."
         ),
@@ -93,6 +95,51 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def _scale_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hflow-async scale",
+        description=(
+            "Resize the roller pool of a running job through its admin endpoint (loopback; the token is "
+            "RUN_DIR/admin_token, owner-only). New rollers join with the trainer's current weights before "
+            "they take work; removed ones (the oldest first) drain: no new group, held groups finished or "
+            "handed back and re-issued. Answers once done, with the pool's state. Without --rollers: the "
+            "pool's state only."
+        ),
+    )
+    parser.add_argument("--rollers", type=int, default=None, metavar="N",
+                        help="active rollers wanted (1 .. rollers.max_replicas)")
+    parser.add_argument("--run-dir", default=None, metavar="DIR",
+                        help="the running job's run directory (default: the newest under runs/ with a job running)")
+    return parser
+
+
+def _running_run_dir() -> Path:
+    from controller.admin import ADDRESS_FILE
+
+    found = sorted(Path("runs").glob(f"*/{ADDRESS_FILE}"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise ValueError("no running job under runs/ (no runs/*/admin.json); name one with --run-dir DIR")
+    return found[-1].parent
+
+
+def scale(argv: list[str]) -> int:
+    """``hflow-async scale``: 0 with the pool's state printed as JSON; 2 (message on stderr) when there is no
+    job to ask, the token is refused or the request is bad."""
+    import json
+
+    from controller.admin import AdminError, pool_state, request_scale
+
+    args = _scale_parser().parse_args(argv)
+    try:
+        run_dir = Path(args.run_dir) if args.run_dir else _running_run_dir()
+        state = pool_state(run_dir) if args.rollers is None else request_scale(run_dir, args.rollers)
+    except (AdminError, ValueError) as exc:
+        print(f"hflow-async scale: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(json.dumps(state, indent=2))
+    return 0
+
+
 def _check_flags(args: argparse.Namespace, command: str, overrides: list[str]) -> str | None:
     """What is wrong with flags that contradict each other or the command (None when nothing is)."""
     modes = [item.partition("=")[2] for item in overrides if item.partition("=")[0].strip() == "mode"]
@@ -112,16 +159,22 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     if argv[:1] == ["export"]:
         return export(argv[1:])
+    if argv[:1] == ["scale"]:
+        return scale(argv[1:])
     args = _parser().parse_intermixed_args(argv)
     command, overrides = "run", list(args.args)
     if overrides and "=" not in overrides[0]:
         command = overrides.pop(0)
+        if command == "scale":
+            print("hflow-async: 'scale' takes no --mode/--preset/--config and comes first: "
+                  "hflow-async scale --rollers N [--run-dir DIR]", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
         if command == "export":
             print("hflow-async: 'export' takes no --mode/--preset/--config and comes first: "
                   "hflow-async export RUN_DIR [--step N] [--out DIR]", file=sys.stderr)
             return EXIT_CONFIG_ERROR
         if command not in ("run", "show-config"):
-            print(f"hflow-async: unknown command {command!r}; accepted: run, show-config, export",
+            print(f"hflow-async: unknown command {command!r}; accepted: run, show-config, export, scale",
                   file=sys.stderr)
             return EXIT_CONFIG_ERROR
     problem = _check_flags(args, command, overrides)

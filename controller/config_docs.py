@@ -92,6 +92,16 @@ KEY_DOCS: dict[str, str] = {
     "rollers.sglang_max_retries": "/flush_cache retries (exponential backoff) during a weight update",
     "rollers.resources": "Ray custom resources each roller asks for, e.g. {hflow_roller: 1}: places the pool",
     "rollers.on_failed_group": "a group whose generation or reward failed: fail (stop the run) | skip (train on)",
+    "rollers.health_timeout_s": "seconds a roller may leave a health check or weight update unanswered; "
+                                "then it is replaced",
+    "rollers.max_replicas": "the most rollers a scale request (hflow-async scale) may ask for",
+    "rollers.min_replicas": "the fewest rollers the autoscaler keeps",
+    "rollers.autoscale": "resize the pool on RL signals (trainer starved: add; staleness cap: remove)",
+    "rollers.autoscale_wait_share": "autoscale: share of time the trainer waits for data that adds a roller",
+    "rollers.autoscale_period_s": "autoscale: seconds between decisions (the window its signals average)",
+    "rollers.max_restarts": "replacements of lost rollers over the run; past it the pool shrinks",
+    "rollers.fault_injection": "tests: ROLLER:FAULT:TRIGGER=N[:SECONDS] (kill|hang|slow, group|weight_sync); "
+                               "[] = off",
     # trainer
     "trainer.num_ranks": "FSDP2 trainer processes (data parallel)",
     "trainer.total_steps": "trainer steps (updates) the run makes, then it stops",

@@ -64,13 +64,19 @@ async def _gauges(stages) -> None:
 async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> None:
     """Run the schedule of ``cfg.mode``; fills ``counts`` with the run's counters however it ends (a stop
     signal cancels this task: see ``_Stop``)."""
+    from controller.admin import AdminServer
     from controller.report import group_reward_stats
     from controller.schedules import SCHEDULES, Stages
 
     _STOP.attach(asyncio.current_task())
     stages = Stages(cfg, rt, metrics, report)
     gauges = asyncio.ensure_future(_gauges(stages))
+    stages.keeper.start()
+    admin = AdminServer(stages.keeper, Path(cfg.run_dir))
     try:
+        port = await admin.start()
+        print(f"hflow-async: admin endpoint at http://127.0.0.1:{port} (hflow-async scale --rollers N "
+              f"--run-dir {cfg.run_dir})", flush=True)
         await stages.validator.maybe_start(0)  # the initial weights, before the first step (val.before_train)
         await SCHEDULES[cfg.mode](stages)
         await stages.validator.wait()  # the round of the last version
@@ -83,6 +89,8 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
         await stages.validator.close()
         gauges.cancel()
         await asyncio.gather(gauges, return_exceptions=True)
+        await stages.keeper.stop()
+        await admin.close()
         counts.update({
             "num_syncs": stages.num_syncs,
             "num_groups_admitted": stages.admission.started,
@@ -91,6 +99,9 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
             "num_dropped_groups": stages.num_dropped_groups,
             "num_zero_variance_groups": stages.num_zero_variance_groups,
             "weight_version": stages.weight_version,
+            "num_rollers_lost": stages.keeper.num_lost,
+            "num_roller_restarts": stages.keeper.num_restarts,
+            "num_reissued_groups": stages.keeper.num_reissued_groups,
             **group_reward_stats(stages.rewards_by_uid),
         })
         _STOP.attach(None)
@@ -362,8 +373,9 @@ def run_job(cfg: HFlowConfig) -> int:
                 raise StartError(str(cause)) from cause
             raise cause from None
         if targets is not None and cfg.rollers.engine == "sglang":
-            urls = ray.get([r.metrics_url.remote() for r in rt.rollers])
-            targets.update(sglang={n: u for n, u in zip(rt.roller_names, urls, strict=True) if u})
+            members = rt.pool.live()
+            urls = ray.get([m.actor.metrics_url.remote() for m in members])
+            targets.update(sglang={m.name: u for m, u in zip(members, urls, strict=True) if u})
         summary["startup_s"] = time.monotonic() - started
         summary["startup_breakdown_s"] = breakdown | rt.startup_s
         summary["threads"] = rt.threads.to_dict()

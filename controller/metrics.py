@@ -42,7 +42,15 @@ hflow_response_clip_ratio              gauge      share of the last step's respo
                                                   (finish_reason=length: rollout.max_response_length or the
                                                   model's context length)
 hflow_weight_version                   gauge      the trainer's weight version (updates completed)
-hflow_roller_pool_size                 gauge      rollers in the pool (started and not yet stopped); polled
+hflow_roller_pool_size                 gauge      active rollers (joined and taking work; not draining)
+hflow_roller_scale_events_total{reason}  counter  rollers joining or leaving the pool, by reason:
+                                                  ``scale_up``/``scale_down`` (a scale request),
+                                                  ``autoscale_up``/``autoscale_down``, ``replacement``,
+                                                  ``lost_died``/``lost_unresponsive``/``lost_weight_sync``
+hflow_roller_restarts_total            counter    replacements started for lost rollers
+hflow_reissued_groups_total            counter    prompt groups re-issued because their roller left the pool
+hflow_weight_sync_timeouts_total       counter    rollers taken out of rotation for not acknowledging a
+                                                  weight update in time
 hflow_val_accuracy{kind}               gauge      held-out accuracy of the last validation round: ``sampled``
                                                   (pass@1 at rollout.temperature) or ``greedy``
 hflow_val_reward_mean{kind}            gauge      held-out mean reward of the last validation round, per kind
@@ -105,8 +113,15 @@ class JobMetrics:
                                          "by a length limit (finish_reason=length)", registry=r)
         self.weight_version = Gauge("hflow_weight_version", "The trainer's weight version (updates completed)",
                                     registry=r)
-        self.roller_pool_size = Gauge("hflow_roller_pool_size", "Rollers in the pool (started and not yet "
-                                      "stopped)", registry=r)
+        self.pool_size = Gauge("hflow_roller_pool_size", "Active rollers (joined and taking work; not draining)",
+                               registry=r)
+        self.scale_events = Counter("hflow_roller_scale_events", "Rollers joining or leaving the pool, by reason",
+                                    ["reason"], registry=r)
+        self.restarts = Counter("hflow_roller_restarts", "Replacements started for lost rollers", registry=r)
+        self.reissued_groups = Counter("hflow_reissued_groups", "Prompt groups re-issued because their roller "
+                                       "left the pool", registry=r)
+        self.weight_sync_timeouts = Counter("hflow_weight_sync_timeouts", "Rollers taken out of rotation for "
+                                            "not acknowledging a weight update in time", registry=r)
         self.val_accuracy = Gauge("hflow_val_accuracy", "Held-out accuracy of the last validation round "
                                   "(kind: sampled = pass@1 at rollout.temperature, or greedy)", ["kind"], registry=r)
         self.val_reward_mean = Gauge("hflow_val_reward_mean", "Held-out mean reward of the last validation "

@@ -22,7 +22,7 @@ REQUIRED_STEP_KEYS = ("step", "reward_mean", "weight_version", "staleness_mean",
 ABOUT_KEYS = ("status", "error", "mode", "model", "task", "model_dir", "threads")
 COUNT_KEYS = ("num_syncs", "num_groups_admitted", "num_groups_generated", "num_failed_groups",
               "num_dropped_groups", "num_zero_variance_groups", "weight_version", "frac_groups_reward_variance",
-              "frac_groups_any_correct")
+              "frac_groups_any_correct", "num_rollers_lost", "num_roller_restarts", "num_reissued_groups")
 STEP_SUMMARY_KEYS = ("num_steps", "wall_s", "reward_first", "reward_last", "reward_mean", "staleness_max")
 # Seconds from the job's start until its pools were up, and stopping pools and Ray after the last step (the
 # job writes the summary, then shuts down, then adds shutdown_s and the final wall_s: ``RunReport.amend``).

@@ -6,7 +6,7 @@ roller pool, the trainer group, and the weight-sync wiring between trainers and 
     controller ── TQClient (metadata only: get_meta / status / clear) ──┐
         │                                                              │
         ├── PromptFeeder (Ray actor) ──put prompt groups──> TransferQueue servers (index + storage units)
-        ├── RollerPool: N RollerActors (placement group) ──take group / put responses──┘   ▲
+        ├── RollerPool (controller.pool): N RollerActors, elastic ──take group / put responses──┘   ▲
         ├── TrainerGroup: M FSDP2 ranks (placement group) ──get_data(meta slice)──────────┘
         └── weight sync: trainer rank(s) ──checkpoint engine (versioned buckets)──> every roller
 
@@ -23,8 +23,12 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from controller.config import HFlowConfig
+
+if TYPE_CHECKING:
+    from controller.pool import RollerPool
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +51,7 @@ class Runtime:
         self.cfg = cfg
         self.tq_servers = None
         self.feeder = None
-        self.rollers: list = []
-        self.roller_names: list[str] = []
+        self.pool: RollerPool | None = None
         self.trainer = None
         self.tq = None
         self.threads = plan_threads(cfg)
@@ -66,13 +69,13 @@ class Runtime:
 
         from common.schema import REMAX_BASELINE
         from controller.feeder import PromptFeeder
+        from controller.pool import RollerPool
         from controller.tasks import resolve_reward
         from controller.validation import VAL_PARTITION
         from rollers.actor import remote_roller
         from rollers.tq_channel import GroupSource, TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
         from trainers.group import TrainerGroup
-        from trainers.weight_sync import attach_sender
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
 
@@ -100,15 +103,17 @@ class Runtime:
                                     validation=validation, put_text=cfg.metrics.dump_every > 0)
         reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
         rollers_cfg = dataclasses.replace(cfg.rollers, num_threads=self.threads.roller_threads)
-        self.roller_names = [f"roller{i}" for i in range(cfg.rollers.num_replicas)]
-        self.rollers = [
-            roller_cls.remote(cfg.model, cfg.rollout, rollers_cfg, reward, channel,
-                              remax_baseline=REMAX_BASELINE in roller_extras, roller_id=name)
-            for name in self.roller_names
-        ]
+        remax = REMAX_BASELINE in roller_extras
+
+        def make_roller(name: str):
+            return roller_cls.remote(cfg.model, cfg.rollout, rollers_cfg, reward, channel, remax_baseline=remax,
+                                     roller_id=name)
+
+        self.pool = RollerPool(cfg, make_roller)
+        self.pool.place(n_rollers)
         trainer_cfg = dataclasses.replace(cfg.trainer, num_threads=self.threads.trainer_threads)
         waits = {self.feeder.dataset_size.remote(): "feeder_s"}  # surfaces data errors (too few steps, ...)
-        waits |= {r.stats.remote(): "rollers_s" for r in self.rollers}  # answered once a constructor is done
+        waits |= {m.actor.stats.remote(): "rollers_s" for m in self.pool.members.values()}  # answered once a constructor is done
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-start") as pool:
             trainer = pool.submit(TrainerGroup, trainer_cfg, cfg.algorithm, cfg.model,
                                   temperature=cfg.rollout.temperature,
@@ -122,10 +127,7 @@ class Runtime:
             self.trainer = trainer.result()
         clock.done("pools_s")
         on_stage(f"connecting weight sync ({cfg.checkpointengine.backend}) and starting the rollers' loops")
-        sync_handle = self.trainer.execute(attach_sender, cfg.checkpointengine, self.roller_names)[0]
-        ray.get([r.attach_receiver.remote(sync_handle, name)
-                 for r, name in zip(self.rollers, self.roller_names, strict=True)])
-        ray.get([r.start.remote() for r in self.rollers])
+        self.pool.start(self.trainer)
         clock.done("weight_plane_s")
 
     @staticmethod
@@ -156,12 +158,8 @@ class Runtime:
         """Stop rollers, trainers, feeder and the TransferQueue servers (each at most once)."""
         import ray
 
-        rollers, self.rollers = self.rollers, []
-        if rollers:
-            refs = [r.shutdown.remote(timeout_s=5.0) for r in rollers]
-            ray.wait(refs, num_returns=len(refs), timeout=30)
-            for r in rollers:
-                ray.kill(r, no_restart=True)
+        if self.pool is not None:
+            self.pool.close()
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None

@@ -49,6 +49,7 @@ from controller.admission import Admission, staleness
 from controller.config import HFlowConfig
 from controller.generations import GenerationDump
 from controller.metrics import JobMetrics
+from controller.pool_keeper import PoolKeeper
 from controller.report import RunReport, group_reward_stats
 from controller.runtime import PARTITION, Runtime
 from controller.validation import VAL_PARTITION, Validator
@@ -96,6 +97,10 @@ class Stages:
         self.admitted_at: dict[str, float] = {}
         self.rewards_by_uid: dict[str, list[float]] = {}
         self.changed = asyncio.Event()  # version synced or groups dropped: admission may allow more
+        self.total_wait_s = 0.0  # seconds the trainer waited for data (the autoscaler's signal)
+        self.queue_depth: dict[str, int] = {}  # samples ready per consumer task, as of the last gauge refresh
+        self.trainer_lock = asyncio.Lock()  # held by update and weight pushes: the policy is at weight_version
+        self.keeper = PoolKeeper(self)  # the roller pool's health, replacements and resizes
         self._last_step_end = time.monotonic()
         self.num_samples_received = 0  # samples taken from the TransferQueue (each one was produced)
         self.num_groups_generated = 0
@@ -207,15 +212,17 @@ class Stages:
         start, wall_start = time.monotonic(), time.time()
         wait_s = max(0.0, start - self._last_step_end)
         self.metrics.trainer_wait.inc(wait_s)
+        self.total_wait_s += wait_s
         self._note_short_step(meta)
-        train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
-        self.timeline["update"].append((wall_start, time.time()))
-        self.weight_version += 1
-        self.step += 1
-        every = self.cfg.trainer.save_every
-        if every and self.step % every == 0:  # trainer state (model, optimizer, scheduler, version, RNG)
-            path = Path(self.cfg.run_dir) / "checkpoints" / f"step_{self.step}"
-            await asyncio.to_thread(self.rt.trainer.save_checkpoint, str(path))
+        async with self.trainer_lock:  # a roller joining waits: it gets the weights of the version after
+            train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
+            self.timeline["update"].append((wall_start, time.time()))
+            self.weight_version += 1
+            self.step += 1
+            every = self.cfg.trainer.save_every
+            if every and self.step % every == 0:  # trainer state (model, optimizer, scheduler, version, RNG)
+                path = Path(self.cfg.run_dir) / "checkpoints" / f"step_{self.step}"
+                await asyncio.to_thread(self.rt.trainer.save_checkpoint, str(path))
         self.outstanding -= len(set(t[schema.UID] for t in meta.tags))
         await self.dump(meta, "train", self.step, self.weight_version - 1)
         await self.rt.tq.aclear(PARTITION, meta.sample_ids)
@@ -223,44 +230,45 @@ class Stages:
         return train_metrics
 
     async def sync_weights(self, pause_mode: str | None = None, wait_validation: bool = True) -> None:
-        """Push the trainer's weights (``weight_version``) to every roller and wait for every ack; then start
-        a validation round when the new version is due. ``wait_validation``: first wait for the rounds in
-        flight, so their samples come from one version (fully-async does not)."""
-        from trainers.weight_sync import send_weights
-
+        """Push the trainer's weights (``weight_version``) to every roller of the pool that lacks them and
+        wait for every ack; a roller that dies or misses the deadline is replaced (``PoolKeeper.recover``).
+        Then start a validation round when the new version is due. ``wait_validation``: first wait for the
+        rounds in flight, so their samples come from one version (fully-async does not)."""
         if wait_validation:
             await self.validator.wait()
         start, wall_start = time.monotonic(), time.time()
         mode = pause_mode or self.cfg.checkpointengine.pause_mode
-        send = asyncio.to_thread(self.rt.trainer.execute, send_weights, self.weight_version)
-        receives = [r.update_weights.remote(self.weight_version, mode) for r in self.rt.rollers]
-        reports = await asyncio.gather(send, *receives)
-        sent = reports[0][0] or {}
+        async with self.trainer_lock:
+            sent, lost = await self.rt.pool.push_weights(self.weight_version, mode)
+        if lost:
+            await self.keeper.recover(lost)
         self.synced_weight_version = self.weight_version
         self.num_syncs += 1
         self.timeline["sync"].append((wall_start, time.time()))
         self.metrics.sync_seconds.observe(time.monotonic() - start)
-        self.metrics.sync_bytes.inc(float(sent.get("num_bytes", 0)) * len(self.rt.rollers))
+        self.metrics.sync_bytes.inc(float(sent.get("num_bytes", 0)) * len(sent.get("acked", [])))
         self._last_step_end = time.monotonic()
         self.changed.set()
         await self.validator.maybe_start(self.synced_weight_version)
 
     async def check_rollers(self) -> int:
-        """Raise the error of a roller whose loop died; handle failed groups per
+        """Raise what ended the pool keeper (no roller left); handle failed groups per
         ``rollers.on_failed_group`` (``fail``: raise; ``skip``: count, clear, return how many training groups
         were skipped and add them to ``num_unclaimed_skips`` for ``generate``). Failed validation groups go
-        to the validator (``Validator.on_failed``)."""
-        import ray
+        to the validator (``Validator.on_failed``). A roller that died or stopped answering is the keeper's
+        (``controller.pool_keeper``): replaced, its groups re-issued."""
+        from controller.pool import RollerLost
 
-        refs = [r.wait.remote(0.0) for r in self.rt.rollers]
         try:
-            done = await asyncio.gather(*refs)
-        except ray.exceptions.RayError as err:
-            cause = getattr(err, "cause", None) or err
-            raise RolloutFailure(f"a roller failed: {type(cause).__name__}: {cause}") from cause
-        if any(d is not None for d in done):
-            raise RolloutFailure("a roller loop ended while the run still needs samples")
-        failures = [f for r in self.rt.rollers for f in await r.drain_failures.remote()]
+            self.keeper.raise_error()
+        except Exception as exc:
+            raise RolloutFailure(str(exc)) from exc
+        failures = []
+        for member in self.rt.pool.live():
+            try:
+                failures += await self.rt.pool.call(member, "drain_failures")
+            except RollerLost as lost:
+                await self.keeper.recover([lost])
         if not failures:
             return 0
         first = failures[0]
@@ -291,13 +299,18 @@ class Stages:
 
     async def _drop(self, meta, group_staleness: int) -> None:
         uid = meta.tags[0][schema.UID]
-        logger.info("dropping group %s (staleness %d > %d); re-issuing its prompt", uid, group_staleness,
-                    self.cfg.algorithm.max_staleness)
-        await self.rt.tq.aclear(PARTITION, meta.sample_ids)
-        self.admission.drop(1)
-        self.admission.started += 1  # the re-issue takes the dropped group's place within the bound
         self.num_dropped_groups += 1
         self.metrics.dropped.inc(len(meta))
+        await self.reissue(uid, meta.sample_ids,
+                           f"staleness {group_staleness} > {self.cfg.algorithm.max_staleness}")
+
+    async def reissue(self, uid: str, sample_ids: list[int], why: str) -> None:
+        """Clear group ``uid`` (``sample_ids``) and put its prompt again under a fresh uid (``.r<k>``), in
+        its place within the admission bound: a group dropped as too stale, or held by a roller that left."""
+        logger.info("re-issuing group %s (%s)", uid, why)
+        await self.rt.tq.aclear(PARTITION, list(sample_ids))
+        self.admission.drop(1)
+        self.admission.started += 1  # the re-issue takes the dropped group's place within the bound
         depth = self._forget(uid)
         fed = await self.rt.feeder.reissue.remote([uid])
         if depth:  # the re-issued prompt keeps its slot's refill round (dynamic sampling)
@@ -360,6 +373,7 @@ class Stages:
             "responses_digest": _digest(tags),
             **group_reward_stats(by_uid),
             **self._dynamic_sampling_stats(by_uid),
+            **self._pool_stats(),
             **{k: v for k, v in train_metrics.items() if isinstance(v, int | float)},
         }
         self.metrics.consumed.inc(len(tags))
@@ -374,6 +388,14 @@ class Stages:
     def _record_validation(self, record: dict) -> None:
         self.metrics.observe_validation(record)
         self.report.log_validation(record)
+
+    def _pool_stats(self) -> dict:
+        """The roller pool's counters for the step record, and the scale events since the last one."""
+        k = self.keeper
+        events, k.events = k.events, []
+        return {"roller_pool_size": self.rt.pool.size(), "num_roller_restarts": k.num_restarts,
+                "num_rollers_lost": k.num_lost, "num_reissued_groups": k.num_reissued_groups,
+                "num_weight_sync_timeouts": k.num_weight_sync_timeouts, "scale_events": events}
 
     def _dynamic_sampling_stats(self, rewards_by_uid: dict[str, list[float]]) -> dict[str, int]:
         """Per-step DAPO counts (only with ``algorithm.dynamic_sampling``): a group admitted in refill
@@ -395,15 +417,17 @@ class Stages:
             for key, value in counts.items():
                 task = key.split("|", 1)[0]
                 depth[task] = depth.get(task, 0) + value
+        self.queue_depth = depth
         for task, value in depth.items():
             self.metrics.queue_depth.labels(task=task).set(value)
-        stats = [await r.stats.remote() for r in self.rt.rollers]
-        self.metrics.roller_pool_size.set(len(self.rt.rollers))
-        self.num_groups_generated = int(sum(s["num_groups"] + s["num_failed_groups"] for s in stats))
-        self.metrics.count_produced(sum(s["num_samples"] for s in stats))
-        self.metrics.tokens_per_s.set(sum(s["tokens_per_s"] for s in stats))
-        for name, s in zip(self.rt.roller_names, stats, strict=True):
-            self.metrics.roller_busy.labels(roller=name).set(s["busy_ratio"])
+        pool = self.rt.pool
+        stats = await pool.stats()
+        self.num_groups_generated = int(pool.totals("num_groups") + pool.totals("num_failed_groups"))
+        self.metrics.count_produced(pool.totals("num_samples"))
+        self.metrics.tokens_per_s.set(sum(s.get("tokens_per_s", 0.0) for s in stats.values()))
+        self.metrics.pool_size.set(pool.size())
+        for name, s in stats.items():
+            self.metrics.roller_busy.labels(roller=name).set(s.get("busy_ratio", 0.0))
 
 
     async def write_timeline(self) -> dict:
@@ -413,8 +437,9 @@ class Stages:
         for idle shares and its timeline plot."""
         import json
 
-        intervals = await asyncio.gather(*(r.busy_intervals.remote() for r in self.rt.rollers))
-        timeline = {**self.timeline, "rollers": dict(zip(self.rt.roller_names, intervals, strict=True))}
+        members = self.rt.pool.live()
+        intervals = await asyncio.gather(*(self.rt.pool.call(m, "busy_intervals") for m in members))
+        timeline = {**self.timeline, "rollers": {m.name: iv for m, iv in zip(members, intervals, strict=True)}}
         path = Path(self.cfg.run_dir) / "timeline.json"
         path.write_text(json.dumps(timeline) + "\n")
         return timeline

@@ -5,6 +5,8 @@ Engines: ``rollers.engine=torch`` builds the in-process ``TorchEngine``; ``sglan
 ``rollers.sglang_url``) an SGLang server and uses ``SGLangEngine``. Weight updates arrive through the
 checkpoint engine: ``attach_receiver(handle, name)`` once, then ``update_weights(weight_version, pause_mode)``
 per sync (pause → receive every bucket → load → commit → flush → resume, ``rollers.weight_update.apply_update``).
+The elastic pool (``controller.pool``) calls ``ping`` (health and held groups) and ``drain`` (leave);
+``rollers.fault_injection`` faults (``rollers.faults``) fire in ``take_group`` and ``update_weights``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import torch
 
 from rollers.config import RolloutConfig
+from rollers.faults import FaultInjector, FaultSpec, FaultyChannel
 from rollers.roller import FailedGroup, Roller
 
 
@@ -40,6 +43,7 @@ class RollerActor:
         self.roller: Roller | None = None
         self.receiver = None
         self._run_task: asyncio.Task | None = None
+        self.faults = FaultInjector(roller_id, [FaultSpec.parse(f) for f in rollers_cfg.fault_injection])
         if rollers_cfg.engine == "torch":  # build now: a bad model fails the actor's construction
             self._set_engine(self._torch_engine())
 
@@ -54,8 +58,10 @@ class RollerActor:
 
     def _set_engine(self, engine) -> None:
         self.engine = engine
+        channel = self.channel_factory()
         self.roller = Roller(
-            engine, self.tokenizer, self.reward_fn, self.rollout_cfg, self.channel_factory(),
+            engine, self.tokenizer, self.reward_fn, self.rollout_cfg,
+            FaultyChannel(channel, self.faults) if self.faults.specs else channel,
             max_groups_in_flight=max(1, self.rollers_cfg.max_batch_slots // self.rollout_cfg.n),
             remax_baseline=self.remax_baseline, roller_id=self.roller_id,
         )
@@ -79,6 +85,32 @@ class RollerActor:
             raise RuntimeError("the roller was never started")
         done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
         return self._run_task.result() if done else None
+
+    async def ping(self) -> dict:
+        """Health check (answered from the event loop, so a blocked loop does not answer): the committed
+        ``weight_version``, the uids of the groups this roller holds (``Roller.held_uids``), whether its
+        loop is running, and the error that ended it ("" when none)."""
+        return {
+            "weight_version": self.engine.weight_version if self.engine is not None else -1,
+            "held_uids": self.roller.held_uids() if self.roller is not None else [],
+            "running": self._run_task is not None and not self._run_task.done(),
+            "error": (f"{type(self._run_task.exception()).__name__}: {self._run_task.exception()}"
+                      if self._run_task is not None and self._run_task.done() and not self._run_task.cancelled()
+                      and self._run_task.exception() is not None else ""),
+        }
+
+    async def drain(self, timeout_s: float) -> list[str]:
+        """Leave the pool gently: take no new group, let the held ones finish within ``timeout_s``, then
+        cancel the rest. Returns the uids of the groups it still held (the controller re-issues them)."""
+        if self.roller is None or self._run_task is None:
+            return []
+        self.roller.stop()
+        done, _ = await asyncio.wait({self._run_task}, timeout=timeout_s)
+        held = self.roller.held_uids(include_failed=False)  # failed ones: drain_failures, as usual
+        if not done:
+            self._run_task.cancel()
+            await asyncio.gather(self._run_task, return_exceptions=True)
+        return held
 
     async def stats(self) -> dict[str, float]:
         stats = self.roller.stats() if self.roller is not None else {}
@@ -126,6 +158,7 @@ class RollerActor:
 
         if self.receiver is None:
             raise RuntimeError(f"roller {self.roller_id}: attach_receiver was never called")
+        await self.faults.fire("weight_sync")
         result = await apply_update(self.engine, self.receiver, weight_version, pause_mode)
         return {"duration_s": result.duration_s, "num_bytes": result.num_bytes}
 

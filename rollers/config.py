@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from common.env import AUTO_THREADS, check_num_threads, check_ray_resources
@@ -97,6 +98,19 @@ class RollersConfig:
     ``fail`` (stop the run with that error) | ``skip`` (count it, train the step on the other groups).
     ``resources``: Ray custom resources each roller asks for (name -> amount, e.g. ``{hflow_roller: 1}``),
     so rollers are placed only on the nodes started with them (``common.env.check_ray_resources``).
+
+    Elastic pool (``controller.pool``): ``health_timeout_s``: a roller that does not answer a health check
+    or a pool call within this many seconds, or a weight update within it after the sender gave up, is
+    taken out of rotation, its groups re-issued, and replaced; ``max_replicas``: the most rollers a
+    scale request (``hflow-async scale``) may ask for; ``max_restarts``: replacements of lost rollers
+    over the run (past it the pool shrinks; the run fails only when no roller is left);
+    ``autoscale``: resize on RL signals within ``min_replicas`` .. ``max_replicas``, at most one change per
+    ``autoscale_period_s`` (also the window the signals are averaged over): add a roller when the trainer
+    waited for data at least ``autoscale_wait_share`` of the window while prompts waited for a roller;
+    remove one when admission sat at its staleness cap with no prompt waiting most of the window
+    (``controller.pool_keeper.Autoscaler``);
+    ``fault_injection``: ``ROLLER:FAULT:TRIGGER=N[:SECONDS]`` specs that kill, hang or slow a roller on
+    purpose (``rollers.faults``).
     """
 
     num_replicas: int = 1
@@ -112,9 +126,37 @@ class RollersConfig:
     sglang_max_retries: int = 8
     on_failed_group: str = "fail"
     resources: dict[str, float] = field(default_factory=dict)
+    health_timeout_s: float = 60.0
+    max_replicas: int = 16
+    min_replicas: int = 1
+    autoscale: bool = False
+    autoscale_wait_share: float = 0.3
+    autoscale_period_s: float = 30.0
+    max_restarts: int = 3
+    fault_injection: list[str] = field(default_factory=list)
 
     def __post_init__(self):
+        from rollers.faults import FaultSpec
+
         check_ray_resources("rollers.resources", self.resources)
+        for spec in self.fault_injection:
+            FaultSpec.parse(spec)  # ValueError naming rollers.fault_injection and the accepted form
+        if not math.isfinite(self.health_timeout_s) or self.health_timeout_s <= 0:
+            raise ValueError(f"rollers.health_timeout_s must be a finite number of seconds > 0, "
+                             f"got {self.health_timeout_s}")
+        if not 1 <= self.min_replicas <= self.num_replicas:
+            raise ValueError(f"rollers.min_replicas={self.min_replicas} must be in 1 .. rollers.num_replicas="
+                             f"{self.num_replicas}")
+        if not 0 < self.autoscale_wait_share <= 1:
+            raise ValueError(f"rollers.autoscale_wait_share must be in (0, 1], got {self.autoscale_wait_share}")
+        if not math.isfinite(self.autoscale_period_s) or self.autoscale_period_s <= 0:
+            raise ValueError(f"rollers.autoscale_period_s must be a finite number of seconds > 0, "
+                             f"got {self.autoscale_period_s}")
+        if self.max_replicas < self.num_replicas:
+            raise ValueError(f"rollers.max_replicas={self.max_replicas} is below rollers.num_replicas="
+                             f"{self.num_replicas}")
+        if self.max_restarts < 0:
+            raise ValueError(f"rollers.max_restarts must be >= 0, got {self.max_restarts}")
         if self.on_failed_group not in ("fail", "skip"):
             raise ValueError(f"rollers.on_failed_group={self.on_failed_group!r} is not one of ['fail', 'skip']")
         if self.num_replicas < 1:

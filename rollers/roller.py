@@ -270,6 +270,7 @@ class Roller:
         self._counters = _Counters()
         self._failures: deque[FailedGroup] = deque(maxlen=_MAX_FAILURES_KEPT)
         self._stopping = asyncio.Event()
+        self._held: dict[str, tuple[int, ...]] = {}  # uid -> sample ids of the groups taken and not yet done
         self._reward_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{roller_id}-reward")
 
     # ------------------------------------------------------------------------------ control
@@ -281,6 +282,11 @@ class Roller:
     def close(self) -> None:
         """Release the reward threads (a reward call that hangs is abandoned). Idempotent."""
         self._reward_pool.shutdown(wait=False, cancel_futures=True)
+
+    def held_uids(self, include_failed: bool = True) -> list[str]:
+        """The uids of the groups this roller took and has not yet put or failed, and (``include_failed``)
+        of its failed groups the controller has not drained yet: what would be lost with this roller."""
+        return [*self._held, *(f.uid for f in self._failures if include_failed)]
 
     def drain_failures(self) -> list[FailedGroup]:
         """Failed groups since the last call (oldest first; at most the last 1024 are kept)."""
@@ -301,6 +307,7 @@ class Roller:
         def on_done(task: asyncio.Task) -> None:
             slots.release()
             tasks.discard(task)
+            self._held.pop(task.get_name().removeprefix(f"{self.roller_id}-"), None)
             if not task.cancelled() and task.exception() is not None:
                 errors.append(task.exception())
 
@@ -315,6 +322,7 @@ class Roller:
                 if group is None:
                     slots.release()
                     continue
+                self._held[group.uid] = group.sample_ids
                 task = asyncio.create_task(self.process_group(group), name=f"{self.roller_id}-{group.uid}")
                 tasks.add(task)
                 task.add_done_callback(on_done)

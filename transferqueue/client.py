@@ -465,6 +465,13 @@ class TQClient:
                   "ids": None if sample_ids is None else [int(i) for i in sample_ids]}
         return self._sync.run(self._simple_flow(INDEX, header, "samples"), self.handle.request_timeout_s)
 
+    async def asample_info(self, partition: str, sample_ids: Sequence[int] | None = None,
+                           limit: int = 1000) -> list[dict]:
+        """Async ``sample_info``."""
+        header = {"op": "sample_info", "partition": partition, "limit": limit,
+                  "ids": None if sample_ids is None else [int(i) for i in sample_ids]}
+        return await self._async.run(self._simple_flow(INDEX, header, "samples"), self.handle.request_timeout_s)
+
     def unit_stats(self, unit: int) -> dict:
         """Byte and request counters of storage unit ``unit``."""
         return self._sync.run(self._unit_stats_flow(unit), self.handle.request_timeout_s)

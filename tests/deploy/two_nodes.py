@@ -48,11 +48,12 @@ def _record_before_close(evidence: dict, mode: str) -> None:
     close = Runtime.close
 
     def recording_close(rt) -> None:
-        if rt.rollers and rt.trainer is not None and mode not in evidence:
+        members = rt.pool.live() if rt.pool is not None else []
+        if members and rt.trainer is not None and mode not in evidence:
             evidence[mode] = {
                 "driver_node": f"ray:{ray.get_runtime_context().get_node_id()}",
                 "unit_nodes": list(rt.tq_servers.handle.unit_nodes),
-                "rollers": ray.get([r.__ray_call__.remote(_roller_view) for r in rt.rollers]),
+                "rollers": ray.get([m.actor.__ray_call__.remote(_roller_view) for m in members]),
                 "trainer": rt.trainer.execute(_trainer_view),
             }
         close(rt)

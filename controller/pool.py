@@ -1,0 +1,343 @@
+"""The roller pool of a running job: its members, their weight versions, their health, and how it changes.
+
+::
+
+    member states:   joining ──(weights at the trainer's weight_version, then start)──> active
+                     active ──(scale-down)──> draining ──(held groups done or handed back)──> gone
+                     any ──(process died / no answer within rollers.health_timeout_s /
+                            weight update not acknowledged in time)──> lost ──> gone (+ replacement)
+
+A roller joins in this order: placed (a Ray actor) → joins the weight plane (``attach_receiver``) → holds
+the trainer's current ``weight_version`` (pushed while the trainer is idle: the caller's trainer lock) →
+``start`` (takes work). So no roller ever generates with weights older than those it joined with, and a
+weight sync targets exactly the members that lack the version.
+
+Every call to a roller has a timeout (``rollers.health_timeout_s``; the start of a joining roller,
+``JOIN_TIMEOUT_S`` plus an SGLang server's start-up). The groups a lost roller held are found in the data
+plane (taken by the ``rollout`` task, no responses, claimed by no live roller: ``find_orphans``) and
+re-issued by the schedule's ``Stages.reissue``; ``PoolKeeper`` (``controller.pool_keeper``) drives all of
+it while a schedule runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.config import HFlowConfig
+
+logger = logging.getLogger(__name__)
+
+JOINING, ACTIVE, DRAINING = "joining", "active", "draining"
+JOIN_TIMEOUT_S = 300.0  # a new roller's process start and model load (an SGLang launch adds its own timeout)
+MAX_SYNC_ATTEMPTS = 4
+
+
+class RollerLost(RuntimeError):
+    """A roller left the pool unplanned; ``reason``: ``died`` | ``unresponsive`` | ``weight_sync``."""
+
+    def __init__(self, name: str, reason: str, detail: str):
+        self.name, self.reason = name, reason
+        super().__init__(f"roller {name} lost ({reason}): {detail}")
+
+
+@dataclass
+class Member:
+    """One roller of the pool: its Ray ``actor``, the ``weight_version`` it holds, its ``state``, the groups
+    it held at its last health check and its last stats (kept when it leaves, for the run's counters)."""
+
+    name: str
+    actor: Any
+    weight_version: int = 0
+    state: str = JOINING
+    held_uids: list[str] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+    in_push: bool = False  # a weight push is under way: its own deadlines judge the roller, not pings
+
+
+def _is_dead(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError)
+
+
+class RollerPool:
+    """The rollers of one job (see the module docstring). ``make_actor(name)`` places a new roller actor.
+    Build with ``place(num_replicas)`` (their processes start meanwhile), then ``start(trainer)``."""
+
+    def __init__(self, cfg: HFlowConfig, make_actor: Callable[[str], Any]):
+        self.cfg = cfg
+        self.make_actor = make_actor
+        self.trainer = None  # the TrainerGroup (the weight plane's send side), given by start()
+        self.timeout_s = cfg.rollers.health_timeout_s
+        self.members: dict[str, Member] = {}
+        self.sync_handle: dict | None = None
+        self.num_created = 0
+        self.retired_stats: dict[str, float] = {}  # summed last stats of the rollers that left
+        self._sender_removals: list[str] = []      # left the pool; removed from the sender at the next push
+
+    # ----------------------------------------------------------------------------------------- start
+
+    def next_name(self) -> str:
+        name = f"roller{self.num_created}"
+        self.num_created += 1
+        return name
+
+    def place(self, num_replicas: int) -> None:
+        """Place ``num_replicas`` rollers (Ray actors at ``weight_version`` 0; not blocking: their processes
+        start and load the model while the caller goes on)."""
+        for _ in range(num_replicas):
+            name = self.next_name()
+            self.members[name] = Member(name, self.make_actor(name))
+
+    def start(self, trainer) -> None:
+        """Connect the placed rollers to ``trainer``'s weight plane and start their loops (blocking; at job
+        start)."""
+        import ray
+
+        from trainers.weight_sync import attach_sender
+
+        self.trainer = trainer
+        names = list(self.members)
+        self.sync_handle = self.trainer.execute(attach_sender, self.cfg.checkpointengine, names)[0]
+        ray.get([m.actor.attach_receiver.remote(self.sync_handle, m.name) for m in self.members.values()])
+        ray.get([m.actor.start.remote() for m in self.members.values()])
+        for m in self.members.values():
+            m.state = ACTIVE
+
+    # -------------------------------------------------------------------------------------- queries
+
+    def live(self) -> list[Member]:
+        """Members that generate or finish work (active and draining), in join order."""
+        return [m for m in self.members.values() if m.state in (ACTIVE, DRAINING)]
+
+    def size(self) -> int:
+        """Active members (the pool size the gauge reports; draining ones are on their way out)."""
+        return sum(m.state == ACTIVE for m in self.members.values())
+
+    def state(self) -> dict:
+        """The pool as the admin endpoint answers it: per roller its state, weight_version and held groups."""
+        return {"pool_size": self.size(),
+                "rollers": [{"name": m.name, "state": m.state, "weight_version": m.weight_version,
+                             "num_groups_in_flight": len(m.held_uids)} for m in self.members.values()]}
+
+    async def call(self, member: Member, method: str, *args, timeout_s: float | None = None) -> Any:
+        """``member.actor.method(*args)`` within ``timeout_s`` (default ``rollers.health_timeout_s``).
+        Raises RollerLost (``died`` when the process is gone, ``unresponsive`` on the timeout); the
+        roller's own exception otherwise."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return await asyncio.wait_for(self._remote(member, method, *args), limit)
+        except TimeoutError:
+            raise RollerLost(member.name, "unresponsive", f"{method} not answered within {limit:.1f} s") from None
+
+    @staticmethod
+    async def _remote(member: Member, method: str, *args) -> Any:
+        """``member.actor.method(*args)``, unbounded (callers bound it); RollerLost(``died``) when the
+        process is gone."""
+        try:
+            return await getattr(member.actor, method).remote(*args)
+        except Exception as exc:
+            if _is_dead(exc):
+                raise RollerLost(member.name, "died", f"{type(exc).__name__} in {method}") from None
+            raise
+
+    async def check_health(self) -> list[RollerLost]:
+        """Ping every live member at once; returns the lost ones (not yet removed). A member whose loop ended
+        with an error (an engine crash) counts as died. Notes each member's held groups."""
+        members = [m for m in self.live() if not m.in_push]
+        results = await asyncio.gather(*(self.call(m, "ping") for m in members), return_exceptions=True)
+        lost = []
+        for m, result in zip(members, results, strict=True):
+            if isinstance(result, RollerLost):
+                lost.append(result)
+            elif isinstance(result, BaseException):
+                lost.append(RollerLost(m.name, "died", f"ping raised {type(result).__name__}: {result}"))
+            else:
+                m.held_uids = list(result["held_uids"])
+                if not result["running"] and m.state == ACTIVE:
+                    lost.append(RollerLost(m.name, "died", f"its generation loop ended: {result['error'] or 'no error'}"))
+        return lost
+
+    async def held_by_live(self) -> set[str]:
+        """The uids every live member holds now; a member that does not answer claims nothing."""
+        members = self.live()
+        results = await asyncio.gather(*(self.call(m, "ping") for m in members), return_exceptions=True)
+        return {uid for r in results if isinstance(r, dict) for uid in r["held_uids"]}
+
+    async def stats(self) -> dict[str, dict[str, float]]:
+        """Each live member's stats (its last known ones when it does not answer in time)."""
+        members = self.live()
+        results = await asyncio.gather(*(self.call(m, "stats") for m in members), return_exceptions=True)
+        for m, r in zip(members, results, strict=True):
+            if isinstance(r, dict):
+                m.stats = r
+        return {m.name: m.stats for m in members}
+
+    def totals(self, key: str) -> float:
+        """``key`` of the stats summed over every roller of the run, those that left included."""
+        return self.retired_stats.get(key, 0.0) + sum(m.stats.get(key, 0.0) for m in self.members.values())
+
+    # -------------------------------------------------------------------------------------- changes
+
+    def retire(self, name: str) -> Member | None:
+        """Remove member ``name`` from the pool and kill its process (idempotent); its last stats are kept."""
+        import ray
+
+        member = self.members.pop(name, None)
+        if member is None:
+            return None
+        for key, value in member.stats.items():
+            if key.startswith("num_"):
+                self.retired_stats[key] = self.retired_stats.get(key, 0.0) + value
+        self._sender_removals.append(name)
+        ray.kill(member.actor, no_restart=True)
+        return member
+
+    async def _flush_sender_removals(self) -> None:
+        """Drop retired rollers from the weight sender (caller holds the trainer lock)."""
+        from trainers.weight_sync import remove_roller
+
+        while self._sender_removals:
+            await asyncio.to_thread(self.trainer.execute, remove_roller, self._sender_removals.pop())
+
+    async def join(self, name: str, trainer_lock: asyncio.Lock, weight_version: Callable[[], int]) -> Member:
+        """Place roller ``name``, join it to the weight plane, push the trainer's current ``weight_version()``
+        (under ``trainer_lock``, so the policy is at that version) and start it. Raises RollerLost, or the
+        error of a weight push that failed; the caller retires the member then."""
+        from trainers.weight_sync import add_roller
+
+        member = self.members[name] = Member(name, self.make_actor(name))
+        startup = JOIN_TIMEOUT_S + (self.cfg.rollers.sglang_startup_timeout_s if self.cfg.rollers.engine == "sglang"
+                                    else 0.0)
+        await self.call(member, "attach_receiver", self.sync_handle, name, timeout_s=startup)
+        async with trainer_lock:
+            await self._flush_sender_removals()
+            await asyncio.to_thread(self.trainer.execute, add_roller, name)
+            version = weight_version()
+            if version > member.weight_version:
+                lost, error = await self._push(version, [member], self.cfg.checkpointengine.pause_mode)
+                if lost:
+                    raise lost[0]
+                if error is not None:
+                    raise error
+            await self.call(member, "start")
+            member.state = ACTIVE
+        return member
+
+    async def push_weights(self, version: int, pause_mode: str) -> tuple[dict, list[RollerLost]]:
+        """Bring every live member to ``version`` (caller holds the trainer lock: the policy is at it).
+
+        A member that dies, or does not acknowledge within ``rollers.health_timeout_s`` after the sender
+        finished or gave up (``checkpointengine.timeout_s``), is returned as lost (not yet retired); the
+        others are updated again without it. Returns (the sender's report of the last push, the lost).
+        Raises the sender's error when an attempt fails with no roller to blame.
+        """
+        await self._flush_sender_removals()
+        lost: list[RollerLost] = []
+        report: dict = {}
+        for _ in range(MAX_SYNC_ATTEMPTS):
+            gone = {x.name for x in lost}
+            targets = [m for m in self.live() if m.weight_version < version and m.name not in gone]
+            if not targets:
+                break
+            new_lost, error = await self._push(version, targets, pause_mode, report)
+            lost += new_lost
+            if error is not None and not new_lost:
+                raise error
+            if error is None:
+                break
+        else:
+            raise RuntimeError(f"weight_version {version}: still not on every roller after {MAX_SYNC_ATTEMPTS} "
+                               f"attempts (lost on the way: {[x.name for x in lost]})")
+        return report, lost
+
+    async def _push(self, version: int, targets: list[Member], pause_mode: str, report: dict | None = None
+                    ) -> tuple[list[RollerLost], BaseException | None]:
+        """One send of ``version`` to ``targets``; (members lost, the sender's error or None)."""
+        from trainers.weight_sync import send_weights
+
+        names = [m.name for m in targets]
+        for m in targets:
+            m.in_push = True
+        send = asyncio.ensure_future(asyncio.to_thread(self.trainer.execute, send_weights, version, names))
+        receives = {m.name: asyncio.ensure_future(self._remote(m, "update_weights", version, pause_mode))
+                    for m in targets}  # bounded below: the sender's deadlines, then rollers.health_timeout_s
+        error = None
+        try:
+            sent = (await send)[0] or {}
+            if report is not None:
+                report.update(sent)
+        except Exception as exc:  # a roller missed a deadline, or the send itself failed
+            error = exc
+        await asyncio.wait(list(receives.values()), timeout=self.timeout_s)
+        lost = []
+        for m in targets:
+            m.in_push = False
+            fut = receives[m.name]
+            if not fut.done():
+                fut.cancel()
+                lost.append(RollerLost(m.name, "weight_sync", f"did not acknowledge weight_version {version} "
+                                       f"within {self.timeout_s:.1f} s of the sender's end"))
+            elif isinstance(fut.exception(), RollerLost):
+                lost.append(fut.exception())
+            elif fut.exception() is None:
+                m.weight_version = version
+            else:
+                logger.warning("roller %s: weight_version %d not applied: %s", m.name, version, fut.exception())
+        return lost, error
+
+    async def drain(self, name: str, timeout_s: float) -> list[str]:
+        """Scale-down of member ``name``: it takes no new group, finishes what it holds within ``timeout_s``
+        and hands back the rest (their uids are returned for re-issue); then it is retired."""
+        member = self.members[name]
+        member.state = DRAINING
+        try:
+            handed_back = await self.call(member, "drain", timeout_s, timeout_s=timeout_s + self.timeout_s)
+            member.stats = await self.call(member, "stats")
+        finally:
+            self.retire(name)
+        return list(handed_back)
+
+    def close(self) -> None:
+        """Stop every member: a bounded ``shutdown`` each, then kill (idempotent)."""
+        import ray
+
+        members, self.members = list(self.members.values()), {}
+        if members:
+            refs = [m.actor.shutdown.remote(timeout_s=5.0) for m in members]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+            for m in members:
+                ray.kill(m.actor, no_restart=True)
+
+
+async def find_orphans(tq, partition: str, limit: int, held_by_live: Callable, grace_s: float = 1.0
+                       ) -> dict[str, list[int]]:
+    """Groups no live roller will finish: every sample taken by the ``rollout`` task, not every one with
+    responses, and claimed by no live roller (``held_by_live()``, awaited) in two looks ``grace_s`` apart (a
+    group whose take is still in flight to a live roller is claimed by the second look). Returns uid →
+    sample ids (metadata only). ``limit``: at most this many samples are looked at (the TransferQueue's
+    ``max_request_ids``)."""
+    from common import schema
+
+    async def look() -> dict[str, list[int]]:
+        samples = await tq.asample_info(partition, None, limit=limit)  # the partition: a few steps' groups
+        by_uid: dict[str, list[dict]] = {}
+        for s in samples:
+            by_uid.setdefault(s["tags"].get(schema.UID), []).append(s)
+        held = await held_by_live()
+        return {uid: [s["id"] for s in group] for uid, group in by_uid.items()
+                if uid is not None and uid not in held
+                and all("rollout" in s["consumed_by"] for s in group)
+                and not all(schema.RESPONSES in s["fields"] for s in group)}
+
+    first = await look()
+    if not first:
+        return {}
+    await asyncio.sleep(grace_s)
+    second = await look()
+    return {uid: ids for uid, ids in second.items() if uid in first}
+

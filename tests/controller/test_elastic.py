@@ -1,0 +1,164 @@
+"""The elastic roller pool end to end (real Ray actors, TransferQueue and weight-plane processes, the tiny
+model): a roller killed mid-run or hung in a weight sync is replaced, its groups re-issued, and every prompt
+is still trained exactly once (uid accounting over the whole run, from metrics.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from controller.admin import ADDRESS_FILE, TOKEN_FILE, AdminError, pool_state, request_scale
+from controller.config import load_config
+from controller.job import EXIT_OK, run_job
+from rollers.faults import FaultSpec
+
+# Whole jobs on a loaded 2-core machine take about a minute each.
+pytestmark = pytest.mark.timeout(400)
+
+B, STEPS = 8, 3
+SMALL = ("data.size=64", "data.epochs=1", f"data.train_batch_size={B}", f"trainer.ppo_mini_batch_size={B}",
+         f"trainer.total_steps={STEPS}", "rollers.num_replicas=2",
+         "rollers.max_batch_slots=16")  # 2 groups in flight per roller: both rollers take groups all along
+
+
+def run(tmp_path: Path, mode: str, *overrides: str) -> tuple[int, list[dict], dict]:
+    cfg = load_config(mode=mode, preset="tiny", overrides=[f"run_dir={tmp_path}", "metrics.progress=false",
+                                                             *SMALL, *overrides])
+    code = run_job(cfg)
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return code, steps, json.loads((tmp_path / "summary.json").read_text())
+
+
+def assert_every_prompt_trained_once(steps: list[dict], num_steps: int = STEPS) -> None:
+    """Each step trained B whole groups; over the run, every prompt (uid without its ``.r<k>`` re-issue
+    suffix) exactly once: none lost, none repeated."""
+    assert [s["num_groups"] for s in steps] == [B] * num_steps
+    prompts = Counter(uid.split(".r")[0] for s in steps for uid in s["uids"])
+    assert sum(prompts.values()) == B * num_steps and max(prompts.values()) == 1, prompts.most_common(3)
+
+
+def events(steps: list[dict]) -> list[tuple[str, str]]:
+    return [(e["reason"], e["roller"]) for s in steps for e in s["scale_events"]]
+
+
+@pytest.mark.slow
+def test_killed_roller_is_replaced_and_its_groups_reissued(tmp_path, ray_cluster):
+    code, steps, summary = run(tmp_path, "fully-async", "rollers.fault_injection=[roller1:kill:group=3]",
+                               "rollers.health_timeout_s=5")
+    assert code == EXIT_OK, summary["error"]
+    assert summary["num_rollers_lost"] == 1 and summary["num_roller_restarts"] == 1
+    # The group roller1 took when it died (at least that one) went back to the queue under a new uid.
+    assert summary["num_reissued_groups"] >= 1
+    assert any(".r" in uid for s in steps for uid in s["uids"])
+    assert ("lost_died", "roller1") in events(steps)
+    assert_every_prompt_trained_once(steps)
+
+
+@pytest.mark.slow
+def test_sole_roller_killed_the_replacement_joins_with_the_current_weights(tmp_path, ray_cluster):
+    # One roller, killed at its 11th group: in step 2, after the weights of version 1 were pushed. The run
+    # can only finish through its replacement, which must hold version 1 before it takes work: sync
+    # trains at staleness 0 only if it generated with the current weights.
+    code, steps, summary = run(tmp_path, "sync", "rollers.num_replicas=1", "rollers.max_restarts=1",
+                               "rollers.fault_injection=[roller0:kill:group=11]", "rollers.health_timeout_s=5")
+    assert code == EXIT_OK, summary["error"]
+    assert summary["num_rollers_lost"] == 1 and summary["num_roller_restarts"] == 1
+    assert ("lost_died", "roller0") in events(steps) and ("replacement", "roller1") in events(steps)
+    assert max(s["staleness_max"] for s in steps) == 0
+    assert steps[-1]["roller_pool_size"] == 1
+    assert_every_prompt_trained_once(steps)
+
+
+@pytest.mark.slow
+def test_roller_hung_in_a_weight_sync_is_replaced_and_the_job_goes_on(tmp_path, ray_cluster):
+    code, steps, summary = run(tmp_path, "one-step-off", "rollers.fault_injection=[roller0:hang:weight_sync=1]",
+                               "rollers.health_timeout_s=3", "checkpointengine.timeout_s=3")
+    assert code == EXIT_OK, summary["error"]
+    assert summary["num_rollers_lost"] == 1 and summary["num_roller_restarts"] == 1
+    assert steps[-1]["num_weight_sync_timeouts"] == 1
+    assert ("lost_weight_sync", "roller0") in events(steps)
+    # The survivor and the replacement hold every later version: the last step trained at full version.
+    assert summary["weight_version"] == STEPS and summary["num_syncs"] == STEPS
+    assert_every_prompt_trained_once(steps)
+
+
+@pytest.mark.slow
+def test_no_roller_left_fails_the_run_with_a_clear_error(tmp_path, ray_cluster):
+    code, _, summary = run(tmp_path, "fully-async", "rollers.num_replicas=1", "rollers.max_restarts=0",
+                           "rollers.fault_injection=[roller0:kill:group=1]", "rollers.health_timeout_s=5")
+    assert code != EXIT_OK and summary["status"] == "failed"
+    assert "no roller left" in summary["error"] and "rollers.max_restarts=0" in summary["error"]
+
+
+@pytest.mark.parametrize("spec", ["roller1:explode:group=1", "roller1:kill:group=0", "roller1:slow:group=1",
+                                  "roller1:kill:group=1:3", "kill:group=1", "roller1:hang:when=2"])
+def test_bad_fault_spec_names_the_key(spec):
+    with pytest.raises(ValueError, match="rollers.fault_injection"):
+        FaultSpec.parse(spec)
+
+
+@pytest.mark.slow
+def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
+    # roller0 is slowed (1.5 s per group taken) so the run outlasts both requests on a loaded machine.
+    num_steps = 6
+    cfg = load_config(mode="fully-async", preset="tiny", overrides=[
+        f"run_dir={tmp_path}", "metrics.progress=false", *SMALL, "rollers.num_replicas=1",
+        f"trainer.total_steps={num_steps}", "rollers.fault_injection=[roller0:slow:group=1:1.5]"])
+    outcome: dict = {}
+    job = threading.Thread(target=lambda: outcome.update(code=run_job(cfg)))
+    job.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / ADDRESS_FILE).exists():
+            assert job.is_alive() and time.monotonic() < deadline, "the job never served its admin endpoint"
+            time.sleep(0.5)
+        assert (tmp_path / TOKEN_FILE).stat().st_mode & 0o777 == 0o600
+        with pytest.raises(AdminError, match="HTTP 401"):
+            request_scale(tmp_path, 2, token="not-the-token")
+        with pytest.raises(AdminError, match="HTTP 400.*rollers"):
+            request_scale(tmp_path, 0)
+        assert pool_state(tmp_path)["pool_size"] == 1  # the refused requests changed nothing
+        up = request_scale(tmp_path, 2)
+        by_name = {r["name"]: r for r in up["rollers"]}
+        assert up["pool_size"] == 2 and set(by_name) == {"roller0", "roller1"}
+        # The new roller took work only once it held the trainer's weights: none older than roller0's.
+        assert by_name["roller1"]["weight_version"] >= by_name["roller0"]["weight_version"]
+        assert request_scale(tmp_path, 2)["pool_size"] == 2  # idempotent: no third roller
+        down = request_scale(tmp_path, 1)  # drains the oldest: one the job started with
+        assert [(r["name"], r["state"]) for r in down["rollers"]] == [("roller1", "active")]
+    finally:
+        job.join(timeout=400)
+    assert outcome["code"] == EXIT_OK
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {("scale_up", "roller1"), ("scale_down", "roller0")} <= set(events(steps))
+    assert not (tmp_path / ADDRESS_FILE).exists()  # the endpoint went with the job
+    assert_every_prompt_trained_once(steps, num_steps)
+
+
+@pytest.mark.slow
+def test_autoscaler_adds_a_roller_when_the_trainer_is_starved(tmp_path, ray_cluster):
+    # One roller slowed to 1.5 s per group: the trainer waits for data while prompts wait for a roller.
+    code, steps, summary = run(tmp_path, "fully-async", "rollers.num_replicas=1", "trainer.total_steps=6",
+                               "rollers.fault_injection=[roller0:slow:group=1:1.5]", "rollers.autoscale=true",
+                               "rollers.max_replicas=2", "rollers.autoscale_period_s=5",
+                               "rollers.autoscale_wait_share=0.2")
+    assert code == EXIT_OK, summary["error"]
+    assert ("autoscale_up", "roller1") in events(steps)
+    assert max(s["roller_pool_size"] for s in steps) == 2  # and never past rollers.max_replicas
+    assert_every_prompt_trained_once(steps, 6)
+
+
+@pytest.mark.slow
+def test_autoscaler_removes_a_roller_at_the_staleness_cap(tmp_path, ray_cluster):
+    # max_staleness=0: two fast rollers finish each admitted batch, then sit at the cap until the sync.
+    code, steps, summary = run(tmp_path, "fully-async", "data.size=128", "trainer.total_steps=14",
+                               "algorithm.max_staleness=0", "rollers.autoscale=true", "rollers.autoscale_period_s=3")
+    assert code == EXIT_OK, summary["error"]
+    assert any(reason == "autoscale_down" for reason, _ in events(steps))
+    assert min(s["roller_pool_size"] for s in steps) == 1  # never below rollers.min_replicas
+    assert_every_prompt_trained_once(steps, 14)
