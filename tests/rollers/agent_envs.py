@@ -72,3 +72,31 @@ GATE: dict[str, asyncio.Event] = {}  # the test puts its event under "gate" befo
 @register_environment("gated")
 def gated(ctx: EnvContext) -> Environment:
     return ScriptedTurns(ctx, turns=1, gate=GATE["gate"])
+
+
+class ToolOnlyReward(Environment):
+    """``tool_only_reward``: the word ``copy`` anywhere in a turn is a tool call (answered with
+    ``TOOL_OBSERVATION``); the trajectory's reward is 1.0 when it called the tool, else 0.0 — calling it is
+    the only way to the reward."""
+
+    observation_role = "user"
+
+    def __init__(self):
+        self.called = False
+
+    async def reset(self, ground_truth: dict) -> str:
+        return ""
+
+    async def step(self, action: str) -> StepResult:
+        if "copy" in action.split() and not self.called:
+            self.called = True
+            return StepResult(TOOL_OBSERVATION, 0.0, False)
+        return StepResult(reward=1.0 if self.called else 0.0, done=True)
+
+
+TOOL_OBSERVATION = "the word is a"
+
+
+@register_environment("tool_only_reward")
+def tool_only_reward(ctx: EnvContext) -> Environment:
+    return ToolOnlyReward()

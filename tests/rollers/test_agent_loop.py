@@ -204,3 +204,11 @@ def test_observation_formatter_follows_the_chat_template(tok):
     ids = ObservationFormatter(tok).tokens("user", "say the word a")
     assert tok.convert_ids_to_tokens(ids) == ["user", ":", "say", "the", "word", "a", "</s>", "assistant", ":"]
 
+
+
+def test_calculator_preset_loads_a_multi_turn_config():
+    from controller.config import load_config
+
+    cfg = load_config(preset="smollm2-calculator")
+    assert cfg.rollout.environment == "calculator" and cfg.rollout.max_turns == 3
+    assert "<tool_call>" in cfg.data.system_prompt
