@@ -55,7 +55,6 @@ from rollers.environments import (
     StepResult,
 )
 from rollers.roller import PromptGroup, build_response_fields, sample_seed
-from rollers.tools import ToolError
 
 _PLACEHOLDER = "\x00OBSERVATION\x00"
 
@@ -147,42 +146,61 @@ class AgentLoop:
         self.num_turns = 0
         self.num_trajectories = 0
         self.env_wait_s = 0.0
+        self.num_turn_resubmits = 0
 
     def stats(self) -> dict[str, float]:
-        """``num_turns`` (model turns of finished trajectories), ``turns_per_trajectory``, ``env_wait_s``."""
+        """``num_turns`` (model turns of finished trajectories), ``turns_per_trajectory``, ``env_wait_s``
+        (seconds trajectories spent in their environments, summed), ``num_turn_resubmits`` (partial-rollout
+        continuations of turns)."""
         per = self.num_turns / self.num_trajectories if self.num_trajectories else 0.0
-        return {"num_turns": float(self.num_turns), "turns_per_trajectory": per, "env_wait_s": self.env_wait_s}
+        return {"num_turns": float(self.num_turns), "turns_per_trajectory": per, "env_wait_s": self.env_wait_s,
+                "num_turn_resubmits": float(self.num_turn_resubmits)}
 
     async def run(self, group: PromptGroup, index: int, greedy: bool, generate: GenerateFn, request_id: str,
                   max_seq_len: int | None) -> Trajectory:
         """Sample ``index`` of ``group`` as a trajectory, each turn through ``generate`` (the roller's engine
         call). Returns it with ``error`` set on an environment failure or too many aborts."""
         traj = Trajectory(request_id=request_id, prompt_tokens=len(group.input_ids))
-        env = self.spec.make(self.context)
         try:
+            env = self.spec.make(self.context)
+        except Exception as exc:  # a user's factory may fail in any way: its trajectory fails
+            traj.error = f"environment {self.spec.name!r} could not be built: {type(exc).__name__}: {exc}"
+            return traj
+        try:  # engine errors (ValueError: a rejected request; EngineError) propagate as in single-turn
             await self._run(env, traj, group, index, greedy, generate, max_seq_len)
-        except (EnvironmentFailure, ToolError, TimeoutError, _TurnAborted) as exc:
+        except (EnvironmentFailure, _TurnAborted) as exc:
             traj.error = f"{type(exc).__name__}: {exc}"
-        except (ValueError, asyncio.CancelledError):
-            raise  # a rejected request fails the group as in single-turn; cancellation propagates
-        except Exception as exc:  # an environment may fail in any way: its trajectory fails, never the roller
-            traj.error = f"environment raised {type(exc).__name__}: {exc}"
         finally:
             try:
-                await asyncio.wait_for(env.close(), self.rollout.env_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - a failing close must not hide the result
-                traj.error = traj.error or f"environment close raised {type(exc).__name__}: {exc}"
+                await self._env_call(traj, env.close())
+            except EnvironmentFailure as exc:
+                traj.error = traj.error or f"close: {exc}"
         self.num_trajectories += 1
         self.num_turns += traj.num_turns
         self.env_wait_s += traj.env_wait_s
         return traj
 
     async def _env_call(self, traj: Trajectory, call: Awaitable):
+        """Await an environment call, bounded by ``rollout.env_timeout_s``; whatever it raises (but
+        cancellation) becomes EnvironmentFailure, so it can only fail its trajectory."""
         started = time.perf_counter()
         try:
             return await asyncio.wait_for(call, self.rollout.env_timeout_s)
+        except TimeoutError as exc:
+            raise EnvironmentFailure(f"an environment call took longer than rollout.env_timeout_s="
+                                     f"{self.rollout.env_timeout_s}") from exc
+        except EnvironmentFailure:
+            raise
+        except Exception as exc:  # a user's environment or tool may fail in any way
+            raise EnvironmentFailure(f"environment raised {type(exc).__name__}: {exc}") from exc
         finally:
             traj.env_wait_s += time.perf_counter() - started
+
+    def _observation(self, role: str, text: str) -> list[int]:
+        try:
+            return self.formatter.tokens(role, text)
+        except Exception as exc:  # a template that cannot render the role, or a non-str observation
+            raise EnvironmentFailure(f"cannot format a {role!r} observation: {type(exc).__name__}: {exc}") from exc
 
     def _room(self, traj: Trajectory, group: PromptGroup, max_seq_len: int | None) -> int:
         room = self.rollout.max_response_length - len(traj.output_ids)
@@ -194,7 +212,7 @@ class AgentLoop:
                    generate: GenerateFn, max_seq_len: int | None) -> None:
         first = await self._env_call(traj, env.reset(group.ground_truth))
         if first:
-            ids = self.formatter.tokens(env.observation_role, first)
+            ids = self._observation(env.observation_role, first)
             if len(ids) >= self._room(traj, group, max_seq_len):
                 raise EnvironmentFailure(f"the first observation ({len(ids)} tokens) leaves no room for a turn")
             traj.append(ids, None, None)
@@ -210,7 +228,7 @@ class AgentLoop:
             if result.done or reason == "length" or traj.num_turns >= self.rollout.max_turns:
                 traj.finish_reason = reason
                 return
-            ids = self.formatter.tokens(env.observation_role, result.observation)
+            ids = self._observation(env.observation_role, result.observation)
             if len(ids) >= self._room(traj, group, max_seq_len):  # no room for the observation and a turn
                 traj.finish_reason = "length"
                 return
@@ -241,6 +259,7 @@ class AgentLoop:
                 return out.finish_reason
             if len(out.output_ids) >= room:
                 return "length"
+            self.num_turn_resubmits += 1
         raise _TurnAborted(f"turn {traj.num_turns} aborted {cfg.max_resubmits + 1} times (rollout.max_resubmits)")
 
     def build_fields(self, outputs: Sequence[Trajectory], scores: Sequence[float], pad_token_id: int,

@@ -47,7 +47,7 @@ def scripted_turns(ctx: EnvContext) -> Environment:
 
 class _Raising(ScriptedTurns):
     async def step(self, action: str) -> StepResult:
-        raise RuntimeError("the environment broke")
+        raise ValueError("the environment broke")  # a ValueError too fails the trajectory, not as a rejected request
 
 
 class _Hanging(ScriptedTurns):

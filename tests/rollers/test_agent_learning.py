@@ -30,7 +30,7 @@ def _called(fields) -> float:
 
 
 @pytest.mark.slow  # ~50 s of CPU: 25 rollout + update steps
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_tiny_model_learns_to_call_the_tool():
     torch.manual_seed(0)
     tok = load_tokenizer(ModelConfig(path="tiny"))
@@ -55,7 +55,7 @@ def test_tiny_model_learns_to_call_the_tool():
             roller.close()
         return called
 
-    called = run(train(), timeout_s=280)
+    called = run(train(), timeout_s=560)  # generous: a loaded 2-core machine is 5x slower
     print("tool-call share per step:", [round(c, 2) for c in called])
     first, last = sum(called[:3]) / 3, sum(called[-3:]) / 3
     assert first < 0.5, called

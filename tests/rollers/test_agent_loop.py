@@ -153,7 +153,7 @@ def test_turn_aborted_mid_generation_resumes_with_its_prefix(tok):
     assert f[schema.RESPONSES][0].tolist() == [10, 11, 12, eos, *obs, 13, eos, *obs, 14, eos]
     assert f[schema.MIN_WEIGHT_VERSION].tolist() == [0] and f[schema.MAX_WEIGHT_VERSION].tolist() == [1]
     assert result.rewards == [pytest.approx(2 * agent_envs.TURN_REWARD + 1.0)]
-    assert roller.stats()["num_resubmits"] == 0  # counted per roller for single-turn only
+    assert roller.stats()["num_turn_resubmits"] == 1
 
 
 def test_trajectory_paused_while_waiting_on_its_tool_records_both_versions(tok):
