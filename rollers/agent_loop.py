@@ -36,6 +36,7 @@ it); a request the engine rejects raises ValueError and an ``EngineError`` propa
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -222,6 +223,9 @@ class AgentLoop:
             result = await self._env_call(traj, env.step(self._last_turn_text(traj)))
             if not isinstance(result, StepResult):
                 raise EnvironmentFailure(f"step returned {type(result).__name__}, not a StepResult")
+            if isinstance(result.reward, bool) or not isinstance(result.reward, int | float) \
+                    or not math.isfinite(result.reward):
+                raise EnvironmentFailure(f"step returned reward {result.reward!r}, not a finite number")
             last = max(i for i, m in enumerate(traj.response_mask) if m)
             traj.token_scores[last] += float(result.reward)
             traj.reward += float(result.reward)

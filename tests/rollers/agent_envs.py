@@ -3,7 +3,8 @@ works in any process that can import ``tests``).
 
 * ``scripted_turns``: answers each of the first ``SCRIPT_TURNS`` turns with ``SCRIPT_OBSERVATION`` (words of the
   tiny vocabulary) and reward ``TURN_REWARD``; the next turn is scored with the task's reward and ends it.
-* ``raising``: ``step`` raises; ``hanging``: ``step`` never returns (its trajectory times out).
+* ``raising``: ``step`` raises; ``hanging``: ``step`` never returns (its trajectory times out);
+  ``nan_reward``: ``step`` answers reward NaN.
 * ``gated``: like ``scripted_turns`` with one observation, but ``step`` waits for ``GATE`` (an
   ``asyncio.Event`` set by the test): a trajectory waiting on its tool while the weights change.
 """
@@ -100,3 +101,13 @@ TOOL_OBSERVATION = "the word is a"
 @register_environment("tool_only_reward")
 def tool_only_reward(ctx: EnvContext) -> Environment:
     return ToolOnlyReward()
+
+
+class _NaNReward(ScriptedTurns):
+    async def step(self, action: str) -> StepResult:
+        return StepResult(reward=float("nan"), done=True)
+
+
+@register_environment("nan_reward")
+def nan_reward(ctx: EnvContext) -> Environment:
+    return _NaNReward(ctx)

@@ -122,7 +122,7 @@ def test_max_turns_and_length_budget_end_the_trajectory(model, tok):
     assert int(f[schema.RESPONSE_LENGTH].max()) <= 12 and f[schema.RESPONSES].shape[1] <= 12
 
 
-@pytest.mark.parametrize("environment, timeout_s", [("raising", 30.0), ("hanging", 0.2)])
+@pytest.mark.parametrize("environment, timeout_s", [("raising", 30.0), ("hanging", 0.2), ("nan_reward", 30.0)])
 def test_failing_environment_fails_its_group_never_the_roller(model, tok, environment, timeout_s):
     results, roller = run(_roll(model, tok, [make_group(tok, i, n=2) for i in range(2)], environment,
                                 n=2, env_timeout_s=timeout_s))
