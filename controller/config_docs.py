@@ -78,6 +78,10 @@ KEY_DOCS: dict[str, str] = {
     "rollout.reward_timeout_s": "seconds one group's scoring may take before the group is marked failed",
     "rollout.max_resubmits": "times one sample may be paused (abort mode) and resumed before it fails",
     "rollout.forced_response_lengths": "benchmarks: [[weight, min, max], ...] forced lengths, EOS ignored; [] = off",
+    "rollout.environment": "multi-turn: a registered environment (calculator | module:name); empty = single-turn",
+    "rollout.max_turns": "multi-turn: most model turns in one trajectory",
+    "rollout.env_timeout_s": "multi-turn: limit of one environment, tool or reward call (seconds)",
+    "rollout.env_max_concurrency": "multi-turn: reward calls one roller runs at once",
     # rollers
     "rollers.num_replicas": "roller processes generating in parallel",
     "rollers.engine": "torch (in-process engine) | sglang (client of an SGLang server)",

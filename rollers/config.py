@@ -33,6 +33,12 @@ class RolloutConfig:
     by (``seed``, uid, sample index), so the same prompt and sample get the same length in every schedule,
     roller and run (``rollers.roller.forced_response_length``). Rewards score the text as usual. Empty (the
     default): responses end at EOS or ``max_response_length``.
+
+    Multi-turn (``rollers.agent_loop``): ``environment`` names a registered environment
+    (``rollers.environments.ENVIRONMENTS``, or ``module:name``); empty (the default) = single-turn. A
+    trajectory has at most ``max_turns`` model turns, and ``max_response_length`` bounds all its tokens (model
+    and environment); ``env_timeout_s`` bounds each environment call, tool call and reward call (seconds);
+    ``env_max_concurrency`` is how many reward calls one roller runs at once.
     """
 
     n: int = 4
@@ -45,8 +51,13 @@ class RolloutConfig:
     reward_timeout_s: float = 30.0
     max_resubmits: int = 16
     forced_response_lengths: list[list[int]] = field(default_factory=list)
+    environment: str = ""
+    max_turns: int = 4
+    env_timeout_s: float = 30.0
+    env_max_concurrency: int = 8
 
     def __post_init__(self):
+        self._check_environment()
         if not self.reward:
             raise ValueError("rollout.reward must be auto | reasoning_gym | tiny_repeat | math_verify | module:function")
         if self.reward_timeout_s <= 0:
@@ -59,6 +70,21 @@ class RolloutConfig:
         if self.max_response_length < 1:
             raise ValueError(f"rollout.max_response_length must be >= 1, got {self.max_response_length}")
         self._check_forced_lengths()
+
+    def _check_environment(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
+        if self.env_timeout_s <= 0:
+            raise ValueError(f"rollout.env_timeout_s must be > 0 (seconds), got {self.env_timeout_s}")
+        if self.env_max_concurrency < 1:
+            raise ValueError(f"rollout.env_max_concurrency must be >= 1, got {self.env_max_concurrency}")
+        if self.environment:
+            from rollers.environments import ENVIRONMENTS
+
+            ENVIRONMENTS.get(self.environment)  # ValueError naming rollout.environment and the registered ones
+            if self.forced_response_lengths:
+                raise ValueError("rollout.forced_response_lengths is for single-turn benchmarks; it cannot be "
+                                 f"combined with rollout.environment={self.environment!r}")
 
     def _check_forced_lengths(self) -> None:
         for bucket in self.forced_response_lengths:

@@ -99,8 +99,8 @@ class GroupResult:
 
 @dataclass(frozen=True)
 class FailedGroup:
-    """A group that was not put: ``stage`` is ``reward`` or ``generate``; ``errors`` one line per problem;
-    ``partition``: the group's (empty: the channel's own, i.e. training)."""
+    """A group that was not put: ``stage`` is ``reward``, ``generate`` or ``environment`` (multi-turn);
+    ``errors`` one line per problem; ``partition``: the group's (empty: the channel's own, i.e. training)."""
 
     uid: str
     sample_ids: tuple[int, ...]
@@ -267,6 +267,11 @@ class Roller:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = tokenizer.eos_token_id
         self._stop_ids = (eos,) if eos is not None else ()
+        self.agent = None  # multi-turn trajectories when rollout.environment is set (rollers.agent_loop)
+        if rollout.environment:
+            from rollers.agent_loop import AgentLoop
+
+            self.agent = AgentLoop(rollout, tokenizer, reward_fn, self._stop_ids)
         self._counters = _Counters()
         self._failures: deque[FailedGroup] = deque(maxlen=_MAX_FAILURES_KEPT)
         self._stopping = asyncio.Event()
@@ -358,6 +363,12 @@ class Roller:
                 raise fatal.exceptions[0] from group_error
             return self._fail(group, "generate", [f"{type(e).__name__}: {e}" for e in failed.exceptions])
         outputs = [task.result() for task in tasks]
+        if self.agent is not None:  # multi-turn: each trajectory was scored by its environment
+            failed = [f"sample {i}: {o.error}" for i, o in enumerate(outputs) if o.error]
+            if failed:
+                self._counters.num_failed_rewards += len(failed)
+                return self._fail(group, "environment", failed)
+            return await self._put(group, outputs[:n], [RewardResult(o.reward) for o in outputs])
         texts = self.tokenizer.batch_decode([o.output_ids for o in outputs], skip_special_tokens=True)
         try:
             results = await asyncio.wait_for(
@@ -380,7 +391,8 @@ class Roller:
                    greedy: tuple[bool, ...], texts: tuple[str, ...]) -> GroupResult:
         scores = [r.score for r in results]
         pad_to = self.rollout.max_response_length if self.pad_to_max_length else None
-        fields = build_response_fields(outputs, scores[: len(outputs)], self.pad_token_id, pad_to)
+        build = build_response_fields if self.agent is None else self.agent.build_fields
+        fields = build(outputs, scores[: len(outputs)], self.pad_token_id, pad_to)
         if self.remax_baseline:
             fields[REWARD_BASELINES] = torch.full((len(outputs),), scores[-1], dtype=torch.float32)
         result = GroupResult(group.uid, group.sample_ids, fields, scores[: len(outputs)], greedy, texts,
@@ -407,6 +419,9 @@ class Roller:
 
     async def _generate(self, group: PromptGroup, index: int, greedy: bool) -> GenerationOutput:
         """One sample, resubmitting prompt + partial output after each abort (partial rollout)."""
+        if self.agent is not None:  # a multi-turn trajectory (rollers.agent_loop)
+            return await self.agent.run(group, index, greedy, self._tracked, f"{self.roller_id}/{group.uid}/{index}",
+                                        self.engine.max_seq_len)
         cfg = self.rollout
         forced = None if greedy or group.validation else forced_response_length(cfg, group.uid, index)
         limit = cfg.max_response_length if forced is None else forced
@@ -477,7 +492,8 @@ class Roller:
         elapsed = max(now - c.started_at, 1e-9)
         busy = c.busy_s + (now - c.busy_since if c.busy_since is not None else 0.0)
         lengths = list(c.lengths)
-        return {
+        agent = self.agent.stats() if self.agent is not None else {}
+        return agent | {
             "tokens_per_s": c.num_tokens / elapsed,
             "requests_in_flight": float(c.in_flight),
             "busy_ratio": min(busy / elapsed, 1.0),

@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from checkpointengine import broadcast as bc
+from common import schema
 from common.models import ModelConfig, load_model, load_tokenizer
 from rollers import sglang_protocol as proto
+from rollers.config import RolloutConfig
 from rollers.engine import EngineError, GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher
@@ -527,3 +529,54 @@ def test_load_weights_group_listens_on_loopback_only(torch_only):
             assert opened and all(is_loopback(a) for a in opened), opened
 
     run(main())
+
+
+# ------------------------------------------------------------------------------------ agent loop over HTTP
+
+
+def test_agent_loop_drives_the_server_with_input_ids(served):
+    """The same multi-turn loop over ``/generate`` with ``input_ids``: trajectories equal those of the
+    in-process torch engine (same model and per-turn seeds), environment tokens masked out."""
+    from rollers.rewards import tiny_repeat_reward
+    from rollers.roller import GroupResult, Roller
+    from rollers.torch_engine import TorchEngine
+    from tests.rollers.engine_helpers import LocalGroupChannel
+    from tests.rollers.test_agent_loop import ENV, make_group, short_turn_stops
+
+    tok = load_tokenizer(served.model)
+    rollout = RolloutConfig(n=2, max_response_length=32, seed=3, environment=ENV + "scripted_turns")
+
+    async def roll(engine):
+        roller = Roller(engine, tok, tiny_repeat_reward, rollout, LocalGroupChannel(), poll_timeout_s=0.05)
+        if served.kind == "torch":
+            roller.agent.stop_ids = short_turn_stops(tok)
+        try:
+            return await roller.process_group(make_group(tok, 0, n=2)), roller.stats()
+        finally:
+            roller.close()
+
+    async def over_http():
+        async with connected(served.url) as client:
+            return await roll(client)
+
+    result, stats = run(over_http())
+    assert isinstance(result, GroupResult) and stats["num_turns"] >= 2
+    mask = result.fields[schema.RESPONSE_MASK]
+    log_probs = result.fields[schema.ROLLOUT_LOG_PROBS]
+    assert torch.all(log_probs[mask == 0] == 0) and torch.all(log_probs[mask == 1] < 0)
+    lengths = result.fields[schema.RESPONSE_LENGTH].tolist()
+    assert any(0 in mask[row, :length].tolist() for row, length in enumerate(lengths))  # environment tokens inside
+    if served.kind != "torch":
+        return
+
+    async def in_process():
+        engine = TorchEngine(load_model(served.model), tok, max_batch_slots=4)
+        try:
+            return await roll(engine)
+        finally:
+            await engine.shutdown()
+
+    reference, _ = run(in_process())
+    for key in (schema.RESPONSES, schema.RESPONSE_MASK, schema.TOKEN_LEVEL_SCORES):
+        assert torch.equal(result.fields[key], reference.fields[key]), key
+    torch.testing.assert_close(log_probs, reference.fields[schema.ROLLOUT_LOG_PROBS], atol=1e-4, rtol=0)

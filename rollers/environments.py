@@ -1,0 +1,169 @@
+"""Environments for the agent loop: one small async interface, registered by name like tasks.
+
+An :class:`Environment` serves one trajectory::
+
+    first = await env.reset(ground_truth)          # text appended after the prompt ("" = nothing)
+    result = await env.step(action_text)           # StepResult(observation, reward, done)
+
+``action_text`` is the model's turn, decoded (for parsing only: the trajectory itself stays token ids,
+``rollers.agent_loop``). ``observation`` is text the loop formats as a turn of role ``observation_role``
+with the model's chat template and appends as tokens; ``reward`` lands on the last model token of the
+turn it answers; ``done`` ends the trajectory.
+
+Plug-ins. ``rollout.environment`` names an :class:`EnvironmentSpec` in ``ENVIRONMENTS`` (or ``module:name``
+of a module that registers one, ``common/registry.py``). Its ``make(ctx)`` builds one environment per
+trajectory from an :class:`EnvContext`: the reward (``rollout.reward`` resolved by the controller, wrapped
+in an :class:`AsyncReward` with a concurrency limit and a timeout) and the per-call timeout. A user one::
+
+    from rollers.environments import EnvContext, register_environment
+
+    @register_environment("my_game")
+    def my_game(ctx: EnvContext) -> Environment:
+        return MyGame(ctx.reward)
+
+Built in: ``calculator`` (a :class:`ToolEnvironment` with ``rollers.tools.calculator``: the model may call
+it any number of times; its first answer without a tool call is scored with the task's reward).
+
+Failures: an environment whose ``reset``/``step`` raises or runs past ``rollout.env_timeout_s``, a tool
+that does (``rollers.tools.ToolError``), or a reward that raises, returns NaN or times out fails its
+trajectory, and with it its group (counted as a reward failure, like single-turn rewards); never the roller.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.registry import Registry
+from rollers.tools import Tool, calculator, call_tool, parse_tool_call
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answers to one action: ``observation`` text (ignored when ``done``), the
+    ``reward`` for that action (float), and whether the trajectory is ``done``."""
+
+    observation: str = ""
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment(abc.ABC):
+    """One trajectory's environment (see the module docstring). ``observation_role``: the chat role its
+    observations are formatted as (``tool`` for tool results; ``user`` for a text game)."""
+
+    observation_role: str = "tool"
+
+    @abc.abstractmethod
+    async def reset(self, ground_truth: dict) -> str:
+        """Start the trajectory for a prompt with ``ground_truth``; returns text to append before the model's
+        first turn ("" = none: the prompt is the first observation)."""
+
+    @abc.abstractmethod
+    async def step(self, action: str) -> StepResult:
+        """Answer the model's turn ``action`` (decoded text)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release what the environment holds (called once, however the trajectory ended)."""
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment, tool or reward failed a trajectory (raised, timed out, or returned NaN)."""
+
+
+class AsyncReward:
+    """A reward function ``fn(text, ground_truth) -> float`` (sync: run in a worker thread; or async) called
+    with at most ``max_concurrency`` calls at once and each bounded by ``timeout_s`` seconds.
+
+    ``await reward(text, ground_truth)`` returns the float; raises EnvironmentFailure when the function
+    raises, times out, or returns something that is not a finite number."""
+
+    def __init__(self, fn: Callable, max_concurrency: int, timeout_s: float):
+        if max_concurrency < 1 or timeout_s <= 0:
+            raise ValueError(f"AsyncReward needs max_concurrency >= 1 and timeout_s > 0, got "
+                             f"{max_concurrency}, {timeout_s}")
+        self.fn, self.timeout_s = fn, timeout_s
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._is_async = inspect.iscoroutinefunction(fn)
+
+    async def __call__(self, text: str, ground_truth: dict) -> float:
+        async with self._slots:
+            call = self.fn(text, ground_truth) if self._is_async else asyncio.to_thread(self.fn, text, ground_truth)
+            try:
+                value = await asyncio.wait_for(call, self.timeout_s)
+            except TimeoutError as exc:
+                raise EnvironmentFailure(f"reward took longer than {self.timeout_s} s") from exc
+            except Exception as exc:  # a user's reward may fail in any way: the trajectory fails
+                raise EnvironmentFailure(f"reward raised {type(exc).__name__}: {exc}") from exc
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise EnvironmentFailure(f"reward returned {value!r}, not a finite number")
+        return float(value)
+
+
+@dataclass(frozen=True)
+class EnvContext:
+    """What an environment factory gets: ``reward`` (the task's reward as an :class:`AsyncReward`) and
+    ``timeout_s`` (``rollout.env_timeout_s``, for calls it makes itself, e.g. tools)."""
+
+    reward: AsyncReward
+    timeout_s: float
+
+
+EnvFactory = Callable[[EnvContext], Environment]
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """An environment plug-in: ``make(ctx)`` builds one :class:`Environment` per trajectory."""
+
+    name: str
+    make: EnvFactory
+
+
+ENVIRONMENTS: Registry[EnvironmentSpec] = Registry("environment", "rollout.environment")
+
+
+def register_environment(name: str) -> Callable[[EnvFactory], EnvFactory]:
+    """Decorator registering ``fn(ctx) -> Environment`` as the environment ``name`` (returns ``fn``).
+    Raises ValueError on a duplicate name."""
+
+    def wrap(fn: EnvFactory) -> EnvFactory:
+        ENVIRONMENTS.register(name, EnvironmentSpec(name, fn))
+        return fn
+
+    return wrap
+
+
+class ToolEnvironment(Environment):
+    """The model calls ``tools`` (``rollers.tools`` format) as often as it likes; each call is answered with
+    the tool's result (reward 0). Its first turn without a tool call is its answer: scored with ``reward``
+    against the ground truth, and the trajectory is done."""
+
+    observation_role = "tool"
+
+    def __init__(self, tools: list[Tool], reward: AsyncReward, timeout_s: float):
+        self.tools = {t.name: t for t in tools}
+        self.reward, self.timeout_s = reward, timeout_s
+        self.ground_truth: dict = {}
+        self.num_tool_calls = 0
+
+    async def reset(self, ground_truth: dict) -> str:
+        self.ground_truth = ground_truth
+        return ""
+
+    async def step(self, action: str) -> StepResult:
+        call = parse_tool_call(action)
+        if call is None:
+            return StepResult(reward=await self.reward(action, self.ground_truth), done=True)
+        self.num_tool_calls += 1
+        return StepResult(observation=await call_tool(self.tools, call, self.timeout_s))
+
+
+@register_environment("calculator")
+def calculator_environment(ctx: EnvContext) -> Environment:
+    """``calculator``: a :class:`ToolEnvironment` with the ``calculator`` tool (``rollers.tools``)."""
+    return ToolEnvironment([calculator], ctx.reward, ctx.timeout_s)

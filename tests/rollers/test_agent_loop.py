@@ -1,0 +1,214 @@
+"""The agent loop (multi-turn trajectories): masks, log-probs, versions, budget, failures, partial rollout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from common import schema
+from common.models import ModelConfig, apply_chat_template, load_tokenizer
+from rollers.agent_loop import ObservationFormatter
+from rollers.config import RolloutConfig
+from rollers.rewards import tiny_repeat_reward
+from rollers.roller import FailedGroup, GroupResult, PromptGroup, Roller
+from rollers.torch_engine import TorchEngine
+from tests.rollers import agent_envs
+from tests.rollers.engine_helpers import LocalGroupChannel, run, spiced_tiny
+from tests.rollers.test_roller import ScriptedEngine
+
+N = 4
+ENV = "tests.rollers.agent_envs:"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(ModelConfig(path="tiny"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return spiced_tiny(seed=2)
+
+
+def make_group(tok, i: int, n: int = N) -> PromptGroup:
+    symbol = "abcdefgh"[i % 8]
+    ids = tuple(apply_chat_template(tok, f"repeat the word {symbol}"))
+    return PromptGroup(f"uid{i}", tuple(range(i * n, (i + 1) * n)), ids, {"answer": symbol})
+
+
+def short_turn_stops(tok) -> tuple[int, ...]:
+    """EOS plus frequent words: the random tiny model then ends its turns after a few tokens."""
+    return (tok.eos_token_id, *tok.convert_tokens_to_ids(["is", ".", "the", "word", "a", "b", "c"]))
+
+
+async def _roll(model, tok, groups, environment, engine=None, **rollout_kwargs):
+    rollout_kwargs = {"n": N, "max_response_length": 64, "seed": 5, **rollout_kwargs}
+    rollout = RolloutConfig(environment=ENV + environment, **rollout_kwargs)
+    engine = engine or TorchEngine(model, tok, max_batch_slots=16)
+    channel = LocalGroupChannel()
+    for group in groups:
+        channel.groups.put_nowait(group)
+    roller = Roller(engine, tok, tiny_repeat_reward, rollout, channel, poll_timeout_s=0.05)
+    roller.agent.stop_ids = short_turn_stops(tok)
+    try:
+        await roller.run(max_groups=len(groups))
+    finally:
+        await engine.shutdown()
+        roller.close()
+    results = []
+    while not channel.results.empty():
+        results.append(channel.results.get_nowait())
+    return results, roller
+
+
+def _spans(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) runs of ``mask``."""
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((mask[start], start, i))
+            start = i
+    return runs
+
+
+def test_trajectory_masks_log_probs_scores_and_versions(model, tok):
+    groups = [make_group(tok, 0)]
+    results, roller = run(_roll(model, tok, groups, "scripted_turns"))
+    assert len(results) == 1 and roller.drain_failures() == []
+    observation = ObservationFormatter(tok).tokens("user", agent_envs.SCRIPT_OBSERVATION)
+    num_multi_turn = 0
+    for result, group in zip(sorted(results, key=lambda r: r.uid), groups, strict=True):
+        f = result.fields
+        for row in range(N):
+            length = int(f[schema.RESPONSE_LENGTH][row])
+            ids = f[schema.RESPONSES][row, :length].tolist()
+            mask = f[schema.RESPONSE_MASK][row, :length].tolist()
+            assert f[schema.RESPONSE_MASK][row, length:].sum() == 0
+            model_runs = [(s, e) for v, s, e in _spans(mask) if v == 1]
+            env_runs = [(s, e) for v, s, e in _spans(mask) if v == 0]
+            assert mask[0] == 1 and mask[-1] == 1  # a trajectory starts and ends with the model
+            for s, e in env_runs:  # every environment span is exactly the formatted observation
+                assert ids[s:e] == observation
+            log_probs = f[schema.ROLLOUT_LOG_PROBS][row, :length]
+            assert torch.all(log_probs[torch.tensor(mask) == 0] == 0)
+            assert torch.all(log_probs[torch.tensor(mask) == 1] < 0)
+            # token-in/token-out: the model's tokens have the log-probs the model gives them in this context
+            with torch.no_grad():
+                full = torch.tensor([list(group.input_ids) + ids])
+                logits = model(full).logits[0, len(group.input_ids) - 1:-1].float()
+                recomputed = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            on = torch.tensor(mask) == 1
+            torch.testing.assert_close(log_probs[on], recomputed[on], atol=2e-4, rtol=0)
+            scores = f[schema.TOKEN_LEVEL_SCORES][row, :length]
+            for _, e in model_runs[:-1]:  # each answered turn's reward sits on its last token
+                assert scores[e - 1] == pytest.approx(agent_envs.TURN_REWARD)
+            assert float(scores.sum()) == pytest.approx(result.rewards[row])
+            assert set(torch.nonzero(scores).flatten().tolist()) <= {e - 1 for _, e in model_runs}
+            num_multi_turn += len(model_runs) > 1
+        assert f[schema.MIN_WEIGHT_VERSION].tolist() == [0] * N
+    assert num_multi_turn >= 2  # the stop words make most trajectories multi-turn
+    assert roller.stats()["turns_per_trajectory"] > 1
+
+
+def test_max_turns_and_length_budget_end_the_trajectory(model, tok):
+    results, roller = run(_roll(model, tok, [make_group(tok, 0)], "scripted_turns", max_turns=1))
+    f = results[0].fields
+    assert f[schema.RESPONSE_MASK].bool().logical_or(f[schema.RESPONSES] == tok.pad_token_id).all()
+    assert roller.stats()["turns_per_trajectory"] == 1.0
+    results, _ = run(_roll(model, tok, [make_group(tok, 1)], "scripted_turns", max_response_length=12))
+    f = results[0].fields
+    assert int(f[schema.RESPONSE_LENGTH].max()) <= 12 and f[schema.RESPONSES].shape[1] <= 12
+
+
+@pytest.mark.parametrize("environment, timeout_s", [("raising", 30.0), ("hanging", 0.2), ("nan_reward", 30.0)])
+def test_failing_environment_fails_its_group_never_the_roller(model, tok, environment, timeout_s):
+    results, roller = run(_roll(model, tok, [make_group(tok, i, n=2) for i in range(2)], environment,
+                                n=2, env_timeout_s=timeout_s))
+    assert results == []  # run() returned: the roller survived both groups
+    failures = roller.drain_failures()
+    assert [f.stage for f in failures] == ["environment", "environment"]
+    assert all(isinstance(f, FailedGroup) for f in failures)
+    assert roller.stats()["num_failed_rewards"] == 2 * 2
+
+
+def test_turn_aborted_mid_generation_resumes_with_its_prefix(tok):
+    """A weight update aborts a turn: the turn is resubmitted with prompt + trajectory so far, and the
+    trajectory records both versions."""
+    eos = tok.eos_token_id
+    engine = ScriptedEngine([([10, 11], [0, 0], "abort"), ([12, eos], [1, 1], "stop"),  # turn 1, across v0 → v1
+                             ([13, eos], [1, 1], "stop"), ([14, eos], [1, 1], "stop")])  # turns 2 and 3
+    channel = LocalGroupChannel()
+    rollout = RolloutConfig(n=1, max_response_length=64, environment=ENV + "scripted_turns")
+    roller = Roller(engine, tok, lambda text, gt: 1.0, rollout, channel, poll_timeout_s=0.05)
+    group = make_group(tok, 0, n=1)
+    result = run(roller.process_group(group))
+    roller.close()
+    assert isinstance(result, GroupResult)
+    obs = ObservationFormatter(tok).tokens("user", agent_envs.SCRIPT_OBSERVATION)
+    assert engine.requests[1].input_ids == group.input_ids + (10, 11)
+    assert engine.requests[2].input_ids == group.input_ids + (10, 11, 12, eos, *obs)
+    f = result.fields
+    assert f[schema.RESPONSES][0].tolist() == [10, 11, 12, eos, *obs, 13, eos, *obs, 14, eos]
+    assert f[schema.MIN_WEIGHT_VERSION].tolist() == [0] and f[schema.MAX_WEIGHT_VERSION].tolist() == [1]
+    assert result.rewards == [pytest.approx(2 * agent_envs.TURN_REWARD + 1.0)]
+    assert roller.stats()["num_turn_resubmits"] == 1
+
+
+def test_trajectory_paused_while_waiting_on_its_tool_records_both_versions(tok):
+    """Real TorchEngine: the trajectory waits in ``env.step`` while the weights change (pause, load v1,
+    resume); its first turn is version 0, its second version 1."""
+    model = spiced_tiny(seed=0)
+    new_weights = {k: v.detach().clone() for k, v in spiced_tiny(seed=1).state_dict().items()}
+
+    async def scenario():
+        gate = agent_envs.GATE["gate"] = asyncio.Event()
+        engine = TorchEngine(model, tok, max_batch_slots=2)
+        channel = LocalGroupChannel()
+        rollout = RolloutConfig(n=1, max_response_length=48, environment=ENV + "gated")
+        roller = Roller(engine, tok, tiny_repeat_reward, rollout, channel, poll_timeout_s=0.05)
+        roller.agent.stop_ids = short_turn_stops(tok)
+        task = asyncio.create_task(roller.process_group(make_group(tok, 0, n=1)))
+        while roller.stats()["requests_in_flight"] > 0 or engine.stats()["num_tokens_generated"] == 0:
+            await asyncio.sleep(0.005)  # the first turn is done: the trajectory waits on its environment
+        await engine.pause("abort")
+        await engine.load_weights(new_weights.items(), 1)
+        await engine.resume()
+        gate.set()
+        result = await asyncio.wait_for(task, 60)
+        await engine.shutdown()
+        roller.close()
+        return result
+
+    result = run(scenario())
+    assert isinstance(result, GroupResult)
+    f = result.fields
+    mask = f[schema.RESPONSE_MASK][0].tolist()
+    assert [v for v, _, _ in _spans(mask[: int(f[schema.RESPONSE_LENGTH][0])])] == [1, 0, 1]
+    assert f[schema.MIN_WEIGHT_VERSION].tolist() == [0] and f[schema.MAX_WEIGHT_VERSION].tolist() == [1]
+
+
+def test_environment_config_is_checked():
+    with pytest.raises(ValueError, match="rollout.environment"):
+        RolloutConfig(environment="no_such_env")
+    with pytest.raises(ValueError, match="rollout.max_turns"):
+        RolloutConfig(max_turns=0)
+    with pytest.raises(ValueError, match="rollout.env_timeout_s"):
+        RolloutConfig(env_timeout_s=0)
+    with pytest.raises(ValueError, match="forced_response_lengths"):
+        RolloutConfig(environment="calculator", forced_response_lengths=[[1, 1, 2]])
+
+
+def test_observation_formatter_follows_the_chat_template(tok):
+    ids = ObservationFormatter(tok).tokens("user", "say the word a")
+    assert tok.convert_ids_to_tokens(ids) == ["user", ":", "say", "the", "word", "a", "</s>", "assistant", ":"]
+
+
+
+def test_calculator_preset_loads_a_multi_turn_config():
+    from controller.config import load_config
+
+    cfg = load_config(preset="smollm2-calculator")
+    assert cfg.rollout.environment == "calculator" and cfg.rollout.max_turns == 3
+    assert "<tool_call>" in cfg.data.system_prompt

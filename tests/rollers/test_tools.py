@@ -1,0 +1,113 @@
+"""Tools, the tool-call format, async rewards and the calculator environment (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rollers.environments import ENVIRONMENTS, AsyncReward, EnvContext, EnvironmentFailure
+from rollers.rewards import math_verify_reward
+from rollers.tools import (
+    Tool,
+    ToolCall,
+    ToolError,
+    calculator,
+    call_tool,
+    evaluate_expression,
+    parse_tool_call,
+    tool,
+)
+from tests.rollers.engine_helpers import run
+
+
+def call_text(name: str, arguments: str) -> str:
+    return f'Let me compute. <tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+
+
+def test_parse_tool_call():
+    assert parse_tool_call("no call here") is None
+    assert parse_tool_call(call_text("calculator", '{"expression": "1+2"}')) == \
+        ToolCall("calculator", {"expression": "1+2"})
+    assert parse_tool_call('<tool_call>{"name": "x", "arguments": {}}') == ToolCall("x", {})  # unclosed tag
+    assert "not valid JSON" in parse_tool_call("<tool_call>{oops</tool_call>").error
+    assert "name" in parse_tool_call('<tool_call>["x"]</tool_call>').error
+    assert "object" in parse_tool_call('<tool_call>{"name": "x", "arguments": 3}</tool_call>').error
+
+
+def test_calculator_is_safe_and_exact():
+    assert evaluate_expression("123456789 + 987654321 - 5 * (2 + 1)") == "1111111095"
+    for bad in ("__import__('os').system('true')", "2 ** 100000", "1 / 0", "x + 1", "9" * 600):
+        assert evaluate_expression(bad).startswith("error:")
+
+
+def test_call_tool_answers_mistakes_and_fails_on_tool_errors():
+    tools = {"calculator": calculator}
+    assert run(call_tool(tools, ToolCall("calculator", {"expression": "40+2"}), 5.0)) == "42"
+    assert "unknown tool" in run(call_tool(tools, ToolCall("search", {}), 5.0))
+    assert "bad arguments" in run(call_tool(tools, ToolCall("calculator", {"expr": "1"}), 5.0))
+    assert run(call_tool(tools, ToolCall("", {}, "the tool call is not valid JSON"), 5.0)).startswith("error:")
+
+    @tool({"type": "object", "properties": {}})
+    def broken():
+        """Always fails."""
+        raise RuntimeError("boom")
+
+    @tool({"type": "object", "properties": {}})
+    async def slow():
+        await asyncio.sleep(10)
+
+    assert broken.description == "Always fails." and broken.spec()["function"]["name"] == "broken"
+    with pytest.raises(ToolError, match="boom"):
+        run(call_tool({"broken": broken}, ToolCall("broken", {}), 5.0))
+    with pytest.raises(ToolError, match="longer than"):
+        run(call_tool({"slow": slow}, ToolCall("slow", {}), 0.05))
+    with pytest.raises(ValueError, match="object"):
+        Tool("t", lambda: 1, {"type": "string"})
+
+
+def test_async_reward_limits_concurrency_and_times_out():
+    running, peak = 0, 0
+
+    async def reward(text, gt):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+        return 1.0 if text == gt["answer"] else 0.0
+
+    async def scenario():
+        limited = AsyncReward(reward, max_concurrency=2, timeout_s=5.0)
+        return await asyncio.gather(*(limited("7", {"answer": "7"}) for _ in range(6)))
+
+    assert run(scenario()) == [1.0] * 6 and peak == 2
+
+    def hanging(text, gt):
+        time.sleep(1.0)
+        return 1.0
+
+    with pytest.raises(EnvironmentFailure, match="longer than"):
+        run(AsyncReward(hanging, 1, 0.05)("x", {}))
+    with pytest.raises(EnvironmentFailure, match="finite"):
+        run(AsyncReward(lambda t, g: float("nan"), 1, 5.0)("x", {}))
+    with pytest.raises(EnvironmentFailure, match="KeyError"):
+        run(AsyncReward(lambda t, g: g["missing"], 1, 5.0)("x", {}))
+
+
+def test_calculator_environment_answers_calls_then_scores_the_answer():
+    ctx = EnvContext(AsyncReward(math_verify_reward, 4, 10.0), timeout_s=5.0)
+    env = ENVIRONMENTS.get("calculator").make(ctx)
+
+    async def episode(final: str):
+        assert await env.reset({"answer": "1111"}) == ""
+        first = await env.step(call_text("calculator", '{"expression": "1000 + 111"}'))
+        second = await env.step(final)
+        return first, second
+
+    first, second = run(episode("The answer is 1111."))
+    assert (first.observation, first.reward, first.done) == ("1111", 0.0, False)
+    assert second.done and second.reward == 1.0
+    _, wrong = run(episode("The answer is 1112."))
+    assert wrong.done and wrong.reward == 0.0
