@@ -12,6 +12,13 @@ Every run that created its directory leaves ``summary.json`` with the same keys 
 null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``; ``startup_s`` (start
 to pools up), ``shutdown_s`` and ``wall_s`` (start through shutdown) are added after shutdown.
 
+``hflow-async --resume RUN_DIR [--resume-step N]`` continues a run from its latest job checkpoint (or step
+N's; ``controller/job_checkpoint.py``) in the same directory: ``metrics.jsonl`` keeps the rows up to that
+step and grows from there, ``weight_version`` continues, the samples buffered at the checkpoint are
+trained and the groups in flight re-issued. A changed config key that would break the run's promises is
+refused (exit 2, naming the keys); a checkpoint with nothing left to train (``trainer.total_steps``
+reached, or the data exhausted with nothing buffered) exits 0 at once.
+
 Start-up prints one line per thing it starts (Ray, then each pool: ``Runtime(on_stage=...)``). A local Ray
 cluster this job started is shut down with it and its session directory removed, except after a failed
 run, whose Ray logs are kept and named.
@@ -58,22 +65,32 @@ async def _gauges(stages) -> None:
             logger.debug("gauge refresh failed: %s", exc)
 
 
-async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> None:
-    """Run the schedule of ``cfg.mode``; fills ``counts`` with the run's counters however it ends (a stop
-    signal cancels this task: see ``_Stop``)."""
+async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, resume_from: Path | None = None) -> None:
+    """Run the schedule of ``cfg.mode`` (after restoring the job checkpoint ``resume_from``); fills ``counts``
+    with the run's counters however it ends (a stop signal cancels this task: see ``_Stop``; a job
+    checkpoint is written then, and at the end)."""
     from controller.report import group_reward_stats
     from controller.schedules import SCHEDULES, Stages
 
     _STOP.attach(asyncio.current_task())
     stages = Stages(cfg, rt, metrics, report)
     gauges = asyncio.ensure_future(_gauges(stages))
+    restored = resume_from is None
     try:
+        if resume_from is not None:
+            await stages.checkpointer.restore(stages, resume_from)
+            restored = True
         await SCHEDULES[cfg.mode](stages)
+        await stages.checkpointer.save(stages, "end of the run")
         await stages.refresh_gauges()
         try:
             await stages.write_timeline()
         except Exception as exc:  # noqa: BLE001 - a benchmark aid must never fail a run that completed
             logger.warning("could not write timeline.json: %s", exc)
+    except asyncio.CancelledError:
+        if _STOP.signum is not None and restored and stages.step > 0:
+            _save_on_stop(stages)
+        raise
     finally:
         gauges.cancel()
         await asyncio.gather(gauges, return_exceptions=True)
@@ -88,6 +105,46 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
             **group_reward_stats(stages.rewards_by_uid),
         })
         _STOP.attach(None)
+
+
+def _save_on_stop(stages) -> None:
+    """A job checkpoint once a stop signal has unwound every stage (blocking: no stage runs meanwhile)."""
+    try:
+        stages.checkpointer.save_now(stages, f"stopped by {signal.Signals(_STOP.signum).name}")
+    except Exception as exc:  # noqa: BLE001 - the previous checkpoint stays whole; the stop goes on
+        print(f"hflow-async: could not write a job checkpoint at the stop: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+
+
+def _prepare_resume(cfg: HFlowConfig, step: int | None):
+    """(checkpoint directory, JobState, rows of metrics.jsonl kept) to resume ``cfg.run_dir`` from, or None
+    when nothing is left to train (a line says why). Raises StartError when there is no such checkpoint,
+    the config changed a key it may not, or the run's model directory exists while steps remain."""
+    from controller.job_checkpoint import JobState, check_resume_config, find_checkpoint, truncate_metrics
+
+    run_dir = Path(cfg.run_dir)
+    try:
+        path = find_checkpoint(run_dir, step)
+        state = JobState.read(path)
+        changed = check_resume_config(state.config, to_dict(cfg))
+    except ValueError as exc:
+        raise StartError(str(exc)) from exc
+    if changed:
+        print(f"hflow-async: resuming with changed {', '.join(changed)}", flush=True)
+    if state.step >= cfg.trainer.total_steps:
+        print(f"hflow-async: {path} is at step {state.step} of trainer.total_steps={cfg.trainer.total_steps}: "
+              "nothing left to train", flush=True)
+        return None
+    if state.feeder["exhausted"] and not state.buffered_uids and not state.in_flight_uids:
+        print(f"hflow-async: data exhausted at step {state.step} ({path}: every prompt of data.epochs="
+              f"{cfg.data.epochs} is trained, none buffered): nothing left to train", flush=True)
+        return None
+    if (run_dir / MODEL_DIR).exists():
+        raise StartError(f"{run_dir / MODEL_DIR} holds the model of a completed run; move it away to resume "
+                         f"from step {state.step}")
+    print(f"hflow-async: resuming {run_dir} from {path} (step {state.step}, weight_version {state.weight_version})",
+          flush=True)
+    return path, state, truncate_metrics(run_dir, state.step)
 
 
 def num_batches(cfg: HFlowConfig) -> int:
@@ -148,7 +205,7 @@ def check_run_dir(run_dir: Path) -> None:
         raise StartError(
             f"run_dir={str(run_dir)!r} already holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "
             "name a new directory (run_dir=runs/NAME, or no run_dir for runs/<timestamp>) or remove the old "
-            "one (resuming a run is not supported yet)")
+            "one (or continue it: hflow-async --resume RUN_DIR)")
 
 
 class _Stop:
@@ -295,8 +352,9 @@ def _shut_down(rt, metrics, owns_ray: bool, session_dir: Path | None, keep_logs:
             remove_ray_session_dir(session_dir)
 
 
-def run_job(cfg: HFlowConfig) -> int:
-    """Run ``cfg`` to completion; returns the process exit code (see the module docstring)."""
+def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = None) -> int:
+    """Run ``cfg`` to completion; returns the process exit code (see the module docstring). ``resume``:
+    continue the run in ``cfg.run_dir`` from its job checkpoint of step ``resume_step`` (None: the latest)."""
     from common.env import setup_process_env
 
     started = time.monotonic()
@@ -319,8 +377,15 @@ def run_job(cfg: HFlowConfig) -> int:
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
     _STOP.reset()
     previous_handlers = _stop_on_sigterm()
+    resume_from, kept_rows = None, []
     try:
-        check_run_dir(run_dir)
+        if resume:
+            prepared = _prepare_resume(cfg, resume_step)
+            if prepared is None:
+                return EXIT_OK
+            resume_from, _, kept_rows = prepared
+        else:
+            check_run_dir(run_dir)
         make_user_modules_importable(cfg)
         check_data(cfg)
         if cfg.metrics.enabled:  # before the run directory exists: a port in use is a start error like the rest
@@ -331,6 +396,7 @@ def run_job(cfg: HFlowConfig) -> int:
                                  f"metrics.port={cfg.metrics.port}: {exc}") from exc
         run_dir.mkdir(parents=True, exist_ok=True)
         report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
+        report.steps.extend(kept_rows)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.metrics.enabled:
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
@@ -352,7 +418,7 @@ def run_job(cfg: HFlowConfig) -> int:
         summary["startup_s"] = time.monotonic() - started
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
               f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
-        asyncio.run(_run_schedule(cfg, rt, metrics, report, summary))
+        asyncio.run(_run_schedule(cfg, rt, metrics, report, summary, resume_from))
         rt.trainer.export_model(str(run_dir / MODEL_DIR))
         summary.update(status="completed", model_dir=str(run_dir / MODEL_DIR))
         print(f"hflow-async: trained model in {run_dir / MODEL_DIR} (a Hugging Face model directory: "

@@ -41,6 +41,7 @@ import torch
 from common import schema
 from controller.admission import Admission, staleness
 from controller.config import HFlowConfig
+from controller.job_checkpoint import JobCheckpointer
 from controller.metrics import JobMetrics
 from controller.report import RunReport, group_reward_stats
 from controller.runtime import PARTITION, Runtime
@@ -85,6 +86,10 @@ class Stages:
         self.admitted_at: dict[str, float] = {}
         self.rewards_by_uid: dict[str, list[float]] = {}
         self.changed = asyncio.Event()  # version synced or groups dropped: admission may allow more
+        # Held by every stage that puts prompts or removes untrained groups, and by a job checkpoint's
+        # snapshot (controller/job_checkpoint.py): the feeder, the TransferQueue and the counters agree.
+        self.feeder_lock = asyncio.Lock()
+        self.checkpointer = JobCheckpointer(cfg)
         self._last_step_end = time.monotonic()
         self.num_samples_received = 0  # samples taken from the TransferQueue (each one was produced)
         self.num_groups_generated = 0
@@ -99,22 +104,23 @@ class Stages:
         ``bounded``: also stay within the staleness admission bound (fully-async); the sync and
         one-step-off loops bound staleness by their structure instead.
         """
-        k = min(max_groups, self.total_groups - (self.admission.started - self.admission.dropped))
-        if bounded:
-            k = min(k, self.admission.num_admissible(self.synced_weight_version))
-        if k <= 0 or self.exhausted:
-            return 0
-        # Count the groups as started before awaiting the feeder, so a concurrent admit sees them.
-        if bounded:
-            self.admission.start(k, self.synced_weight_version)
-        else:
-            self.admission.started += k
-        fed = await self.rt.feeder.feed.remote(k)
-        if len(fed) < k:
-            self.exhausted = True
-            self.admission.started -= k - len(fed)
-        self._track(fed)
-        return len(fed)
+        async with self.feeder_lock:
+            k = min(max_groups, self.total_groups - (self.admission.started - self.admission.dropped))
+            if bounded:
+                k = min(k, self.admission.num_admissible(self.synced_weight_version))
+            if k <= 0 or self.exhausted:
+                return 0
+            # Count the groups as started before awaiting the feeder, so a concurrent admit sees them.
+            if bounded:
+                self.admission.start(k, self.synced_weight_version)
+            else:
+                self.admission.started += k
+            fed = await self.rt.feeder.feed.remote(k)
+            if len(fed) < k:
+                self.exhausted = True
+                self.admission.started -= k - len(fed)
+            self._track(fed)
+            return len(fed)
 
     async def generate(self, num_groups: int, train_weight_version: int, enforce_staleness: bool = False):
         """Wait until ``num_groups`` whole prompt groups are generated and scored; their BatchMeta.
@@ -169,6 +175,10 @@ class Stages:
         rewards = torch.tensor([float(t[REWARD_TAG]) for t in meta.tags], dtype=torch.float64)
         if filter_zero_variance_groups([uid] * len(meta), rewards).kept_uids:
             return False
+        async with self.feeder_lock:
+            return await self._replace(meta, uid)
+
+    async def _replace(self, meta, uid: str) -> bool:
         depth = self.refill_depth.get(uid, 0)
         fed = [] if depth >= self.cfg.algorithm.max_refill_rounds else await self.rt.feeder.feed.remote(1)
         if not fed:
@@ -189,7 +199,12 @@ class Stages:
         return True
 
     async def update(self, meta) -> dict:
-        """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update."""
+        """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update; then a
+        job checkpoint every ``trainer.save_every`` steps. A stop signal arriving meanwhile takes effect
+        once the step is trained and recorded, so the trainer and the controller agree on the step."""
+        return await _finish_before_cancel(self._update(meta))
+
+    async def _update(self, meta) -> dict:
         start, wall_start = time.monotonic(), time.time()
         wait_s = max(0.0, start - self._last_step_end)
         self.metrics.trainer_wait.inc(wait_s)
@@ -198,13 +213,11 @@ class Stages:
         self.timeline["update"].append((wall_start, time.time()))
         self.weight_version += 1
         self.step += 1
-        every = self.cfg.trainer.save_every
-        if every and self.step % every == 0:  # trainer state (model, optimizer, scheduler, version, RNG)
-            path = Path(self.cfg.run_dir) / "checkpoints" / f"step_{self.step}"
-            await asyncio.to_thread(self.rt.trainer.save_checkpoint, str(path))
         self.outstanding -= len(set(t[schema.UID] for t in meta.tags))
         await self.rt.tq.aclear(PARTITION, meta.sample_ids)
         self._record(meta, train_metrics, time.monotonic() - start, wait_s)
+        if self.checkpointer.due(self.step):
+            await self.checkpointer.save(self, "every trainer.save_every steps")
         return train_metrics
 
     async def sync_weights(self, pause_mode: str | None = None) -> None:
@@ -261,6 +274,10 @@ class Stages:
         self.outstanding += len(fed)
 
     async def _drop(self, meta, group_staleness: int) -> None:
+        async with self.feeder_lock:
+            await self._drop_and_reissue(meta, group_staleness)
+
+    async def _drop_and_reissue(self, meta, group_staleness: int) -> None:
         uid = meta.tags[0][schema.UID]
         logger.info("dropping group %s (staleness %d > %d); re-issuing its prompt", uid, group_staleness,
                     self.cfg.algorithm.max_staleness)
@@ -387,6 +404,24 @@ class Stages:
         return timeline
 
 
+async def _finish_before_cancel(coro):
+    """Await ``coro`` to its end even when the awaiting task is cancelled meanwhile; then re-raise the
+    cancellation (``asyncio.shield`` alone would return at the cancellation, leaving ``coro`` running)."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
 def _digest(tags: list[dict]) -> str:
     """One digest of a step's responses, independent of sample order (for run-to-run parity)."""
     import hashlib
@@ -400,7 +435,7 @@ def _digest(tags: list[dict]) -> str:
 
 async def run_sync(st: Stages) -> None:
     B = st.cfg.data.train_batch_size
-    for _ in range(st.cfg.trainer.total_steps):
+    for _ in range(st.step, st.cfg.trainer.total_steps):
         fed = await st.admit(B, bounded=False)
         meta = await st.generate(fed, train_weight_version=st.weight_version)
         await st.update(meta)
@@ -409,9 +444,12 @@ async def run_sync(st: Stages) -> None:
 
 async def run_one_step_off(st: Stages) -> None:
     B, total = st.cfg.data.train_batch_size, st.cfg.trainer.total_steps
-    fed = await st.admit(B, bounded=False)
+    if st.step >= total:
+        return
+    # After a resume, the groups of the next batch restored or re-issued are part of B₀.
+    fed = st.outstanding + await st.admit(B - st.outstanding, bounded=False)
     meta = await st.generate(fed, train_weight_version=st.weight_version)
-    for step in range(total):
+    for step in range(st.step, total):
         pending = None
         if step < total - 1:  # batch k+1: generated with v_k while the trainer trains on batch k
             fed = await st.admit(B, bounded=False)
@@ -429,7 +467,7 @@ async def run_fully_async(st: Stages) -> None:
     per_step = st.groups_per_step
     admitter = asyncio.ensure_future(_keep_admitting(st))
     try:
-        for step in range(st.cfg.trainer.total_steps):
+        for step in range(st.step, st.cfg.trainer.total_steps):
             need = per_step if not st.exhausted else min(per_step, st.outstanding)
             meta = await st.generate(need, train_weight_version=st.weight_version, enforce_staleness=True)
             await st.update(meta)
