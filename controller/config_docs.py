@@ -84,9 +84,9 @@ KEY_DOCS: dict[str, str] = {
     "trainer.lr_schedule": "constant | cosine (after trainer.warmup_steps)",
     "trainer.warmup_steps": "linear learning-rate warm-up, in trainer steps",
     "trainer.max_grad_norm": "gradient clipping by global norm",
-    "trainer.save_every": "write a job checkpoint (hflow-async --resume RUN_DIR) every N steps, on a stop signal "
-                          "and at the end, in RUN_DIR/checkpoints; 0 = never",
+    "trainer.save_every": "job checkpoint (for --resume RUN_DIR) every N steps, at a stop and at the end; 0 = never",
     "trainer.keep_checkpoints": "job checkpoints kept (the latest); 0 = all",
+    "trainer.max_restarts": "restarts from the latest job checkpoint after losing a trainer rank; 0 = fail",
     "trainer.num_threads": "torch threads per trainer rank",
     "trainer.use_reference": "keep a frozen reference policy (needed by KL loss or KL in reward)",
     "trainer.critic_lr": "the critic's learning rate (adv_estimator=gae only)",

@@ -116,6 +116,47 @@ def _save_on_stop(stages) -> None:
               file=sys.stderr, flush=True)
 
 
+def _start_runtime(cfg: HFlowConfig):
+    """Start every pool (``controller.runtime.Runtime``); a ValueError raised in a pool is a StartError."""
+    import ray
+
+    from controller.runtime import Runtime
+
+    try:
+        return Runtime(cfg, num_batches(cfg), on_stage=lambda what: print(f"hflow-async: {what}", flush=True))
+    except ray.exceptions.RayTaskError as err:
+        cause = _unwrap(err)
+        if isinstance(cause, ValueError):
+            raise StartError(str(cause)) from cause
+        raise cause from None
+
+
+def _add_sglang_targets(targets, cfg: HFlowConfig, rt) -> None:
+    """Add the SGLang servers' /metrics of ``rt``'s rollers to the scrape ``targets`` (when there are any)."""
+    import ray
+
+    if targets is not None and cfg.rollers.engine == "sglang":
+        urls = ray.get([r.metrics_url.remote() for r in rt.rollers])
+        targets.update(sglang={n: u for n, u in zip(rt.roller_names, urls, strict=True) if u})
+
+
+def _restart_point(cfg: HFlowConfig, lost: BaseException, restart: int) -> Path:
+    """The job checkpoint to restart from after ``lost`` (a ``TrainerRankLost``), restart number
+    ``restart + 1``; re-raises ``lost`` when ``trainer.max_restarts`` are used up or there is no checkpoint."""
+    from controller.job_checkpoint import list_checkpoints
+
+    found = list_checkpoints(cfg.run_dir)
+    if restart >= cfg.trainer.max_restarts or not found:
+        if cfg.trainer.max_restarts and not found:
+            print("hflow-async: no job checkpoint to restart from yet (trainer.save_every="
+                  f"{cfg.trainer.save_every})", file=sys.stderr, flush=True)
+        raise lost
+    path = found[max(found)]
+    print(f"hflow-async: {lost}; restarting the pools from {path} (restart {restart + 1} of "
+          f"trainer.max_restarts={cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
+    return path
+
+
 def _prepare_resume(cfg: HFlowConfig, step: int | None):
     """(checkpoint directory, JobState, rows of metrics.jsonl kept) to resume ``cfg.run_dir`` from, or None
     when nothing is left to train (a line says why). Raises StartError when there is no such checkpoint,
@@ -362,9 +403,10 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
     setup_process_env(num_threads=1)  # before ray is imported: Ray reads its bind settings at import
     import ray
 
+    from controller.job_checkpoint import truncate_metrics
     from controller.metrics import JobMetrics
     from controller.report import RunReport
-    from controller.runtime import Runtime
+    from trainers.group import TrainerRankLost
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not cfg.run_dir:  # resolved here, not in the config: a saved config starts a new run each time
@@ -405,20 +447,25 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
         session_dir = _start_ray(cfg, owns_ray)
         _stop_on_sigterm()  # again: ray.init installs its own SIGTERM handler
         t0 = time.monotonic()
-        try:
-            rt = Runtime(cfg, num_batches(cfg), on_stage=lambda what: print(f"hflow-async: {what}", flush=True))
-        except ray.exceptions.RayTaskError as err:
-            cause = _unwrap(err)
-            if isinstance(cause, ValueError):
-                raise StartError(str(cause)) from cause
-            raise cause from None
-        if targets is not None and cfg.rollers.engine == "sglang":
-            urls = ray.get([r.metrics_url.remote() for r in rt.rollers])
-            targets.update(sglang={n: u for n, u in zip(rt.roller_names, urls, strict=True) if u})
+        rt = _start_runtime(cfg)
+        _add_sglang_targets(targets, cfg, rt)
         summary["startup_s"] = time.monotonic() - started
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
               f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
-        asyncio.run(_run_schedule(cfg, rt, metrics, report, summary, resume_from))
+        for restart in range(cfg.trainer.max_restarts + 1):
+            try:
+                asyncio.run(_run_schedule(cfg, rt, metrics, report, summary, resume_from))
+                break
+            except TrainerRankLost as lost:
+                resume_from = _restart_point(cfg, lost, restart)
+                rt.close()
+                rt = None
+                report.close()
+                kept_rows = truncate_metrics(run_dir, int(resume_from.name.removeprefix("step_")))
+                report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress)
+                report.steps.extend(kept_rows)
+                rt = _start_runtime(cfg)
+                _add_sglang_targets(targets, cfg, rt)
         rt.trainer.export_model(str(run_dir / MODEL_DIR))
         summary.update(status="completed", model_dir=str(run_dir / MODEL_DIR))
         print(f"hflow-async: trained model in {run_dir / MODEL_DIR} (a Hugging Face model directory: "

@@ -33,7 +33,8 @@ class TrainerConfig:
     ``ppo_mini_batch_size`` is in prompts (× ``rollout.n`` samples inside); ``ppo_micro_batch_size`` is
     in samples; ``save_every`` in trainer steps (0 = never: no job checkpoint at all, neither on a stop
     signal nor at the end); ``keep_checkpoints``: how many job checkpoints are kept, the latest (0 = all);
-    ``num_threads`` torch threads per rank.
+    ``max_restarts``: times a job restarts its pools from the latest job checkpoint after losing a trainer
+    rank (0: the job fails, naming the rank); ``num_threads`` torch threads per rank.
     ``critic_lr``: the critic's learning rate (GAE only). ``device``: auto (cuda when the Ray cluster has a
     GPU per rank, else cpu) | cpu (gloo) | cuda (nccl, one GPU per rank). ``num_cpus_per_rank``: Ray
     logical CPUs per rank actor (fractional allowed). ``timeout_s``: bound on every collective and on
@@ -55,6 +56,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     save_every: int = 0
     keep_checkpoints: int = 0
+    max_restarts: int = 0
     num_threads: int = 1
     use_reference: bool = False
     critic_lr: float = 1e-5
@@ -77,7 +79,7 @@ class TrainerConfig:
         _check_choice("trainer.device", self.device, TRAINER_DEVICES)
         if self.max_grad_norm <= 0:
             raise ValueError(f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        for key in ("warmup_steps", "save_every", "keep_checkpoints"):
+        for key in ("warmup_steps", "save_every", "keep_checkpoints", "max_restarts"):
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         _check_choice("trainer.lr_schedule", self.lr_schedule, LR_SCHEDULES)

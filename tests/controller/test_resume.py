@@ -40,9 +40,10 @@ JOB = ["--mode", "fully-async", "--preset", "tiny", "data.size=8", "data.train_b
 
 
 def run(args: list[str], until: Callable[[str], bool] | None = None, sig: int = signal.SIGKILL,
-        **env_vars: str) -> tuple[int, str, str]:
+        watch: Callable[[int, str], None] | None = None, **env_vars: str) -> tuple[int, str, str]:
     """Run ``python -m controller.cli *args``; once ``until(stdout)`` holds, send ``sig`` to the job's process
-    (then kill what it started). Returns (exit code, stdout, stderr)."""
+    (then kill what it started); ``watch(pid, stdout)`` is called while it runs. Returns (exit code, stdout,
+    stderr)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], cwd=REPO, env=env,
@@ -55,6 +56,9 @@ def run(args: list[str], until: Callable[[str], bool] | None = None, sig: int = 
         reader.start()
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
+        while watch is not None and proc.poll() is None and time.monotonic() < deadline:
+            watch(proc.pid, "".join(out))
+            time.sleep(0.2)
         while until is not None and not until("".join(out)):
             assert proc.poll() is None, f"ended first (rc {proc.returncode}):\n{''.join(out)[-2000:]}\n{''.join(err)[-3000:]}"
             assert time.monotonic() < deadline, f"not there within {RUN_TIMEOUT_S}s:\n{''.join(err)[-3000:]}"
@@ -98,7 +102,7 @@ def test_kill_mid_save_then_sigterm_then_resume_trains_every_prompt_once(tmp_pat
     code, out, err = run(["--resume", str(run_dir), "trainer.save_every=100"],
                          until=lambda o: STEP_LINE.search(o) is not None, sig=signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, err[-3000:]
-    assert "from step 1" in out
+    assert "(step 1, weight_version 1)" in out
     stopped_at = max(list_checkpoints(run_dir))
     stop = JobState.read(run_dir / CHECKPOINTS / f"step_{stopped_at}")
     assert stopped_at >= 2 and stop.reason == "stopped by SIGTERM" and stop.weight_version == stopped_at
@@ -172,3 +176,58 @@ def test_resume_needs_a_job_checkpoint(tmp_path, capsys):
     assert done.returncode == 2 and "no job checkpoint" in done.stderr
     done = cli(capsys, "--resume", str(tmp_path / "nowhere"))
     assert done.returncode == 2 and "no run there" in done.stderr
+
+
+def trainer_rank_pids(job_pid: int) -> list[int]:
+    """PIDs of the trainer rank actors the job ``job_pid`` started (Ray's worker processes descend from the
+    raylet the job started, and take their actor's class as their title); other jobs' are left alone."""
+    parent, title = {}, {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            title[int(proc.name)] = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):  # a process that ended while we looked
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == job_pid:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return [pid for pid, name in title.items() if b"ray::TrainerActor" in name and descends(pid)]
+
+
+def kill_trainer_after_step(step: int) -> Callable[[int, str], None]:
+    """A ``watch`` for ``run``: once step ``step`` is trained, SIGKILL the trainer rank's process (once)."""
+    killed: list[int] = []
+
+    def watch(pid: int, out: str) -> None:
+        if not killed and any(int(m) >= step for m in STEP_LINE.findall(out)):
+            killed.extend(trainer_rank_pids(pid))
+            assert len(killed) == 1, killed
+            os.kill(killed[0], signal.SIGKILL)
+
+    return watch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_lost_trainer_rank_restarts_from_the_checkpoint_or_fails_naming_it(tmp_path, max_restarts):
+    run_dir = tmp_path / "run"
+    args = [*JOB, "data.epochs=1", "trainer.total_steps=4", f"trainer.max_restarts={max_restarts}",
+            f"run_dir={run_dir}"]
+    code, out, err = run(args, watch=kill_trainer_after_step(1))
+    assert "trainer rank 0 was lost in " in err
+    if max_restarts == 0:
+        assert code == 1 and "run failed: TrainerRankLost" in err
+        return
+    assert code == 0, err[-3000:]
+    assert "restarting the pools from" in err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["weight_version"] == r["step"] for r in rows)
+    trained = sorted(base_uid(u) for r in rows for u in r["uids"])
+    assert trained == sorted(f"s{step}.p{pos}" for step in range(4) for pos in range(2))
+
