@@ -93,7 +93,6 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
         raise
     finally:
         gauges.cancel()
-        await asyncio.gather(gauges, return_exceptions=True)
         counts.update({
             "num_syncs": stages.num_syncs,
             "num_groups_admitted": stages.admission.started,
@@ -105,6 +104,8 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             **group_reward_stats(stages.rewards_by_uid),
         })
         _STOP.attach(None)
+        # Last: a stop signal re-cancels this task each second, and this await may take that cancellation.
+        await asyncio.gather(gauges, return_exceptions=True)
 
 
 def _save_on_stop(stages) -> None:
