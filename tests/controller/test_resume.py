@@ -199,12 +199,13 @@ def trainer_rank_pids(job_pid: int) -> list[int]:
     return [pid for pid, name in title.items() if b"ray::TrainerActor" in name and descends(pid)]
 
 
-def kill_trainer_after_step(step: int) -> Callable[[int, str], None]:
-    """A ``watch`` for ``run``: once step ``step`` is trained, SIGKILL the trainer rank's process (once)."""
+def kill_trainer_after_checkpoint(run_dir: Path) -> Callable[[int, str], None]:
+    """A ``watch`` for ``run``: once ``run_dir`` has a job checkpoint, SIGKILL the trainer rank's process
+    (once; it may be training the next step or writing the next checkpoint)."""
     killed: list[int] = []
 
     def watch(pid: int, out: str) -> None:
-        if not killed and any(int(m) >= step for m in STEP_LINE.findall(out)):
+        if not killed and list_checkpoints(run_dir):
             killed.extend(trainer_rank_pids(pid))
             assert len(killed) == 1, killed
             os.kill(killed[0], signal.SIGKILL)
@@ -219,7 +220,7 @@ def test_a_lost_trainer_rank_restarts_from_the_checkpoint_or_fails_naming_it(tmp
     run_dir = tmp_path / "run"
     args = [*JOB, "data.epochs=1", "trainer.total_steps=4", f"trainer.max_restarts={max_restarts}",
             f"run_dir={run_dir}"]
-    code, out, err = run(args, watch=kill_trainer_after_step(1))
+    code, out, err = run(args, watch=kill_trainer_after_checkpoint(run_dir))
     assert "trainer rank 0 was lost in " in err
     if max_restarts == 0:
         assert code == 1 and "run failed: TrainerRankLost" in err
