@@ -159,34 +159,13 @@ def _restart_point(cfg: HFlowConfig, lost: BaseException, restart: int) -> Path:
 
 
 def _prepare_resume(cfg: HFlowConfig, step: int | None):
-    """(checkpoint directory, JobState, rows of metrics.jsonl kept) to resume ``cfg.run_dir`` from, or None
-    when nothing is left to train (a line says why). Raises StartError when there is no such checkpoint,
-    the config changed a key it may not, or the run's model directory exists while steps remain."""
-    from controller.job_checkpoint import JobState, check_resume_config, find_checkpoint, truncate_metrics
+    """``job_checkpoint.prepare_resume`` with its ValueError as a StartError."""
+    from controller.job_checkpoint import prepare_resume
 
-    run_dir = Path(cfg.run_dir)
     try:
-        path = find_checkpoint(run_dir, step)
-        state = JobState.read(path)
-        changed = check_resume_config(state.config, to_dict(cfg))
+        return prepare_resume(cfg, step, Path(cfg.run_dir) / MODEL_DIR)
     except ValueError as exc:
         raise StartError(str(exc)) from exc
-    if changed:
-        print(f"hflow-async: resuming with changed {', '.join(changed)}", flush=True)
-    if state.step >= cfg.trainer.total_steps:
-        print(f"hflow-async: {path} is at step {state.step} of trainer.total_steps={cfg.trainer.total_steps}: "
-              "nothing left to train", flush=True)
-        return None
-    if state.feeder["exhausted"] and not state.buffered_uids and not state.in_flight_uids:
-        print(f"hflow-async: data exhausted at step {state.step} ({path}: every prompt of data.epochs="
-              f"{cfg.data.epochs} is trained, none buffered): nothing left to train", flush=True)
-        return None
-    if (run_dir / MODEL_DIR).exists():
-        raise StartError(f"{run_dir / MODEL_DIR} holds the model of a completed run; move it away to resume "
-                         f"from step {state.step}")
-    print(f"hflow-async: resuming {run_dir} from {path} (step {state.step}, weight_version {state.weight_version})",
-          flush=True)
-    return path, state, truncate_metrics(run_dir, state.step)
 
 
 def num_batches(cfg: HFlowConfig) -> int:

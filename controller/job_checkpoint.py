@@ -168,6 +168,35 @@ def truncate_metrics(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
     return kept
 
 
+def prepare_resume(cfg, step: int | None, model_dir: Path):
+    """(checkpoint directory, JobState, rows of metrics.jsonl kept) to resume ``cfg.run_dir`` from, or None
+    when nothing is left to train (a line says why: ``trainer.total_steps`` reached, or the data exhausted
+    with nothing buffered or in flight). Raises ValueError when there is no such checkpoint, the config
+    changed a key it may not, or ``model_dir`` (a completed run's model) exists while steps remain."""
+    from controller.config import to_dict
+
+    run_dir = Path(cfg.run_dir)
+    path = find_checkpoint(run_dir, step)
+    state = JobState.read(path)
+    changed = check_resume_config(state.config, to_dict(cfg))
+    if changed:
+        print(f"hflow-async: resuming with changed {', '.join(changed)}", flush=True)
+    if state.step >= cfg.trainer.total_steps:
+        print(f"hflow-async: {path} is at step {state.step} of trainer.total_steps={cfg.trainer.total_steps}: "
+              "nothing left to train", flush=True)
+        return None
+    if state.feeder["exhausted"] and not state.buffered_uids and not state.in_flight_uids:
+        print(f"hflow-async: data exhausted at step {state.step} ({path}: every prompt of data.epochs="
+              f"{cfg.data.epochs} is trained, none buffered): nothing left to train", flush=True)
+        return None
+    if model_dir.exists():
+        raise ValueError(f"{model_dir} holds the model of a completed run; move it away to resume from step "
+                         f"{state.step}")
+    print(f"hflow-async: resuming {run_dir} from {path} (step {state.step}, weight_version {state.weight_version})",
+          flush=True)
+    return path, state, truncate_metrics(run_dir, state.step)
+
+
 def _fsync_tree(root: Path) -> None:
     """fsync every file under ``root`` and every directory, ``root`` included."""
     for dirpath, _, files in os.walk(root):
