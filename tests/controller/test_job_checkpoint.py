@@ -123,3 +123,29 @@ def test_truncate_metrics_keeps_the_rows_up_to_the_checkpoint(tmp_path):
     assert truncate_metrics(tmp_path, 2) == rows[:2]
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in rows[:2]]
     assert json.loads((tmp_path / "metrics.superseded.jsonl").read_text()) == {"step": 3}
+
+
+def test_a_cancelled_update_finishes_before_the_cancellation_takes_effect():
+    import asyncio
+
+    from controller.schedules import _finish_before_cancel
+
+    done = []
+
+    async def step():
+        await asyncio.sleep(0.2)
+        done.append("trained")
+        return 1
+
+    async def main():
+        task = asyncio.ensure_future(_finish_before_cancel(step()))
+        await asyncio.sleep(0.05)
+        task.cancel()  # a stop signal, twice (it is re-sent each second)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert done == ["trained"]  # the step ran to its end: trainer and controller agree on the step
+        assert await _finish_before_cancel(step()) == 1
+
+    asyncio.run(main())
