@@ -1,6 +1,7 @@
 """``hflow-async``: the command line.
 
     hflow-async [run] [--mode {sync,one-step-off,fully-async}] [--preset NAME | --config FILE.yaml] [a.b=c ...]
+    hflow-async --resume RUN_DIR [--resume-step N] [a.b=c ...]
     hflow-async show-config [--describe] [--mode M] [--preset NAME | --config FILE.yaml] [a.b=c ...]
     hflow-async export RUN_DIR [--step N] [--out DIR]
     hflow-async scale [--rollers N] [--run-dir DIR]
@@ -43,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(available_presets())}")
     source.add_argument("--config", default=None, metavar="FILE.yaml", help="a YAML config file")
+    parser.add_argument("--resume", default=None, metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its latest job checkpoint (its config.yaml, plus "
+                             "overrides that keep the run's promises: steps, logging, pool sizes)")
+    parser.add_argument("--resume-step", type=int, default=None, metavar="N",
+                        help="with --resume: the job checkpoint of trainer step N instead of the latest")
     parser.add_argument("--describe", action="store_true",
                         help="with show-config: each key followed by its one-line description (a YAML comment)")
     parser.add_argument("args", nargs="*", metavar="[run | show-config] key=value",
@@ -148,6 +154,12 @@ def _check_flags(args: argparse.Namespace, command: str, overrides: list[str]) -
                 "(either --mode or mode=)")
     if args.describe and command != "show-config":
         return "--describe goes with show-config (hflow-async show-config --describe)"
+    if args.resume_step is not None and args.resume is None:
+        return "--resume-step goes with --resume RUN_DIR"
+    if args.resume is not None and (args.preset or args.config):
+        return "--resume takes the run's config from RUN_DIR/config.yaml; drop --preset/--config"
+    if args.resume is not None and not (Path(args.resume) / "config.yaml").is_file():
+        return f"--resume {args.resume}: no run there (no {Path(args.resume) / 'config.yaml'})"
     return None
 
 
@@ -181,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"hflow-async: {problem}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    if args.resume is not None:
+        args.config, overrides = str(Path(args.resume) / "config.yaml"), [*overrides, f"run_dir={args.resume}"]
     try:
         cfg = load_config(mode=args.mode, preset=args.preset, config_file=args.config, overrides=overrides)
     except ValueError as exc:
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from controller.job import run_job
 
-    return run_job(cfg)
+    return run_job(cfg, resume=args.resume is not None, resume_step=args.resume_step)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,11 @@ says *how many* groups to start; the feeder answers with their ``uid``s.
 Each group is ``rollout.n`` rows of the same prompt under one ``uid``
 (``controller.data.prompt_fields``). ``uid`` = ``s<global_step>.p<position>`` — deterministic, so the
 per-sample seeds (``rollers.roller.sample_seed``) and hence the responses do not depend on the schedule.
-A re-issued prompt (``stale_policy=drop``) gets ``uid`` + ``.r<k>``.
+A re-issued prompt (``stale_policy=drop``, or in flight at a job checkpoint) gets ``uid`` + ``.r<k>``.
+
+``state()``/``restore(state)``: the data position a job checkpoint keeps (prompts taken from the stream,
+re-issue counts); a restored feeder continues the stream where the saved one stopped and can re-issue any
+prompt it issued before, since a ``uid`` names its place in the stream.
 
 Validation (``data.val_size``): ``feed_validation(round)`` puts every held-out prompt as one group of
 ``val.n`` sampled rows (+ 1 greedy row with ``val.greedy``) under ``uid`` = ``v<round>.p<position>`` into
@@ -54,9 +58,11 @@ class PromptFeeder:
         self._pending: deque[tuple[str, int, Prompt]] = deque()
         if cfg.algorithm.dynamic_sampling:  # refills may use every prompt the epochs provide
             num_batches = self.dataset.num_available_steps()
+        self._num_batches = num_batches
         self._batches = self.dataset.batches(num_batches)
         self._by_uid: dict[str, tuple[int, Prompt]] = {}
         self._reissues: dict[str, int] = {}
+        self._num_fed = 0  # prompts taken from the stream (re-issues not counted)
         self.client = TQClient(TQHandle.from_dict(tq_handle))
 
     def dataset_size(self) -> int:
@@ -106,7 +112,43 @@ class PromptFeeder:
                 return None
             for pos, prompt in enumerate(batch.prompts):
                 self._pending.append((f"s{batch.global_step}.p{pos}", batch.global_step, prompt))
+        self._num_fed += 1
         return self._pending.popleft()
+
+    def state(self) -> dict:
+        """The data position: ``num_fed`` (prompts taken from the stream of every epoch, in order),
+        ``reissues`` (base uid -> times re-issued) and ``exhausted`` (the stream has no prompt left for
+        the run's batches). JSON-able."""
+        size = self.dataset.cfg.train_batch_size
+        stream = min(self._num_batches * size, len(self.dataset) * self.dataset.cfg.epochs)
+        return {"num_fed": self._num_fed, "reissues": dict(self._reissues), "exhausted": self._num_fed >= stream}
+
+    def restore(self, state: dict) -> None:
+        """Continue from ``state`` (:meth:`state` of a feeder of the same data config): the next prompt fed
+        is the stream's ``num_fed``-th. Raises ValueError when ``num_fed`` is past the run's batches."""
+        num_fed, size = int(state["num_fed"]), self.dataset.cfg.train_batch_size
+        step, within = divmod(num_fed, size)
+        if not 0 <= step <= self._num_batches or (step == self._num_batches and within):
+            raise ValueError(f"a data position of {num_fed} prompts is past the run's {self._num_batches} batches "
+                             f"of data.train_batch_size={size}")
+        self._pending.clear()
+        self._batches = self.dataset.batches(self._num_batches, start_step=step)
+        if within:
+            batch = next(self._batches)
+            for pos, prompt in enumerate(batch.prompts[within:], start=within):
+                self._pending.append((f"s{batch.global_step}.p{pos}", batch.global_step, prompt))
+        self._num_fed = num_fed
+        self._reissues = {str(k): int(v) for k, v in state["reissues"].items()}
+
+    def _issued(self, base: str) -> tuple[int, Prompt]:
+        """The step and prompt of issued uid ``base`` (``s<step>.p<pos>``); ValueError for another uid."""
+        if base in self._by_uid:
+            return self._by_uid[base]
+        try:
+            step, pos = (int(part[1:]) for part in base.split("."))
+            return step, next(self.dataset.batches(step + 1, start_step=step)).prompts[pos]
+        except (ValueError, IndexError, StopIteration) as exc:
+            raise ValueError(f"uid {base!r} names no prompt of this run's data (s<step>.p<position>)") from exc
 
     def feed(self, num_groups: int) -> list[dict]:
         """Put up to ``num_groups`` new prompt groups; returns ``[{"uid", "global_step"}]`` of those put
@@ -120,11 +162,12 @@ class PromptFeeder:
         return self._put(picked)
 
     def reissue(self, uids: list[str]) -> list[dict]:
-        """Put the prompts of ``uids`` again under fresh uids (dropped as too stale); returns them."""
+        """Put the prompts of ``uids`` again under fresh uids (dropped as too stale, or in flight at a job
+        checkpoint); returns them. Raises ValueError for a uid this run's data does not name."""
         picked = []
         for uid in uids:
             base = uid.split(".r")[0]
-            step, prompt = self._by_uid[base]
+            step, prompt = self._issued(base)
             self._reissues[base] = self._reissues.get(base, 0) + 1
             picked.append((f"{base}.r{self._reissues[base]}", step, prompt))
         return self._put(picked)

@@ -15,6 +15,13 @@ to pools up) with its parts in ``startup_breakdown_s`` (``checks_s``: config, da
 (``controller.resources.plan_threads``); ``shutdown_s`` and ``wall_s`` (start through shutdown) are added
 after shutdown.
 
+``hflow-async --resume RUN_DIR [--resume-step N]`` continues a run from its latest job checkpoint (or step
+N's; ``controller/job_checkpoint.py``) in the same directory: ``metrics.jsonl`` keeps the rows up to that
+step and grows from there, ``weight_version`` continues, the samples buffered at the checkpoint are
+trained and the groups in flight re-issued. A changed config key that would break the run's promises is
+refused (exit 2, naming the keys); a checkpoint with nothing left to train (``trainer.total_steps``
+reached, or the data exhausted with nothing buffered) exits 0 at once.
+
 Start-up prints one line per thing it starts (Ray, then each pool: ``Runtime(on_stage=...)``). A local Ray
 cluster this job started is shut down with it and its session directory removed, except after a failed
 run, whose Ray logs are kept and named.
@@ -61,9 +68,10 @@ async def _gauges(stages) -> None:
             logger.debug("gauge refresh failed: %s", exc)
 
 
-async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> None:
-    """Run the schedule of ``cfg.mode``; fills ``counts`` with the run's counters however it ends (a stop
-    signal cancels this task: see ``_Stop``)."""
+async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, resume_from: Path | None = None) -> None:
+    """Run the schedule of ``cfg.mode`` (after restoring the job checkpoint ``resume_from``); fills ``counts``
+    with the run's counters however it ends (a stop signal cancels this task: see ``_Stop``; a job
+    checkpoint is written then, and at the end)."""
     from controller.admin import AdminServer
     from controller.report import group_reward_stats
     from controller.schedules import SCHEDULES, Stages
@@ -73,24 +81,30 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
     gauges = asyncio.ensure_future(_gauges(stages))
     stages.keeper.start()
     admin = AdminServer(stages.keeper, Path(cfg.run_dir))
+    restored = resume_from is None
     try:
         port = await admin.start()
         print(f"hflow-async: admin endpoint at http://127.0.0.1:{port} (hflow-async scale --rollers N "
               f"--run-dir {cfg.run_dir})", flush=True)
-        await stages.validator.maybe_start(0)  # the initial weights, before the first step (val.before_train)
+        if resume_from is not None:
+            await stages.checkpointer.restore(stages, resume_from)
+            restored = True
+        # the version the rollers hold, before the first step (val.before_train; on resume: if it is due)
+        await stages.validator.maybe_start(stages.synced_weight_version)
         await SCHEDULES[cfg.mode](stages)
         await stages.validator.wait()  # the round of the last version
+        await stages.checkpointer.save(stages, "end of the run")
         await stages.refresh_gauges()
         try:
             await stages.write_timeline()
         except Exception as exc:  # noqa: BLE001 - a benchmark aid must never fail a run that completed
             logger.warning("could not write timeline.json: %s", exc)
+    except asyncio.CancelledError:
+        if _STOP.signum is not None and restored and stages.step > 0:
+            _save_on_stop(stages)
+        raise
     finally:
-        await stages.validator.close()
         gauges.cancel()
-        await asyncio.gather(gauges, return_exceptions=True)
-        await stages.keeper.stop()
-        await admin.close()
         counts.update({
             "num_syncs": stages.num_syncs,
             "num_groups_admitted": stages.admission.started,
@@ -105,6 +119,83 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict) -> 
             **group_reward_stats(stages.rewards_by_uid),
         })
         _STOP.attach(None)
+        # Last: a stop signal re-cancels this task each second, and an await here may take that cancellation:
+        # every closer still runs, and the cancellation is raised after them.
+        await _close_all(stages.validator.close(), asyncio.gather(gauges, return_exceptions=True),
+                         stages.keeper.stop(), admin.close())
+
+
+async def _close_all(*closers) -> None:
+    """Await every closer in turn, even when one is cancelled; then re-raise the cancellation."""
+    cancelled = None
+    for closer in closers:
+        try:
+            await closer
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+
+
+def _save_on_stop(stages) -> None:
+    """A job checkpoint once a stop signal has unwound every stage (blocking: no stage runs meanwhile)."""
+    try:
+        stages.checkpointer.save_now(stages, f"stopped by {signal.Signals(_STOP.signum).name}")
+    except Exception as exc:  # noqa: BLE001 - the previous checkpoint stays whole; the stop goes on
+        print(f"hflow-async: could not write a job checkpoint at the stop: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+
+
+def _start_runtime(cfg: HFlowConfig):
+    """Start every pool (``controller.runtime.Runtime``); a ValueError raised in a pool is a StartError."""
+    import ray
+
+    from controller.runtime import Runtime
+
+    try:
+        return Runtime(cfg, num_batches(cfg), on_stage=lambda what: print(f"hflow-async: {what}", flush=True))
+    except ray.exceptions.RayTaskError as err:
+        cause = _unwrap(err)
+        if isinstance(cause, ValueError):
+            raise StartError(str(cause)) from cause
+        raise cause from None
+
+
+def _add_sglang_targets(targets, cfg: HFlowConfig, rt) -> None:
+    """Add the SGLang servers' /metrics of ``rt``'s rollers to the scrape ``targets`` (when there are any)."""
+    import ray
+
+    if targets is not None and cfg.rollers.engine == "sglang":
+        members = rt.pool.live()
+        urls = ray.get([m.actor.metrics_url.remote() for m in members])
+        targets.update(sglang={m.name: u for m, u in zip(members, urls, strict=True) if u})
+
+
+def _restart_point(cfg: HFlowConfig, lost: BaseException, restart: int) -> Path:
+    """The job checkpoint to restart from after ``lost`` (a ``TrainerRankLost``), restart number
+    ``restart + 1``; re-raises ``lost`` when ``trainer.max_restarts`` are used up or there is no checkpoint."""
+    from controller.job_checkpoint import list_checkpoints
+
+    found = list_checkpoints(cfg.run_dir)
+    if restart >= cfg.trainer.max_restarts or not found:
+        if cfg.trainer.max_restarts and not found:
+            print("hflow-async: no job checkpoint to restart from yet (trainer.save_every="
+                  f"{cfg.trainer.save_every})", file=sys.stderr, flush=True)
+        raise lost
+    path = found[max(found)]
+    print(f"hflow-async: {lost}; restarting the pools from {path} (restart {restart + 1} of "
+          f"trainer.max_restarts={cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
+    return path
+
+
+def _prepare_resume(cfg: HFlowConfig, step: int | None):
+    """``job_checkpoint.prepare_resume`` with its ValueError as a StartError."""
+    from controller.job_checkpoint import prepare_resume
+
+    try:
+        return prepare_resume(cfg, step, Path(cfg.run_dir) / MODEL_DIR)
+    except ValueError as exc:
+        raise StartError(str(exc)) from exc
 
 
 def num_batches(cfg: HFlowConfig) -> int:
@@ -170,7 +261,7 @@ def check_run_dir(run_dir: Path) -> None:
         raise StartError(
             f"run_dir={str(run_dir)!r} already holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "
             "name a new directory (run_dir=runs/NAME, or no run_dir for runs/<timestamp>) or remove the old "
-            "one (resuming a run is not supported yet)")
+            "one (or continue it: hflow-async --resume RUN_DIR)")
 
 
 class _Stop:
@@ -317,8 +408,9 @@ def _shut_down(rt, metrics, owns_ray: bool, session_dir: Path | None, keep_logs:
             remove_ray_session_dir(session_dir)
 
 
-def run_job(cfg: HFlowConfig) -> int:
-    """Run ``cfg`` to completion; returns the process exit code (see the module docstring)."""
+def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = None) -> int:
+    """Run ``cfg`` to completion; returns the process exit code (see the module docstring). ``resume``:
+    continue the run in ``cfg.run_dir`` from its job checkpoint of step ``resume_step`` (None: the latest)."""
     from common.env import setup_process_env
 
     started = time.monotonic()
@@ -326,10 +418,11 @@ def run_job(cfg: HFlowConfig) -> int:
     setup_process_env(num_threads=1)  # before ray is imported: Ray reads its bind settings at import
     import ray
 
+    from controller.job_checkpoint import truncate_metrics
     from controller.metrics import JobMetrics
     from controller.report import RunReport
-    from controller.runtime import Runtime
     from controller.trackers import Trackers
+    from trainers.group import TrainerRankLost
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not cfg.run_dir:  # resolved here, not in the config: a saved config starts a new run each time
@@ -342,8 +435,15 @@ def run_job(cfg: HFlowConfig) -> int:
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
     _STOP.reset()
     previous_handlers = _stop_on_sigterm()
+    resume_from, kept_rows = None, []
     try:
-        check_run_dir(run_dir)
+        if resume:
+            prepared = _prepare_resume(cfg, resume_step)
+            if prepared is None:
+                return EXIT_OK
+            resume_from, _, kept_rows = prepared
+        else:
+            check_run_dir(run_dir)
         make_user_modules_importable(cfg)
         check_data(cfg)
         if cfg.metrics.enabled:  # before the run directory exists: a port in use is a start error like the rest
@@ -355,6 +455,7 @@ def run_job(cfg: HFlowConfig) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress,
                            trackers=Trackers(cfg.metrics, run_dir, to_dict(cfg)))
+        report.steps.extend(kept_rows)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.metrics.enabled:
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
@@ -365,17 +466,8 @@ def run_job(cfg: HFlowConfig) -> int:
         _stop_on_sigterm()  # again: ray.init installs its own SIGTERM handler
         t0 = time.monotonic()
         breakdown = {"checks_s": ray_start - started, "ray_s": t0 - ray_start}
-        try:
-            rt = Runtime(cfg, num_batches(cfg), on_stage=lambda what: print(f"hflow-async: {what}", flush=True))
-        except ray.exceptions.RayTaskError as err:
-            cause = _unwrap(err)
-            if isinstance(cause, ValueError):
-                raise StartError(str(cause)) from cause
-            raise cause from None
-        if targets is not None and cfg.rollers.engine == "sglang":
-            members = rt.pool.live()
-            urls = ray.get([m.actor.metrics_url.remote() for m in members])
-            targets.update(sglang={m.name: u for m, u in zip(members, urls, strict=True) if u})
+        rt = _start_runtime(cfg)
+        _add_sglang_targets(targets, cfg, rt)
         summary["startup_s"] = time.monotonic() - started
         summary["startup_breakdown_s"] = breakdown | rt.startup_s
         summary["threads"] = rt.threads.to_dict()
@@ -383,7 +475,21 @@ def run_job(cfg: HFlowConfig) -> int:
               flush=True)
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
               f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
-        asyncio.run(_run_schedule(cfg, rt, metrics, report, summary))
+        for restart in range(cfg.trainer.max_restarts + 1):
+            try:
+                asyncio.run(_run_schedule(cfg, rt, metrics, report, summary, resume_from))
+                break
+            except TrainerRankLost as lost:
+                resume_from = _restart_point(cfg, lost, restart)
+                rt.close()
+                rt = None
+                report.close()
+                kept_rows = truncate_metrics(run_dir, int(resume_from.name.removeprefix("step_")))
+                report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress,
+                                   trackers=Trackers(cfg.metrics, run_dir, to_dict(cfg)))
+                report.steps.extend(kept_rows)
+                rt = _start_runtime(cfg)
+                _add_sglang_targets(targets, cfg, rt)
         rt.trainer.export_model(str(run_dir / MODEL_DIR))
         summary.update(status="completed", model_dir=str(run_dir / MODEL_DIR))
         print(f"hflow-async: trained model in {run_dir / MODEL_DIR} (a Hugging Face model directory: "

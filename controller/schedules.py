@@ -48,6 +48,7 @@ from common import schema
 from controller.admission import Admission, staleness
 from controller.config import HFlowConfig
 from controller.generations import GenerationDump
+from controller.job_checkpoint import JobCheckpointer
 from controller.metrics import JobMetrics
 from controller.pool_keeper import PoolKeeper
 from controller.report import RunReport, group_reward_stats
@@ -101,6 +102,10 @@ class Stages:
         self.queue_depth: dict[str, int] = {}  # samples ready per consumer task, as of the last gauge refresh
         self.trainer_lock = asyncio.Lock()  # held by update and weight pushes: the policy is at weight_version
         self.keeper = PoolKeeper(self)  # the roller pool's health, replacements and resizes
+        # Held by every stage that puts prompts or removes untrained groups, and by a job checkpoint's
+        # snapshot (controller/job_checkpoint.py): the feeder, the TransferQueue and the counters agree.
+        self.feeder_lock = asyncio.Lock()
+        self.checkpointer = JobCheckpointer(cfg)
         self._last_step_end = time.monotonic()
         self.num_samples_received = 0  # samples taken from the TransferQueue (each one was produced)
         self.num_groups_generated = 0
@@ -117,22 +122,23 @@ class Stages:
         ``bounded``: also stay within the staleness admission bound (fully-async); the sync and
         one-step-off loops bound staleness by their structure instead.
         """
-        k = min(max_groups, self.total_groups - (self.admission.started - self.admission.dropped))
-        if bounded:
-            k = min(k, self.admission.num_admissible(self.synced_weight_version))
-        if k <= 0 or self.exhausted:
-            return 0
-        # Count the groups as started before awaiting the feeder, so a concurrent admit sees them.
-        if bounded:
-            self.admission.start(k, self.synced_weight_version)
-        else:
-            self.admission.started += k
-        fed = await self.rt.feeder.feed.remote(k)
-        if len(fed) < k:
-            self.exhausted = True
-            self.admission.started -= k - len(fed)
-        self._track(fed)
-        return len(fed)
+        async with self.feeder_lock:
+            k = min(max_groups, self.total_groups - (self.admission.started - self.admission.dropped))
+            if bounded:
+                k = min(k, self.admission.num_admissible(self.synced_weight_version))
+            if k <= 0 or self.exhausted:
+                return 0
+            # Count the groups as started before awaiting the feeder, so a concurrent admit sees them.
+            if bounded:
+                self.admission.start(k, self.synced_weight_version)
+            else:
+                self.admission.started += k
+            fed = await self.rt.feeder.feed.remote(k)
+            if len(fed) < k:
+                self.exhausted = True
+                self.admission.started -= k - len(fed)
+            self._track(fed)
+            return len(fed)
 
     async def generate(self, num_groups: int, train_weight_version: int, enforce_staleness: bool = False):
         """Wait until ``num_groups`` whole prompt groups are generated and scored; their BatchMeta.
@@ -188,6 +194,10 @@ class Stages:
         rewards = torch.tensor([float(t[REWARD_TAG]) for t in meta.tags], dtype=torch.float64)
         if filter_zero_variance_groups([uid] * len(meta), rewards).kept_uids:
             return False
+        async with self.feeder_lock:
+            return await self._replace(meta, uid)
+
+    async def _replace(self, meta, uid: str) -> bool:
         depth = self.refill_depth.get(uid, 0)
         fed = [] if depth >= self.cfg.algorithm.max_refill_rounds else await self.rt.feeder.feed.remote(1)
         if not fed:
@@ -208,7 +218,12 @@ class Stages:
         return True
 
     async def update(self, meta) -> dict:
-        """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update."""
+        """Trainer step on ``meta`` (the ranks fetch the tensors): old log-probs, advantages, update; then a
+        job checkpoint every ``trainer.save_every`` steps. A stop signal arriving meanwhile takes effect
+        once the step is trained and recorded, so the trainer and the controller agree on the step."""
+        return await _finish_before_cancel(self._update(meta))
+
+    async def _update(self, meta) -> dict:
         start, wall_start = time.monotonic(), time.time()
         wait_s = max(0.0, start - self._last_step_end)
         self.metrics.trainer_wait.inc(wait_s)
@@ -219,14 +234,12 @@ class Stages:
             self.timeline["update"].append((wall_start, time.time()))
             self.weight_version += 1
             self.step += 1
-            every = self.cfg.trainer.save_every
-            if every and self.step % every == 0:  # trainer state (model, optimizer, scheduler, version, RNG)
-                path = Path(self.cfg.run_dir) / "checkpoints" / f"step_{self.step}"
-                await asyncio.to_thread(self.rt.trainer.save_checkpoint, str(path))
         self.outstanding -= len(set(t[schema.UID] for t in meta.tags))
         await self.dump(meta, "train", self.step, self.weight_version - 1)
         await self.rt.tq.aclear(PARTITION, meta.sample_ids)
         self._record(meta, train_metrics, time.monotonic() - start, wait_s)
+        if self.checkpointer.due(self.step):
+            await self.checkpointer.save(self, "every trainer.save_every steps")
         return train_metrics
 
     async def sync_weights(self, pause_mode: str | None = None, wait_validation: bool = True) -> None:
@@ -298,24 +311,27 @@ class Stages:
         self.outstanding += len(fed)
 
     async def _drop(self, meta, group_staleness: int) -> None:
-        uid = meta.tags[0][schema.UID]
-        self.num_dropped_groups += 1
-        self.metrics.dropped.inc(len(meta))
-        await self.reissue(uid, meta.sample_ids,
-                           f"staleness {group_staleness} > {self.cfg.algorithm.max_staleness}")
+        await self.reissue(meta.tags[0][schema.UID], meta.sample_ids,
+                           f"staleness {group_staleness} > {self.cfg.algorithm.max_staleness}", dropped=len(meta))
 
-    async def reissue(self, uid: str, sample_ids: list[int], why: str) -> None:
+    async def reissue(self, uid: str, sample_ids: list[int], why: str, dropped: int = 0) -> None:
         """Clear group ``uid`` (``sample_ids``) and put its prompt again under a fresh uid (``.r<k>``), in
-        its place within the admission bound: a group dropped as too stale, or held by a roller that left."""
-        logger.info("re-issuing group %s (%s)", uid, why)
-        await self.rt.tq.aclear(PARTITION, list(sample_ids))
-        self.admission.drop(1)
-        self.admission.started += 1  # the re-issue takes the dropped group's place within the bound
-        depth = self._forget(uid)
-        fed = await self.rt.feeder.reissue.remote([uid])
-        if depth:  # the re-issued prompt keeps its slot's refill round (dynamic sampling)
-            self.refill_depth[fed[0]["uid"]] = depth
-        self._track(fed)
+        its place within the admission bound: a group dropped as too stale (``dropped``: its samples,
+        counted as dropped), or held by a roller that left. Holds ``feeder_lock`` (a job checkpoint's
+        snapshot sees the group either before or after)."""
+        async with self.feeder_lock:
+            logger.info("re-issuing group %s (%s)", uid, why)
+            if dropped:
+                self.num_dropped_groups += 1
+                self.metrics.dropped.inc(dropped)
+            await self.rt.tq.aclear(PARTITION, list(sample_ids))
+            self.admission.drop(1)
+            self.admission.started += 1  # the re-issue takes the dropped group's place within the bound
+            depth = self._forget(uid)
+            fed = await self.rt.feeder.reissue.remote([uid])
+            if depth:  # the re-issued prompt keeps its slot's refill round (dynamic sampling)
+                self.refill_depth[fed[0]["uid"]] = depth
+            self._track(fed)
 
     def _forget(self, uid: str) -> int:
         """Stop tracking dropped group ``uid``; returns its refill round."""
@@ -445,6 +461,24 @@ class Stages:
         return timeline
 
 
+async def _finish_before_cancel(coro):
+    """Await ``coro`` to its end even when the awaiting task is cancelled meanwhile; then re-raise the
+    cancellation (``asyncio.shield`` alone would return at the cancellation, leaving ``coro`` running)."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
 def _digest(tags: list[dict]) -> str:
     """One digest of a step's responses, independent of sample order (for run-to-run parity)."""
     import hashlib
@@ -458,7 +492,7 @@ def _digest(tags: list[dict]) -> str:
 
 async def run_sync(st: Stages) -> None:
     B = st.cfg.data.train_batch_size
-    for _ in range(st.cfg.trainer.total_steps):
+    for _ in range(st.step, st.cfg.trainer.total_steps):
         fed = await st.admit(B, bounded=False)
         meta = await st.generate(fed, train_weight_version=st.weight_version)
         await st.update(meta)
@@ -467,9 +501,12 @@ async def run_sync(st: Stages) -> None:
 
 async def run_one_step_off(st: Stages) -> None:
     B, total = st.cfg.data.train_batch_size, st.cfg.trainer.total_steps
-    fed = await st.admit(B, bounded=False)
+    if st.step >= total:
+        return
+    # After a resume, the groups of the next batch restored or re-issued are part of B₀.
+    fed = st.outstanding + await st.admit(B - st.outstanding, bounded=False)
     meta = await st.generate(fed, train_weight_version=st.weight_version)
-    for step in range(total):
+    for step in range(st.step, total):
         pending = None
         if step < total - 1:  # batch k+1: generated with v_k while the trainer trains on batch k
             fed = await st.admit(B, bounded=False)
@@ -487,7 +524,7 @@ async def run_fully_async(st: Stages) -> None:
     per_step = st.groups_per_step
     admitter = asyncio.ensure_future(_keep_admitting(st))
     try:
-        for step in range(st.cfg.trainer.total_steps):
+        for step in range(st.step, st.cfg.trainer.total_steps):
             need = per_step if not st.exhausted else min(per_step, st.outstanding)
             meta = await st.generate(need, train_weight_version=st.weight_version, enforce_staleness=True)
             await st.update(meta)

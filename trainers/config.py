@@ -32,10 +32,13 @@ class TrainerConfig:
     """The trainer pool and optimisation.
 
     ``ppo_mini_batch_size`` is in prompts (× ``rollout.n`` samples inside); ``ppo_micro_batch_size`` is
-    in samples; ``save_every`` in trainer steps (0 = never); ``val_every``: validate every N steps (0 = only
-    before the first step and after the last; the controller runs it, ``controller.validation``);
-    ``num_threads`` torch threads per rank: ``auto`` (chosen per mode by the controller,
-    ``controller.resources.plan_threads``) or an integer.
+    in samples; ``save_every`` in trainer steps (0 = never: no job checkpoint at all, neither on a stop
+    signal nor at the end); ``keep_checkpoints``: how many job checkpoints are kept, the latest (0 = all);
+    ``max_restarts``: times a job restarts its pools from the latest job checkpoint after losing a trainer
+    rank (0: the job fails, naming the rank); ``val_every``: validate every N steps (0 = only before the
+    first step and after the last; the controller runs it, ``controller.validation``); ``num_threads``
+    torch threads per rank: ``auto`` (chosen per mode by the controller, ``controller.resources.plan_threads``)
+    or an integer.
     ``critic_lr``: the critic's learning rate (GAE only). ``device``: auto (cuda when the Ray cluster has a
     GPU per rank, else cpu) | cpu (gloo) | cuda (nccl, one GPU per rank). ``num_cpus_per_rank``: Ray
     logical CPUs per rank actor (fractional allowed). ``timeout_s``: bound on every collective and on
@@ -56,6 +59,8 @@ class TrainerConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     save_every: int = 0
+    keep_checkpoints: int = 0
+    max_restarts: int = 0
     val_every: int = 0
     num_threads: int | str = AUTO_THREADS
     use_reference: bool = False
@@ -77,7 +82,7 @@ class TrainerConfig:
         _check_choice("trainer.device", self.device, TRAINER_DEVICES)
         if self.max_grad_norm <= 0:
             raise ValueError(f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        for key in ("warmup_steps", "save_every", "val_every"):
+        for key in ("warmup_steps", "save_every", "keep_checkpoints", "max_restarts", "val_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         _check_choice("trainer.lr_schedule", self.lr_schedule, LR_SCHEDULES)

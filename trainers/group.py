@@ -13,12 +13,16 @@ Rendezvous: rank 0's actor picks a free port on its node's loopback; ranks join
 ``tcp://127.0.0.1:port`` (the MASTER_ADDR/MASTER_PORT pair, passed as ``init_method``). One node.
 
 Errors: an exception raised inside any rank reaches the caller as the original exception (same type and
-message) with a note naming the rank and method. Every wait is bounded by ``trainer.timeout_s``
+message) with a note naming the rank and method. A rank whose process dies fails the call at once with
+``TrainerRankLost`` naming the rank, the method and the cause (the other ranks may be blocked in a collective:
+the caller does not wait for them; ``shutdown()`` the group). Every wait is bounded by ``trainer.timeout_s``
 (TimeoutError). Validation errors are raised by every rank before any collective, so the group stays
 usable; an exception in the middle of a collective leaves the group unusable — ``shutdown()`` it.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -28,6 +32,15 @@ from common.models import ModelConfig
 from trainers.batching import shard_for_ranks
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.worker import TrainerActor
+
+
+class TrainerRankLost(RuntimeError):
+    """A trainer rank's process died (``rank``, the ``method`` it was running); the cause is chained."""
+
+    def __init__(self, rank: int, method: str, cause: BaseException):
+        self.rank, self.method = rank, method
+        super().__init__(f"trainer rank {rank} was lost in {method}: {type(cause).__name__}: "
+                         f"{str(cause).strip().splitlines()[0] if str(cause).strip() else 'no detail'}")
 
 
 class TrainerGroup:
@@ -79,11 +92,20 @@ class TrainerGroup:
         """``ray.get`` every ref within ``trainer.timeout_s``; re-raise a rank's exception as itself."""
         import ray
 
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.trainer.timeout_s)
-        if pending:
-            raise TimeoutError(f"trainer {method}: {len(pending)} of {len(refs)} ranks did not answer within "
-                               f"trainer.timeout_s={self.trainer.timeout_s}")
+        deadline = time.monotonic() + self.trainer.timeout_s
+        while pending:  # one at a time: a dead rank fails the call now, not after the others' collective timeout
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"trainer {method}: {len(pending)} of {len(refs)} ranks did not answer within "
+                                   f"trainer.timeout_s={self.trainer.timeout_s}")
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as err:
+                raise TrainerRankLost(rank_of[ready[0]], method, err) from err
+            except ray.exceptions.RayTaskError:
+                pass  # re-raised below, in rank order
         results = []
         for rank, ref in enumerate(refs):
             try:

@@ -1,0 +1,379 @@
+"""Job checkpoints: everything needed to continue a run as if it had not stopped, written atomically.
+
+A job checkpoint is one directory ``RUN_DIR/checkpoints/step_N`` (N = trainer steps done)::
+
+    .metadata, __*.distcp   the trainer's DCP checkpoint (trainers/checkpoint.py): model, optimizer, LR
+                            scheduler, KL controller, RNG states, weight_version
+    samples/                the whole uid groups generated but not trained yet, tensors and tags (weight
+                            versions included): trainers/sample_store.py, moved by trainer rank 0
+    job.json                the controller's part (``JobState``): step, weight versions, admission counters,
+                            the feeder's data position, the uids buffered and in flight, the run's config
+
+Written every ``trainer.save_every`` steps, when a stop signal ends the schedule, and at the end (none of
+them with ``save_every=0``). Atomic: everything goes into ``checkpoints/.tmp_step_N``, every file and the
+directory are fsynced, then it is renamed to ``step_N`` — a process killed in the middle of a save leaves
+the previous checkpoints whole (a leftover ``.tmp_*`` is removed by the next save). ``trainer.keep_checkpoints``
+bounds how many ``step_N`` are kept (0 = all). The snapshot is consistent: it is taken under
+``Stages.feeder_lock``, which every stage that puts prompts (admit, refill, re-issue) holds, so the feeder's
+position, the TransferQueue's contents and the admission counters describe the same moment.
+
+Resume (``restore``): the trainer loads its part; the buffered samples are put back with their own weight
+versions (without ``ground_truth``, so no roller takes them again); the feeder continues the stream from
+its position; every roller gets the trainer's weights; the groups in flight are re-issued (fresh ``.r<k>``
+uids, the same prompts) under the restored admission counters. So every prompt is trained exactly once per
+epoch across stops and resumes, and the staleness bound holds: the counters are those of the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from common import schema
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+JOB_FILE = "job.json"
+SAMPLES_DIR = "samples"
+STEP_DIR = re.compile(r"step_(\d+)")
+TMP_PREFIX = ".tmp_"
+# Test hook, "STEP:SECONDS": the save of step STEP pauses SECONDS after writing everything and before the
+# rename, so a test's kill lands in the middle of a save. Unset in real runs.
+PAUSE_ENV = "HFLOW_TEST_CHECKPOINT_PAUSE"
+
+# Config keys a resume may not change: each would break a promise of the run (the prompt stream and its
+# uids, the samples per group, the saved trainer parts, the staleness accounting). Prefixes cover a section.
+FIXED_KEYS = ("mode", "model", "data", "rollout.n", "rollout.seed", "algorithm.adv_estimator",
+              "algorithm.max_staleness", "algorithm.require_batches", "algorithm.dynamic_sampling",
+              "trainer.use_reference")
+CHANGEABLE_UNDER_FIXED = ("data.epochs",)  # more epochs only lengthen the stream
+
+
+@dataclasses.dataclass
+class JobState:
+    """The controller's part of a job checkpoint (``job.json``). ``feeder``: ``PromptFeeder.state()``;
+    ``buffered_uids``: groups generated and not trained (their samples are in ``samples/``);
+    ``in_flight_uids``: groups admitted and not generated yet (re-issued on resume); ``config``: the
+    run's config as a dict (``controller.config.to_dict``)."""
+
+    step: int
+    weight_version: int
+    synced_weight_version: int
+    admission_started: int
+    admission_dropped: int
+    feeder: dict[str, Any]
+    buffered_uids: list[str]
+    in_flight_uids: list[str]
+    num_syncs: int
+    num_dropped_groups: int
+    num_failed_groups: int
+    num_zero_variance_groups: int
+    refill_depth: dict[str, int]
+    reason: str
+    saved_at: float
+    num_sample_bytes: int
+    config: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: Path) -> JobState:
+        """Read ``path/job.json``; ValueError naming the file when it is not a job checkpoint's."""
+        try:
+            return cls(**json.loads((path / JOB_FILE).read_text()))
+        except (OSError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path / JOB_FILE} is not a readable job checkpoint: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------------------ finding them
+
+
+def list_checkpoints(run_dir: str | Path) -> dict[int, Path]:
+    """Complete job checkpoints of ``run_dir``: step -> directory (a trainer-only checkpoint, without
+    ``job.json``, is not one)."""
+    root = Path(run_dir) / CHECKPOINTS
+    return {int(m.group(1)): p for p in root.glob("step_*")
+            if (m := STEP_DIR.fullmatch(p.name)) and (p / JOB_FILE).is_file()}
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
+    """The job checkpoint of ``run_dir`` at ``step`` (None: the latest). Raises ValueError naming the
+    steps there are (or that there is none, and how they are made)."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise ValueError(f"{run_dir} has no job checkpoint to resume from (checkpoints/step_N with {JOB_FILE}, "
+                         "written every trainer.save_every steps, on a stop signal and at the end)")
+    if step is None:
+        return found[max(found)]
+    if step not in found:
+        raise ValueError(f"--resume-step {step}: {run_dir} has job checkpoints of steps {sorted(found)}")
+    return found[step]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_resume_config(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Compare the run's saved config with the one a resume would use (both ``to_dict`` trees). Returns
+    the changed keys that are allowed (steps, logging, pool sizes...); raises ValueError naming every
+    changed key of ``FIXED_KEYS`` with both values."""
+    old, new = _flatten(json.loads(json.dumps(saved))), _flatten(json.loads(json.dumps(current)))  # tuples as lists
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "run_dir")
+    refused = [k for k in changed if k not in CHANGEABLE_UNDER_FIXED
+               and any(k == f or k.startswith(f + ".") for f in FIXED_KEYS)]
+    if refused:
+        what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in refused)
+        raise ValueError(f"cannot resume with a changed {', '.join(refused)} ({what}): it would break the run's "
+                         "promises (each prompt trained once per epoch, the staleness bound); keep the run's "
+                         "values or start a new run")
+    return changed
+
+
+def truncate_metrics(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
+    """Keep the rows of ``RUN_DIR/metrics.jsonl`` up to ``step`` (those after it belong to a stretch the
+    resume trains again; they move to ``metrics.superseded.jsonl``); returns the kept rows. Atomic."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    kept, dropped = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        (kept if int(row.get("step", 0)) <= step else dropped).append(row)
+    if dropped:
+        with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in dropped)
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
+
+
+def prepare_resume(cfg, step: int | None, model_dir: Path):
+    """(checkpoint directory, JobState, rows of metrics.jsonl kept) to resume ``cfg.run_dir`` from, or None
+    when nothing is left to train (a line says why: ``trainer.total_steps`` reached, or the data exhausted
+    with nothing buffered or in flight). Raises ValueError when there is no such checkpoint, the config
+    changed a key it may not, or ``model_dir`` (a completed run's model) exists while steps remain."""
+    from controller.config import to_dict
+
+    run_dir = Path(cfg.run_dir)
+    path = find_checkpoint(run_dir, step)
+    state = JobState.read(path)
+    changed = check_resume_config(state.config, to_dict(cfg))
+    if changed:
+        print(f"hflow-async: resuming with changed {', '.join(changed)}", flush=True)
+    if state.step >= cfg.trainer.total_steps:
+        print(f"hflow-async: {path} is at step {state.step} of trainer.total_steps={cfg.trainer.total_steps}: "
+              "nothing left to train", flush=True)
+        return None
+    if state.feeder["exhausted"] and not state.buffered_uids and not state.in_flight_uids:
+        print(f"hflow-async: data exhausted at step {state.step} ({path}: every prompt of data.epochs="
+              f"{cfg.data.epochs} is trained, none buffered): nothing left to train", flush=True)
+        return None
+    if model_dir.exists():
+        raise ValueError(f"{model_dir} holds the model of a completed run; move it away to resume from step "
+                         f"{state.step}")
+    print(f"hflow-async: resuming {run_dir} from {path} (step {state.step}, weight_version {state.weight_version})",
+          flush=True)
+    return path, state, truncate_metrics(run_dir, state.step)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root`` and every directory, ``root`` included."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------ save / restore
+
+
+class JobCheckpointer:
+    """Saves and restores the job checkpoints of one run (``cfg``: the run's ``HFlowConfig``)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.root = Path(cfg.run_dir) / CHECKPOINTS
+        self.last_saved_step: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.trainer.save_every > 0
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.cfg.trainer.save_every == 0
+
+    def train_fields(self) -> list[str]:
+        """The fields the trainer reads of a sample (what a restored sample is put back with)."""
+        from controller.schedules import TRAIN_FIELDS
+        from trainers.advantages import ADV_ESTIMATORS
+
+        return list(TRAIN_FIELDS) + list(ADV_ESTIMATORS.get(self.cfg.algorithm.adv_estimator).roller_extras)
+
+    async def save(self, st, reason: str) -> Path | None:
+        """Write a job checkpoint of ``st`` (``controller.schedules.Stages``) at its step, holding the
+        feeder lock so nothing is admitted meanwhile; its path, or None when checkpoints are off or this step
+        is saved already."""
+        if not self.enabled or self.last_saved_step == st.step:
+            return None
+        async with st.feeder_lock:
+            return await asyncio.to_thread(self.save_now, st, reason)
+
+    def save_now(self, st, reason: str) -> Path | None:
+        """:meth:`save` without the lock, blocking: for a stop, once every stage has unwound."""
+        if not self.enabled or self.last_saved_step == st.step:
+            return None
+        import ray
+
+        from controller.config import to_dict
+        from trainers.sample_store import save_samples
+
+        started = time.monotonic()
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob(TMP_PREFIX + "*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp = self.root / f"{TMP_PREFIX}step_{st.step}"
+        st.rt.trainer.save_checkpoint(str(tmp))
+        buffered, in_flight = self._snapshot(st)
+        num_bytes = st.rt.trainer.execute(save_samples, buffered.to_wire(), self._saved_fields(buffered),
+                                          str(tmp / SAMPLES_DIR))[0]
+        feeder = ray.get(st.rt.feeder.state.remote())
+        state = JobState(
+            step=st.step, weight_version=st.weight_version, synced_weight_version=st.synced_weight_version,
+            admission_started=st.admission.started, admission_dropped=st.admission.dropped, feeder=feeder,
+            buffered_uids=sorted({t[schema.UID] for t in buffered.tags}), in_flight_uids=in_flight,
+            num_syncs=st.num_syncs, num_dropped_groups=st.num_dropped_groups,
+            num_failed_groups=st.num_failed_groups, num_zero_variance_groups=st.num_zero_variance_groups,
+            refill_depth=dict(st.refill_depth), reason=reason, saved_at=time.time(), num_sample_bytes=num_bytes,
+            config=to_dict(self.cfg))
+        (tmp / JOB_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1) + "\n")
+        self._test_pause(st.step)
+        _fsync_tree(tmp)
+        final = self.root / f"step_{st.step}"
+        if final.exists():  # a step trained again after a resume from an earlier checkpoint
+            old = self.root / f"{TMP_PREFIX}old_step_{st.step}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self.last_saved_step = st.step
+        self._prune()
+        print(f"hflow-async: job checkpoint {final} ({reason}; {len(state.buffered_uids)} groups buffered, "
+              f"{len(in_flight)} in flight) in {time.monotonic() - started:.1f}s", flush=True)
+        return final
+
+    @staticmethod
+    def _test_pause(step: int) -> None:
+        pause_step, _, pause_s = os.environ.get(PAUSE_ENV, "").partition(":")
+        if pause_step and int(pause_step) == step:
+            print(f"hflow-async: checkpoint of step {step} written, pausing {pause_s}s before the rename", flush=True)
+            time.sleep(float(pause_s))
+
+    def _saved_fields(self, buffered) -> list[str]:
+        return sorted(set(self.train_fields()) | {schema.GROUND_TRUTH}) if buffered.sample_ids else []
+
+    def _snapshot(self, st):
+        """(BatchMeta of the whole generated groups in the TransferQueue, uids of the other groups there).
+        Metadata only (``TQClient.sample_info``)."""
+        from controller.runtime import PARTITION
+        from transferqueue.records import BatchMeta, RemoteError
+
+        limit = self.cfg.transferqueue.max_request_ids
+        try:
+            infos = st.rt.tq.sample_info(PARTITION, limit=limit)
+        except RemoteError as exc:
+            if "unknown partition" not in str(exc):
+                raise
+            infos = []  # nothing was ever put
+        if len(infos) >= limit:
+            raise RuntimeError(f"the TransferQueue holds {limit} or more samples (transferqueue.max_request_ids): "
+                               "too many to checkpoint in one request")
+        by_uid: dict[str, list[dict]] = {}
+        for info in infos:
+            by_uid.setdefault(str(info["tags"][schema.UID]), []).append(info)
+        need = set(self.train_fields())
+        ids, tags, in_flight = [], [], []
+        for uid, samples in by_uid.items():
+            if len(samples) == st.n and all(need <= set(s["fields"]) for s in samples):
+                ids += [s["id"] for s in samples]
+                tags += [s["tags"] for s in samples]
+            else:
+                in_flight.append(uid)
+        return BatchMeta(PARTITION, ids, [], tags), sorted(in_flight)
+
+    def _prune(self) -> None:
+        keep = self.cfg.trainer.keep_checkpoints
+        if keep <= 0:
+            return
+        found = list_checkpoints(self.cfg.run_dir)
+        for step in sorted(found)[:-keep]:
+            shutil.rmtree(found[step], ignore_errors=True)
+
+    async def restore(self, st, path: Path) -> JobState:
+        """Bring ``st`` (fresh pools) to the checkpoint at ``path``: trainer state, buffered samples, the
+        feeder's position, the counters; sync the rollers to the restored weights; re-issue the groups in
+        flight. Raises ValueError when the trainer's restored ``weight_version`` disagrees with ``job.json``."""
+        from controller.runtime import PARTITION
+        from trainers.sample_store import restore_samples
+
+        state = JobState.read(path)
+        await asyncio.to_thread(st.rt.trainer.load_checkpoint, str(path))
+        version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
+        if version != state.weight_version:
+            raise ValueError(f"{path}: the trainer checkpoint has weight_version {version}, {JOB_FILE} says "
+                             f"{state.weight_version}")
+        uids = (await asyncio.to_thread(st.rt.trainer.execute, restore_samples, str(path / SAMPLES_DIR),
+                                        PARTITION, self.train_fields()))[0]
+        await st.rt.feeder.restore.remote(state.feeder)
+        st.step, st.weight_version = state.step, state.weight_version
+        st.admission.started, st.admission.dropped = state.admission_started, state.admission_dropped
+        st.num_syncs, st.num_dropped_groups = state.num_syncs, state.num_dropped_groups
+        st.num_failed_groups, st.num_zero_variance_groups = state.num_failed_groups, state.num_zero_variance_groups
+        st.refill_depth = dict(state.refill_depth)
+        st.exhausted = bool(state.feeder["exhausted"])
+        st._track([{"uid": uid} for uid in dict.fromkeys(uids)])
+        await st.sync_weights()  # the rollers started with the initial weights
+        if state.in_flight_uids:
+            fed = await st.rt.feeder.reissue.remote(state.in_flight_uids)
+            for old, new in zip(state.in_flight_uids, fed, strict=True):
+                if old in st.refill_depth:
+                    st.refill_depth[new["uid"]] = st.refill_depth.pop(old)
+            st._track(fed)
+        self.last_saved_step = state.step
+        logger.info("resumed from %s: step %d, weight_version %d, %d groups buffered, %d re-issued", path,
+                    state.step, state.weight_version, len(set(uids)), len(state.in_flight_uids))
+        return state

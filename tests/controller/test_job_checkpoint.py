@@ -1,0 +1,151 @@
+"""The parts of a job checkpoint, each against real TransferQueue servers (no Ray): the feeder's data
+position and re-issue, the buffered samples' round trip through the trainer side, the config check on
+resume and the metrics kept. The whole save/kill/resume cycle is ``test_resume.py``."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common import schema
+from controller.config import load_config, to_dict
+from controller.feeder import PromptFeeder
+from controller.job_checkpoint import check_resume_config, truncate_metrics
+from trainers.sample_store import restore_samples, save_samples
+from transferqueue.client import TQClient
+from transferqueue.config import TransferQueueConfig
+from transferqueue.launch import start_transferqueue
+from transferqueue.records import BatchMeta
+
+OVERRIDES = ["data.size=8", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=4",
+             "rollout.n=2"]
+
+
+@pytest.fixture(scope="module")
+def tq():
+    servers = start_transferqueue(TransferQueueConfig(num_storage_units=1, capacity_bytes=64 * 1024**2))
+    client = TQClient(servers.handle)
+    yield servers.handle, client
+    client.close()
+    servers.shutdown()
+
+
+def prompts_by_uid(client: TQClient, partition: str) -> dict[str, list[int]]:
+    infos = client.sample_info(partition)
+    meta = BatchMeta(partition, [i["id"] for i in infos], [], [i["tags"] for i in infos])
+    data = client.get_data(meta, [schema.INPUT_IDS, schema.ATTENTION_MASK])
+    out = {}
+    for i, info in enumerate(infos):
+        ids, mask = data[schema.INPUT_IDS][i], data[schema.ATTENTION_MASK][i]
+        out[info["tags"][schema.UID]] = ids[mask.bool()].tolist()
+    return out
+
+
+def test_feeder_restore_continues_the_stream_and_reissues_any_issued_prompt(tq):
+    handle, client = tq
+    cfg = load_config(preset="tiny", overrides=OVERRIDES)
+    first = PromptFeeder(cfg, handle.to_dict(), "feed-a", num_batches=4)
+    second = PromptFeeder(cfg, handle.to_dict(), "feed-b", num_batches=4)
+    try:
+        check_feeders(client, first, second)
+    finally:
+        first.close()
+        second.close()
+
+
+def check_feeders(client: TQClient, first: PromptFeeder, second: PromptFeeder) -> None:
+    assert [g["uid"] for g in first.feed(3)] == ["s0.p0", "s0.p1", "s1.p0"]
+    state = json.loads(json.dumps(first.state()))  # as job.json keeps it
+    assert state == {"num_fed": 3, "reissues": {}, "exhausted": False}
+    assert [g["uid"] for g in first.feed(1)] == ["s1.p1"]  # the uninterrupted stream, for comparison
+    second.restore(state)
+    assert [g["uid"] for g in second.feed(10)] == ["s1.p1", "s2.p0", "s2.p1", "s3.p0", "s3.p1"]
+    assert second.state()["exhausted"]
+    assert second.reissue(["s0.p1"]) == [{"uid": "s0.p1.r1", "global_step": 0}]  # issued by the first feeder
+    prompts_a, prompts_b = prompts_by_uid(client, "feed-a"), prompts_by_uid(client, "feed-b")
+    assert prompts_b["s0.p1.r1"] == prompts_a["s0.p1"]
+    assert prompts_b["s1.p1"] == prompts_a["s1.p1"]  # the restored stream is the same stream
+    with pytest.raises(ValueError, match="past the run's 4 batches"):
+        second.restore({"num_fed": 9, "reissues": {}})
+    with pytest.raises(ValueError, match="names no prompt"):
+        second.reissue(["s9.p0"])
+
+
+def test_buffered_samples_round_trip_with_their_tags_and_no_ground_truth(tq, tmp_path):
+    handle, client = tq
+    prompt = {schema.INPUT_IDS: torch.tensor([[0, 5, 6], [0, 5, 6]]), schema.ATTENTION_MASK: torch.tensor([[0, 1, 1]] * 2),
+              schema.GROUND_TRUTH: ['{"a": 1}', '{"a": 1}']}
+    meta = client.put(prompt, "buf", tags=[{schema.UID: "s0.p0"}] * 2)
+    responses = [torch.tensor([7, 8, 9]), torch.tensor([7])]  # different lengths: each sample keeps its own
+    tags = [{schema.MIN_WEIGHT_VERSION: 3, schema.MAX_WEIGHT_VERSION: 4, schema.REWARD: 0.5}] * 2
+    client.put({schema.RESPONSES: responses, schema.ROLLOUT_LOG_PROBS: [r.float() / -10 for r in responses]}, "buf",
+               sample_ids=meta.sample_ids, tags=tags)
+    infos = client.sample_info("buf")
+    worker = SimpleNamespace(rank=0, tq_handle=handle.to_dict(), _tq_client=None)
+    wire = BatchMeta("buf", [i["id"] for i in infos], [], [i["tags"] for i in infos]).to_wire()
+    fields = [schema.INPUT_IDS, schema.RESPONSES, schema.ROLLOUT_LOG_PROBS, schema.GROUND_TRUTH]
+    assert save_samples(worker, wire, fields, str(tmp_path / "samples")) > 0
+    assert save_samples(SimpleNamespace(rank=1), wire, fields, str(tmp_path / "other")) == 0  # rank 0 only
+    client.clear("buf")
+
+    uids = restore_samples(worker, str(tmp_path / "samples"), "buf2", fields[:3])
+    assert uids == ["s0.p0", "s0.p0"]
+    restored = client.sample_info("buf2")
+    assert [i["tags"] for i in restored] == [i["tags"] for i in infos]  # weight versions kept
+    assert all(schema.GROUND_TRUTH not in i["fields"] for i in restored)  # no roller takes them again
+    data = client.get_data(BatchMeta("buf2", [i["id"] for i in restored], [], []), fields[:3])
+    for i, response in enumerate(responses):
+        assert torch.equal(data[schema.RESPONSES][i], response)
+        assert torch.equal(data[schema.ROLLOUT_LOG_PROBS][i], response.float() / -10)
+    with pytest.raises(ValueError, match="lack fields"):
+        restore_samples(worker, str(tmp_path / "samples"), "buf3", [schema.TOKEN_LEVEL_SCORES])
+    worker._tq_client.close()
+
+
+def test_resume_config_check_names_the_keys_that_break_promises():
+    saved = to_dict(load_config(preset="tiny", overrides=OVERRIDES))
+    harmless = to_dict(load_config(preset="tiny", overrides=[
+        *OVERRIDES, "trainer.total_steps=3", "rollers.num_replicas=2", "metrics.progress=false", "data.epochs=2"]))
+    assert check_resume_config(saved, harmless) == ["data.epochs", "metrics.progress", "rollers.num_replicas",
+                                                    "trainer.total_steps"]
+    changed = to_dict(load_config(preset="tiny", overrides=[*OVERRIDES, "rollout.n=4", "data.seed=1",
+                                                            "algorithm.max_staleness=3"]))
+    with pytest.raises(ValueError, match=r"changed algorithm.max_staleness, data.seed, rollout.n \("):
+        check_resume_config(saved, changed)
+
+
+def test_truncate_metrics_keeps_the_rows_up_to_the_checkpoint(tmp_path):
+    rows = [{"step": s} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "cut')
+    assert truncate_metrics(tmp_path, 2) == rows[:2]
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in rows[:2]]
+    assert json.loads((tmp_path / "metrics.superseded.jsonl").read_text()) == {"step": 3}
+
+
+def test_a_cancelled_update_finishes_before_the_cancellation_takes_effect():
+    import asyncio
+
+    from controller.schedules import _finish_before_cancel
+
+    done = []
+
+    async def step():
+        await asyncio.sleep(0.2)
+        done.append("trained")
+        return 1
+
+    async def main():
+        task = asyncio.ensure_future(_finish_before_cancel(step()))
+        await asyncio.sleep(0.05)
+        task.cancel()  # a stop signal, twice (it is re-sent each second)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert done == ["trained"]  # the step ran to its end: trainer and controller agree on the step
+        assert await _finish_before_cancel(step()) == 1
+
+    asyncio.run(main())

@@ -1,0 +1,234 @@
+"""Checkpoint and resume a whole job (controller/job_checkpoint.py), with real ``hflow-async`` processes.
+
+One chain on the tiny model, fully-async with generation ahead of training (8 prompts, batch 2, 2 epochs =
+8 steps, max_staleness 1, long forced responses so groups are still in flight at a checkpoint):
+
+1. SIGKILL while the checkpoint of step 2 is being written (a test hook pauses that save before its
+   rename): step 1's checkpoint stays whole, step 2's is only a ``.tmp_`` directory.
+2. ``--resume`` (from step 1), SIGTERM once a step is trained: exit 143 and a checkpoint written by the stop.
+3. ``--resume`` again, to the end: every prompt trained exactly once per epoch (uid accounting over
+   ``metrics.jsonl``), ``weight_version`` = step on every row, staleness within the bound.
+
+The start-up decisions of ``--resume`` (a refused config change, nothing left to train) need no pools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from controller.config import load_config, to_dict, to_yaml
+from controller.job_checkpoint import CHECKPOINTS, JOB_FILE, PAUSE_ENV, JobState, list_checkpoints
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 420  # Ray, the TransferQueue servers and the pools start on a loaded 2-core machine
+STEP_LINE = re.compile(r"^step +(\d+)/", re.MULTILINE)
+MAX_STALENESS = 1
+JOB = ["--mode", "fully-async", "--preset", "tiny", "data.size=8", "data.train_batch_size=2", "data.epochs=2",
+       "trainer.total_steps=8", "rollout.n=2", "trainer.ppo_mini_batch_size=2", f"algorithm.max_staleness={MAX_STALENESS}",
+       "rollout.max_response_length=24", "rollout.forced_response_lengths=[[1,16,24]]", "trainer.save_every=1"]
+
+
+def run(args: list[str], until: Callable[[str], bool] | None = None, sig: int = signal.SIGKILL,
+        watch: Callable[[int, str], None] | None = None, **env_vars: str) -> tuple[int, str, str]:
+    """Run ``python -m controller.cli *args``; once ``until(stdout)`` holds, send ``sig`` to the job's process
+    (then kill what it started); ``watch(pid, stdout)`` is called while it runs. Returns (exit code, stdout,
+    stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=stream, b=buf: b.extend(iter(s.readline, "")), daemon=True)
+               for stream, buf in ((proc.stdout, out), (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while watch is not None and proc.poll() is None and time.monotonic() < deadline:
+            watch(proc.pid, "".join(out))
+            time.sleep(0.2)
+        while until is not None and not until("".join(out)):
+            assert proc.poll() is None, f"ended first (rc {proc.returncode}):\n{''.join(out)[-2000:]}\n{''.join(err)[-3000:]}"
+            assert time.monotonic() < deadline, f"not there within {RUN_TIMEOUT_S}s:\n{''.join(err)[-3000:]}"
+            time.sleep(0.2)
+        if until is not None:
+            proc.send_signal(sig)
+        code = proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        try:  # what the job started (Ray, the TransferQueue servers) goes too, as after a crash of the node
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for reader in readers:
+            reader.join(timeout=10)
+    return code, "".join(out), "".join(err)
+
+
+def base_uid(uid: str) -> str:
+    return uid.split(".r")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_kill_mid_save_then_sigterm_then_resume_trains_every_prompt_once(tmp_path):
+    run_dir = tmp_path / "run"
+    # 1. SIGKILL in the middle of the save of step 2.
+    code, out, err = run([*JOB, f"run_dir={run_dir}"], until=lambda o: "checkpoint of step 2 written, pausing" in o,
+                         **{PAUSE_ENV: "2:300"})
+    assert code == -signal.SIGKILL, err[-3000:]
+    assert sorted(list_checkpoints(run_dir)) == [1]
+    assert (run_dir / CHECKPOINTS / ".tmp_step_2" / JOB_FILE).is_file()  # the unfinished save, not taken
+    first = JobState.read(run_dir / CHECKPOINTS / "step_1")
+    assert first.weight_version == 1
+    # Generation runs ahead: the 2 groups admitted beyond step 1's are buffered or still in flight.
+    assert len(first.buffered_uids) + len(first.in_flight_uids) == 2, first
+
+    # 2. Resume from step 1; SIGTERM once it has trained a step. No periodic save: the stop writes one.
+    code, out, err = run(["--resume", str(run_dir), "trainer.save_every=100"],
+                         until=lambda o: STEP_LINE.search(o) is not None, sig=signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "(step 1, weight_version 1)" in out
+    stopped_at = max(list_checkpoints(run_dir))
+    stop = JobState.read(run_dir / CHECKPOINTS / f"step_{stopped_at}")
+    assert stopped_at >= 2 and stop.reason == "stopped by SIGTERM" and stop.weight_version == stopped_at
+    assert not list((run_dir / CHECKPOINTS).glob(".tmp_*")), "a save removes a leftover temporary directory"
+
+    # 3. Resume to the end.
+    code, out, err = run(["--resume", str(run_dir)])
+    assert code == 0, err[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["weight_version"] == r["step"] for r in rows)  # the version continues across resumes
+    assert max(r["staleness_max"] for r in rows) <= MAX_STALENESS
+    trained = [base_uid(u) for r in rows for u in r["uids"]]
+    expected = [f"s{step}.p{pos}" for step in range(8) for pos in range(2)]  # 8 prompts x 2 epochs
+    assert sorted(trained) == sorted(expected), "a prompt was skipped or trained twice"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["num_steps"] == 8
+
+
+def fake_run(run_dir: Path, step: int, overrides: list[str], **state) -> None:
+    """A run directory with a config and one job checkpoint of ``step`` (no trainer files: the tests below
+    end before any pool starts)."""
+    cfg = load_config(preset="tiny", overrides=[*overrides, f"run_dir={run_dir}"])
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    path = run_dir / CHECKPOINTS / f"step_{step}"
+    path.mkdir(parents=True)
+    fields = dict(step=step, weight_version=step, synced_weight_version=step, admission_started=step,
+                  admission_dropped=0, feeder={"num_fed": step, "reissues": {}, "exhausted": False},
+                  buffered_uids=[], in_flight_uids=[], num_syncs=step, num_dropped_groups=0, num_failed_groups=0,
+                  num_zero_variance_groups=0, refill_depth={}, reason="test", saved_at=0.0, num_sample_bytes=0,
+                  config=to_dict(cfg)) | state
+    (path / JOB_FILE).write_text(json.dumps(fields))
+
+
+def cli(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``hflow-async *args`` in this process (these runs end before Ray or any pool starts)."""
+    from controller.cli import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
+def test_resume_refuses_a_changed_rollout_n_and_allows_steps(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, 2, ["data.size=8", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=4"])
+    done = cli(capsys, "--resume", str(run_dir), "rollout.n=4", "trainer.total_steps=2")
+    assert done.returncode == 2
+    assert "rollout.n: 8 -> 4" in done.stderr and "total_steps" not in done.stderr.split("cannot resume")[1]
+    # A harmless change alone passes the check (and here finds nothing left to train).
+    done = cli(capsys, "--resume", str(run_dir), "trainer.total_steps=2", "metrics.progress=false")
+    assert done.returncode == 0 and "nothing left to train" in done.stdout, done.stderr
+    assert re.search(r"resuming with changed .*trainer.total_steps", done.stdout)
+
+
+def test_resume_with_the_data_exhausted_and_nothing_buffered_exits_0(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, 4, ["data.size=8", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=4"],
+             feeder={"num_fed": 8, "reissues": {}, "exhausted": True})
+    done = cli(capsys, "--resume", str(run_dir), "trainer.total_steps=6")
+    assert done.returncode == 0 and "data exhausted at step 4" in done.stdout, done.stderr
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing started
+
+
+def test_resume_needs_a_job_checkpoint(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, 1, [])
+    (run_dir / CHECKPOINTS / "step_1" / JOB_FILE).unlink()
+    done = cli(capsys, "--resume", str(run_dir))
+    assert done.returncode == 2 and "no job checkpoint" in done.stderr
+    done = cli(capsys, "--resume", str(tmp_path / "nowhere"))
+    assert done.returncode == 2 and "no run there" in done.stderr
+
+
+def trainer_rank_pids(job_pid: int) -> list[int]:
+    """PIDs of the trainer rank actors the job ``job_pid`` started (Ray's worker processes descend from the
+    raylet the job started, and take their actor's class as their title); other jobs' are left alone."""
+    parent, title = {}, {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            title[int(proc.name)] = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):  # a process that ended while we looked
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == job_pid:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return [pid for pid, name in title.items() if b"ray::TrainerActor" in name and descends(pid)]
+
+
+def kill_trainer_after_checkpoint(run_dir: Path) -> Callable[[int, str], None]:
+    """A ``watch`` for ``run``: once ``run_dir`` has a job checkpoint, SIGKILL the trainer rank's process
+    (once; it may be training the next step or writing the next checkpoint)."""
+    killed: list[int] = []
+
+    def watch(pid: int, out: str) -> None:
+        if not killed and list_checkpoints(run_dir):
+            killed.extend(trainer_rank_pids(pid))
+            assert len(killed) == 1, killed
+            os.kill(killed[0], signal.SIGKILL)
+
+    return watch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_lost_trainer_rank_restarts_from_the_checkpoint_or_fails_naming_it(tmp_path, max_restarts):
+    run_dir = tmp_path / "run"
+    args = [*JOB, "data.epochs=1", "trainer.total_steps=4", f"trainer.max_restarts={max_restarts}",
+            f"run_dir={run_dir}"]
+    code, out, err = run(args, watch=kill_trainer_after_checkpoint(run_dir))
+    assert "trainer rank 0 was lost in " in err
+    if max_restarts == 0:
+        assert code == 1 and "run failed: TrainerRankLost" in err
+        return
+    assert code == 0, err[-3000:]
+    assert "restarting the pools from" in err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["weight_version"] == r["step"] for r in rows)
+    trained = sorted(base_uid(u) for r in rows for u in r["uids"])
+    assert trained == sorted(f"s{step}.p{pos}" for step in range(4) for pos in range(2))
+
