@@ -68,6 +68,12 @@ _TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LENGTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
+# Why a roller joined or left the pool (``controller.pool_keeper.PoolKeeper.event``): a scale request, the
+# autoscaler, a replacement, or a loss (the roller died, stopped answering, or missed a weight update).
+SCALE_REASONS = ("scale_up", "scale_down", "autoscale_up", "autoscale_down", "replacement", "lost_died",
+                 "lost_unresponsive", "lost_weight_sync")
+
+
 class JobMetrics:
     """The series of one job in a private registry; ``serve(host, port)`` exposes them over HTTP."""
 
@@ -117,6 +123,8 @@ class JobMetrics:
                                registry=r)
         self.scale_events = Counter("hflow_roller_scale_events", "Rollers joining or leaving the pool, by reason",
                                     ["reason"], registry=r)
+        for reason in SCALE_REASONS:  # every reason exported from the start (0 until it happens)
+            self.scale_events.labels(reason=reason)
         self.restarts = Counter("hflow_roller_restarts", "Replacements started for lost rollers", registry=r)
         self.reissued_groups = Counter("hflow_reissued_groups", "Prompt groups re-issued because their roller "
                                        "left the pool", registry=r)

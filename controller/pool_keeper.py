@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 
+from controller.metrics import SCALE_REASONS
 from controller.pool import RollerLost, find_orphans
 from controller.runtime import PARTITION
 
@@ -39,7 +40,6 @@ class PoolKeeper:
 
     def __init__(self, stages):
         self.st = stages
-        self.pool = stages.rt.pool
         self.cfg = stages.cfg
         self.metrics = stages.metrics
         self.num_restarts = 0
@@ -54,11 +54,16 @@ class PoolKeeper:
         self._task: asyncio.Task | None = None
         self._autoscaling: asyncio.Task | None = None
         self.autoscaler = Autoscaler(self) if self.cfg.rollers.autoscale else None
-        self.metrics.pool_size.set(self.pool.size())
 
     # --------------------------------------------------------------------------------------- running
 
+    @property
+    def pool(self):
+        """The pool it keeps (``stages.rt.pool``; looked up when used, so a Stages without pools can exist)."""
+        return self.st.rt.pool
+
     def start(self) -> None:
+        self.metrics.pool_size.set(self.pool.size())
         self._task = asyncio.ensure_future(self.run())
 
     async def stop(self) -> None:
@@ -107,6 +112,7 @@ class PoolKeeper:
         record = {"time": time.time(), "direction": direction, "reason": reason, "roller": roller,
                   "pool_size": size}
         self.events.append(record)
+        assert reason in SCALE_REASONS, reason
         self.metrics.scale_events.labels(reason=reason).inc()
         self.metrics.pool_size.set(size)
         if direction == "down":

@@ -34,9 +34,14 @@ class _FakeTrainer:
         return {"actor/pg_loss": 0.0}
 
 
+class _FakePool:
+    def size(self):
+        return 1
+
+
 class _FakeRuntime:
     def __init__(self, groups):
-        self.tq, self.trainer = _FakeTQ(groups), _FakeTrainer()
+        self.tq, self.trainer, self.pool = _FakeTQ(groups), _FakeTrainer(), _FakePool()
 
 
 def _group(uid: str, n: int, version: int = 0) -> list[dict]:

@@ -24,7 +24,8 @@ def _tag(uid: str, finish_reason: str, length: int) -> dict:
 def test_step_record_reports_the_clip_ratio(tmp_path):
     cfg = load_config(preset="tiny", overrides=["trainer.total_steps=1"])
     metrics, report = JobMetrics(), RunReport(tmp_path, total_steps=1, progress=False)
-    stages = Stages(cfg, rt=None, metrics=metrics, report=report)
+    pool = SimpleNamespace(size=lambda: 1)
+    stages = Stages(cfg, rt=SimpleNamespace(pool=pool), metrics=metrics, report=report)
     stages.weight_version = 1
     tags = [_tag("u0", "length", 4), _tag("u0", "stop", 2), _tag("u1", "length", 4), _tag("u1", "stop", 1),
             _tag("u2", "stop", 3), _tag("u2", "stop", 3), _tag("u3", "stop", 1), _tag("u3", "length", 4)]
