@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hflow-installed
 PYTHON ?= python3
 
-.PHONY: setup run test lint clean deploy-check
+.PHONY: setup run test test-long lint clean deploy-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ lint: setup
 
 test: lint
 	$(VENV)/bin/pytest
+
+# End-to-end jobs with faults, resizes and resume (marker `long`, ~15 minutes on 2 cores): outside the
+# 20-minute `make test`, run by CI after it.
+test-long: setup
+	$(VENV)/bin/pytest -m long
 
 # The Prometheus config and Grafana dashboard of deploy/, checked with a real Prometheus against a short run
 # (deploy/check.py; a few minutes). Installs Debian's prometheus package when prometheus/promtool are missing.

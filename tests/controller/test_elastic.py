@@ -47,6 +47,7 @@ def events(steps: list[dict]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_killed_roller_is_replaced_and_its_groups_reissued(tmp_path, ray_cluster):
     code, steps, summary = run(tmp_path, "fully-async", "rollers.fault_injection=[roller1:kill:group=3]",
                                "rollers.health_timeout_s=5")
@@ -60,6 +61,7 @@ def test_killed_roller_is_replaced_and_its_groups_reissued(tmp_path, ray_cluster
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sole_roller_killed_the_replacement_joins_with_the_current_weights(tmp_path, ray_cluster):
     # One roller, killed at its 11th group: in step 2, after the weights of version 1 were pushed. The run
     # can only finish through its replacement, which must hold version 1 before it takes work: sync
@@ -75,6 +77,7 @@ def test_sole_roller_killed_the_replacement_joins_with_the_current_weights(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_roller_hung_in_a_weight_sync_is_replaced_and_the_job_goes_on(tmp_path, ray_cluster):
     code, steps, summary = run(tmp_path, "one-step-off", "rollers.fault_injection=[roller0:hang:weight_sync=1]",
                                "rollers.health_timeout_s=3", "checkpointengine.timeout_s=3")
@@ -88,6 +91,7 @@ def test_roller_hung_in_a_weight_sync_is_replaced_and_the_job_goes_on(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_no_roller_left_fails_the_run_with_a_clear_error(tmp_path, ray_cluster):
     code, _, summary = run(tmp_path, "fully-async", "rollers.num_replicas=1", "rollers.max_restarts=0",
                            "rollers.fault_injection=[roller0:kill:group=1]", "rollers.health_timeout_s=5")
@@ -103,6 +107,7 @@ def test_bad_fault_spec_names_the_key(spec):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
     # roller0 is slowed (1.5 s per group taken) so the run outlasts both requests on a loaded machine.
     num_steps = 6
@@ -141,6 +146,7 @@ def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_autoscaler_adds_a_roller_when_the_trainer_is_starved(tmp_path, ray_cluster):
     # One roller slowed to 1.5 s per group: the trainer waits for data while prompts wait for a roller.
     code, steps, summary = run(tmp_path, "fully-async", "rollers.num_replicas=1", "trainer.total_steps=6",
@@ -154,6 +160,7 @@ def test_autoscaler_adds_a_roller_when_the_trainer_is_starved(tmp_path, ray_clus
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_autoscaler_removes_a_roller_at_the_staleness_cap(tmp_path, ray_cluster):
     # max_staleness=0: two fast rollers finish each admitted batch, then sit at the cap until the sync.
     code, steps, summary = run(tmp_path, "fully-async", "data.size=128", "trainer.total_steps=14",

@@ -84,6 +84,7 @@ def base_uid(uid: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(4 * RUN_TIMEOUT_S)
 def test_kill_mid_save_then_sigterm_then_resume_trains_every_prompt_once(tmp_path):
     run_dir = tmp_path / "run"
@@ -214,6 +215,7 @@ def kill_trainer_after_checkpoint(run_dir: Path) -> Callable[[int, str], None]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 @pytest.mark.parametrize("max_restarts", [0, 1])
 def test_a_lost_trainer_rank_restarts_from_the_checkpoint_or_fails_naming_it(tmp_path, max_restarts):
