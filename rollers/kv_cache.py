@@ -83,6 +83,15 @@ class SlotKVCache(Cache):
                 if buf is not None:
                     buf[dst, :, :length] = buf[src, :, :length]
 
+    def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first ``length`` positions of slots ``src[i]`` into slots ``dst[i]`` (every layer, one
+        indexed copy per buffer). ``dst`` must not overlap ``src``."""
+        src_idx, dst_idx = torch.tensor(src), torch.tensor(dst)
+        for buffers in (self.keys, self.values):
+            for buf in buffers:
+                if buf is not None:
+                    buf[dst_idx.to(buf.device), :, :length] = buf[src_idx.to(buf.device), :, :length]
+
     def clear(self) -> None:
         """Free every buffer (they are recreated, empty, by the next forward)."""
         self.keys = [None] * len(self.keys)

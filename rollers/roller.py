@@ -323,15 +323,17 @@ class Roller:
                     raise errors[0]
                 if not await _acquire(slots, self.poll_timeout_s):
                     continue
-                group = await self.channel.take_group(self.poll_timeout_s)
-                if group is None:
+                first = await self.channel.take_group(self.poll_timeout_s)
+                if first is None:
                     slots.release()
                     continue
-                self._held[group.uid] = group.sample_ids
-                task = asyncio.create_task(self.process_group(group), name=f"{self.roller_id}-{group.uid}")
-                tasks.add(task)
-                task.add_done_callback(on_done)
-                started += 1
+                self._held[first.uid] = first.sample_ids  # held from the take on (the pool's orphan check)
+                room = None if max_groups is None else max_groups - started - 1
+                for group in [first, *await self._take_waiting(slots, room)]:
+                    task = asyncio.create_task(self.process_group(group), name=f"{self.roller_id}-{group.uid}")
+                    tasks.add(task)
+                    task.add_done_callback(on_done)
+                    started += 1
             while tasks and not errors:
                 await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
             if errors:
@@ -343,6 +345,21 @@ class Roller:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
         return started
+
+    async def _take_waiting(self, slots: asyncio.Semaphore, room: int | None) -> list[PromptGroup]:
+        """The groups already waiting in the channel, while ``slots`` has a free slot (each taken one holds
+        it) and ``room`` (None: no limit) allows; none is waited for. Starting them together with the group
+        just taken lets the engine admit them in one prefill instead of one per decode step."""
+        groups: list[PromptGroup] = []
+        while not slots.locked() and not self._stopping.is_set() and (room is None or len(groups) < room):
+            await slots.acquire()  # a free slot: returns at once
+            group = await self.channel.take_group(0.0)
+            if group is None:
+                slots.release()
+                break
+            self._held[group.uid] = group.sample_ids
+            groups.append(group)
+        return groups
 
     # ------------------------------------------------------------------------------ one group
 

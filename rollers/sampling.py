@@ -74,10 +74,13 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[i
     temps = torch.ones(len(rows), device=logits.device)
     temps[sampled] = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
     log_probs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
-    if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
-        tokens[idx] = _draw(log_probs[idx], [rows[i] for i in sampled])
+    if len(sampled) == len(rows):  # no greedy row: draw every row without copying the batch
+        tokens = _draw(log_probs, rows)
+    else:
+        tokens = torch.argmax(logits, dim=-1)
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            tokens[idx] = _draw(log_probs[idx], [rows[i] for i in sampled])
     token_log_probs = log_probs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), token_log_probs.tolist()
 
@@ -124,6 +127,8 @@ def _draw(log_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     tokens = torch.empty(len(rows), dtype=torch.long, device=probs.device)
     plain = [i for i, r in enumerate(rows) if r.top_k < 0 and r.top_p >= 1.0]
     filtered = [i for i, r in enumerate(rows) if not (r.top_k < 0 and r.top_p >= 1.0)]
+    if len(plain) == len(rows):
+        return _inverse_cdf(probs, uniforms)
     if plain:
         idx = torch.tensor(plain, device=probs.device)
         tokens[idx] = _inverse_cdf(probs[idx], uniforms[idx])
@@ -154,6 +159,13 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = torch.cumsum(weights, dim=-1)
     targets = uniforms * cdf[:, -1]
     pick = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
-    # A uniform rounding onto the total would pick past the end: step back to the last positive weight.
-    last_positive = weights.shape[1] - 1 - torch.argmax((weights.flip(-1) > 0).to(torch.int8), dim=-1)
-    return torch.minimum(pick, last_positive)
+    # A uniform rounding onto the total would pick past the end (or, were the cdf not exact, into trailing
+    # zeros): step those rows back to their last positive weight. Elsewhere weights[pick] > 0 (the cdf
+    # rises there), so only rows picking past the end or a zero weight need the full-row search.
+    inside = pick.clamp(max=weights.shape[1] - 1)
+    suspect = ((pick != inside) | (weights.gather(1, inside[:, None])[:, 0] <= 0)).nonzero()[:, 0]
+    if suspect.numel():
+        rows = weights[suspect]
+        last_positive = rows.shape[1] - 1 - torch.argmax((rows.flip(-1) > 0).to(torch.int8), dim=-1)
+        pick[suspect] = torch.minimum(pick[suspect], last_positive)
+    return pick

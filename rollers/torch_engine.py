@@ -8,7 +8,7 @@ the engine between steps, never inside one.
 ::
 
     submit ──> waiting (FIFO) ──admit while slots are free──> running (slots 0 .. batch-1)
-                                   │ prefill newcomers (one batched forward)
+                                   │ prefill newcomers (one batched forward; identical prompts once)
                                    ▼
                every step: one decode forward over ALL running slots ──> sample ──> stop? leave at once
 
@@ -127,6 +127,7 @@ class TorchEngine(Engine):
         self._busy_s = 0.0
         self._num_tokens_generated = 0
         self._num_forwards = 0
+        self._num_prefill_tokens = 0
 
     # ------------------------------------------------------------------------------ public API
 
@@ -265,7 +266,8 @@ class TorchEngine(Engine):
     def stats(self) -> dict[str, float]:
         """Counters: ``num_tokens_generated``, ``tokens_per_s`` (over busy time), ``busy_s``, ``uptime_s``,
         ``busy_ratio``, ``num_running``, ``num_waiting``, ``num_requests_in_flight``, ``num_forwards``,
-        ``weight_version``, ``kv_capacity_tokens`` (per slot)."""
+        ``num_prefill_tokens`` (token positions the prefill forwards computed, padding included; identical
+        prompts admitted together count once), ``weight_version``, ``kv_capacity_tokens`` (per slot)."""
         uptime = time.perf_counter() - self._started_at
         return {
             "num_tokens_generated": self._num_tokens_generated,
@@ -277,6 +279,7 @@ class TorchEngine(Engine):
             "num_waiting": len(self._waiting),
             "num_requests_in_flight": len(self._running) + len(self._waiting),
             "num_forwards": self._num_forwards,
+            "num_prefill_tokens": self._num_prefill_tokens,
             "weight_version": self._weight_version,
             "kv_capacity_tokens": self._cache.capacity,
         }
@@ -418,29 +421,57 @@ class TorchEngine(Engine):
         return out.logits
 
     def _admit(self) -> None:
-        """Prefill waiting sequences into free slots (one right-padded forward) and sample their next token."""
+        """Prefill waiting sequences into free slots and sample their next token.
+
+        Newcomers with identical token ids (the ``rollout.n`` samples of one prompt group) are prefilled
+        once: one right-padded forward over the distinct ones, whose keys/values are then copied into the
+        duplicates' slots; every sequence samples its first token from the shared logits with its own
+        generator, exactly as if it had been prefilled alone.
+        """
         num_new = min(self._num_slots - len(self._running), len(self._waiting))
         if num_new <= 0:
             return
-        batch = [self._waiting.popleft() for _ in range(num_new)]
-        tokens = [seq.tokens() for seq in batch]
+        distinct: dict[tuple[int, ...], int] = {}  # token ids -> row of the prefill forward
+        firsts, duplicates, source = [], [], []
+        for seq in (self._waiting.popleft() for _ in range(num_new)):
+            key = tuple(seq.tokens())
+            if key in distinct:
+                duplicates.append(seq)
+                source.append(distinct[key])
+            else:
+                distinct[key] = len(firsts)
+                firsts.append(seq)
+        # Slots: the first sequence of each distinct prompt (prefilled), then the duplicates (copied).
+        admitted, rows = firsts + duplicates, [*range(len(firsts)), *source]  # rows: prefill row of each
+        first = len(self._running)
+        logits = self._prefill(first, list(distinct))
+        lengths = [len(key) for key in distinct]
+        if duplicates:
+            self._cache.copy_rows([first + row for row in source], list(range(first + len(firsts), first + num_new)),
+                                  max(lengths[row] for row in source))
+            logits = logits[torch.tensor(rows, device=self._device)]
+        self._running.extend(admitted)
+        for seq, row in zip(admitted, rows, strict=True):
+            seq.kv_len = lengths[row]
+        self._append_tokens(first, logits)
+
+    def _prefill(self, first: int, tokens: list[tuple[int, ...]]) -> torch.Tensor:
+        """One right-padded forward writing ``tokens`` (one sequence per row) into slots ``first ..``;
+        returns the logits at each row's last position, (rows, vocab)."""
+        num_rows = len(tokens)
         lengths = torch.tensor([len(t) for t in tokens], device=self._device)
         seq_len = int(lengths.max().item())
-        input_ids = torch.zeros(num_new, seq_len, dtype=torch.long, device=self._device)
+        input_ids = torch.zeros(num_rows, seq_len, dtype=torch.long, device=self._device)
         for row, toks in enumerate(tokens):
             input_ids[row, : len(toks)] = torch.tensor(toks, device=self._device)
         positions = torch.arange(seq_len, device=self._device)
         allowed = (positions[None, :] <= positions[:, None])[None] & (positions < lengths[:, None])[:, None, :]
         last = lengths - 1
         keep = torch.unique(last)
-        self._cache.plan_prefill(len(self._running), num_new, seq_len)
-        logits = self._forward(input_ids, positions.expand(num_new, -1), self._mask(allowed[:, None]), keep)
-        logits = logits[torch.arange(num_new, device=self._device), torch.searchsorted(keep, last)]
-        first = len(self._running)
-        self._running.extend(batch)
-        for seq, n in zip(batch, lengths.tolist(), strict=True):
-            seq.kv_len = n
-        self._append_tokens(first, logits)
+        self._cache.plan_prefill(first, num_rows, seq_len)
+        self._num_prefill_tokens += num_rows * seq_len
+        logits = self._forward(input_ids, positions.expand(num_rows, -1), self._mask(allowed[:, None]), keep)
+        return logits[torch.arange(num_rows, device=self._device), torch.searchsorted(keep, last)]
 
     def _decode(self) -> None:
         """One forward over every running slot: feed each slot's last token at its own position."""

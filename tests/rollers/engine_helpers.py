@@ -97,6 +97,11 @@ class LocalGroupChannel:
         self.results: asyncio.Queue = asyncio.Queue(maxsize)
 
     async def take_group(self, timeout_s: float):
+        if timeout_s <= 0:  # answer at once (wait_for with 0 would cancel even a ready get)
+            try:
+                return self.groups.get_nowait()
+            except asyncio.QueueEmpty:
+                return None
         try:
             return await asyncio.wait_for(self.groups.get(), timeout_s)
         except TimeoutError:

@@ -155,6 +155,18 @@ def test_roller_puts_schema_fields_for_every_group(model, tok):
     assert 1 <= stats["response_length_min"] <= stats["response_length_mean"] <= stats["response_length_max"] <= 6
 
 
+def test_waiting_groups_start_together_in_one_prefill(model, tok):
+    """Groups already waiting start with the one just taken, so the engine admits them all in one prefill
+    forward (rows right-padded to the longest prompt; each group's n identical prompts prefilled once)."""
+    groups = [PromptGroup(f"uid{i}", tuple(range(i * N, (i + 1) * N)),
+                          tuple(apply_chat_template(tok, "repeat the word" + " a" * (i + 1))), {"answer": "a"})
+              for i in range(3)]
+    lengths = {len(g.input_ids) for g in groups}
+    results, roller = run(_roll(model, tok, groups))
+    assert sorted(results) == ["uid0", "uid1", "uid2"] and len(lengths) == 3
+    assert roller.engine.stats()["num_prefill_tokens"] == 3 * max(lengths)  # one by one: sum(lengths)
+
+
 def test_same_seeds_give_same_samples_whatever_the_batch(model, tok):
     target = make_group(tok, 5)
     alone, _ = run(_roll(model, tok, [target], slots=4))

@@ -235,6 +235,32 @@ def test_seeds_make_groups_differ_and_ignore_batch_composition(tiny):
         torch.testing.assert_close(torch.tensor(a.output_log_probs), torch.tensor(b.output_log_probs), atol=1e-5, rtol=0)
 
 
+def test_identical_prompts_are_prefilled_once(tiny):
+    """A group's identical prompts share one prefill row (KV copied to the others' slots); every sample
+    still draws from its own seed exactly as when prefilled alone."""
+    model, tok, prompts = tiny
+    reqs = [request(f"g{s}", prompts[0], max_new_tokens=8, temperature=1.0, seed=s, ignore_eos=True)
+            for s in range(3)]
+    reqs.append(request("o", prompts[1], max_new_tokens=8, temperature=1.0, seed=9, ignore_eos=True))
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=4)
+        try:
+            together = await asyncio.gather(*[engine.generate(r) for r in reqs])
+            prefill_tokens = engine.stats()["num_prefill_tokens"]
+            alone = [await engine.generate(r) for r in reqs]
+            return together, alone, prefill_tokens
+        finally:
+            await engine.shutdown()
+
+    together, alone, prefill_tokens = run(body())
+    assert prefill_tokens == 2 * max(len(prompts[0]), len(prompts[1]))  # two distinct prompts, one forward
+    assert [o.output_ids for o in together] == [o.output_ids for o in alone]
+    assert len({tuple(o.output_ids) for o in together[:3]}) > 1  # the seeds, not the shared prefill, decide
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(torch.tensor(a.output_log_probs), torch.tensor(b.output_log_probs), atol=1e-5, rtol=0)
+
+
 def test_stream_yields_growing_outputs(tiny):
     model, tok, prompts = tiny
 
