@@ -26,7 +26,8 @@ lint: setup
 test: lint
 	$(VENV)/bin/pytest
 
-# End-to-end jobs with faults, resizes and resume (marker `long`, ~15 minutes on 2 cores): outside the
+# End-to-end jobs with faults, resizes and resume, and the other modes of the slowest job tests (marker
+# `long`, ~20 minutes on 2 cores): outside the
 # 20-minute `make test`, run by CI after it.
 test-long: setup
 	$(VENV)/bin/pytest -m long

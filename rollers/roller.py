@@ -380,13 +380,14 @@ class Roller:
                 raise fatal.exceptions[0] from group_error
             return self._fail(group, "generate", [f"{type(e).__name__}: {e}" for e in failed.exceptions])
         outputs = [task.result() for task in tasks]
+        texts = self.tokenizer.batch_decode([o.output_ids for o in outputs], skip_special_tokens=True)
         if self.agent is not None:  # multi-turn: each trajectory was scored by its environment
             failed = [f"sample {i}: {o.error}" for i, o in enumerate(outputs) if o.error]
             if failed:
                 self._counters.num_failed_rewards += len(failed)
                 return self._fail(group, "environment", failed)
-            return await self._put(group, outputs[:n], [RewardResult(o.reward) for o in outputs])
-        texts = self.tokenizer.batch_decode([o.output_ids for o in outputs], skip_special_tokens=True)
+            return await self._put(group, outputs[:n], [RewardResult(o.reward) for o in outputs], greedy,
+                                   tuple(texts[:n]))
         try:
             results = await asyncio.wait_for(
                 asyncio.get_running_loop().run_in_executor(

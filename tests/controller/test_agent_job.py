@@ -9,7 +9,7 @@ import pytest
 from controller.job import EXIT_OK
 from tests.controller.test_job import run
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # two jobs: ~40 s quiet, ~150 s on a loaded 2-core machine
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.long]  # two jobs: ~40 s quiet, ~150 s on a loaded 2-core machine
 
 MULTI_TURN = ("rollout.environment=tests.rollers.agent_envs:scripted_turns", "rollout.max_turns=3",
               "rollout.max_response_length=24", "data.size=32", "data.train_batch_size=8",

@@ -42,7 +42,7 @@ def test_too_many_steps_rejected_at_start(tmp_path, ray_cluster, capsys):
         assert needle in err
 
 
-@pytest.mark.parametrize("total_steps", [4, 3])
+@pytest.mark.parametrize("total_steps", [4, pytest.param(3, marks=pytest.mark.long)])
 def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     code, steps, summary = run(tmp_path, "one-step-off", *SMALL, f"trainer.total_steps={total_steps}")
     assert code == EXIT_OK
@@ -261,7 +261,8 @@ def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_clus
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.long), pytest.param("one-step-off", marks=pytest.mark.long),
+                                  "fully-async"])  # one mode in make test, all three in make test-long
 def test_tiny_model_learns_the_prompt_dependent_task(tmp_path, ray_cluster, mode):
     code, rows, summary = run(tmp_path, mode, "data.val_size=32", "trainer.val_every=125")
     assert code == EXIT_OK

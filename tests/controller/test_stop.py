@@ -95,7 +95,7 @@ def check_stopped(run_dir: Path, code: int, out: str, err: str, sig: signal.Sign
     return summary
 
 
-@pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.long), "one-step-off", pytest.param("fully-async", marks=pytest.mark.long)])
 def test_sigterm_during_steps_is_a_clean_stop(tmp_path, mode):
     code, out, err = run_and_stop(tmp_path / "run", mode, signal.SIGTERM, steps_started)
     summary = check_stopped(tmp_path / "run", code, out, err, signal.SIGTERM)
@@ -119,14 +119,14 @@ def test_sigint_is_a_clean_stop_with_exit_130(tmp_path):
         assert summary["num_steps"] >= 1
         assert 0 < summary["startup_s"] < summary["wall_s"] and 0 <= summary["shutdown_s"] < summary["wall_s"]
         for starting in ("starting a local Ray cluster", "starting the TransferQueue", "starting the prompt feeder",
-                         "starting 1 trainer rank", "starting 1 roller", "connecting weight sync"):
+                         "starting 1 roller (torch engine) and 1 trainer rank", "connecting weight sync"):
             assert f"hflow-async: {starting}" in out, out[:3000]
         assert [p.name for p in (cache / "ray").iterdir()] == []  # no session_* left behind
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
 
-@pytest.mark.parametrize("gap_s", [0.5, 2.0])
+@pytest.mark.parametrize("gap_s", [0.5, pytest.param(2.0, marks=pytest.mark.long)])
 def test_a_second_sigint_while_stopping_is_noted_not_a_traceback(tmp_path, gap_s):
     code, out, err = run_and_stop(tmp_path / "run", "one-step-off", signal.SIGINT, steps_started, again_after_s=gap_s)
     assert code == 130, (code, err[-3000:])

@@ -65,7 +65,7 @@ def test_sync_validation_rows_dump_and_tensorboard(tmp_path, ray_cluster):
     assert dict(scalars["val/accuracy"]) == pytest.approx(by_version)
 
 
-@pytest.mark.parametrize("mode", ["fully-async", pytest.param("one-step-off", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["fully-async", pytest.param("one-step-off", marks=[pytest.mark.slow, pytest.mark.long])])
 def test_validation_trains_every_step_in_the_overlapping_modes(tmp_path, ray_cluster, mode):
     """In fully-async validation overlaps training: the run trains every step on whole batches, none of its
     groups dropped (validation is outside the staleness bound), within the bound."""
