@@ -2,9 +2,8 @@
 
 Rank 0 (the leader) owns the control socket (a ZMQ ROUTER on ``checkpointengine.host``, loopback by
 default; with ``checkpointengine.curve`` a CURVE server whose keys the leader makes) and the version
-bookkeeping; the
-backend plug-in (``checkpointengine.backend``, one module per backend in ``backends/``) owns how bytes
-travel (its slots, buffers, group or files). The leader makes the ``WeightSyncHandle`` that the
+bookkeeping; the backend plug-in (``checkpointengine.backend``, one module per backend in ``backends/``)
+owns how bytes travel (its slots, buffers, group or files). The leader makes the ``WeightSyncHandle`` that the
 controller hands to the other ranks and to every roller. Two ways to send one ``weight_version``:
 
 * ``send(named_tensors, version)`` — full tensors (``named_full_tensors()``: every rank iterates, since
