@@ -149,3 +149,10 @@ def test_malformed_curve_keys_in_a_handle_are_a_value_error():
         wire.close()
     with pytest.raises(ValueError, match="handle curve keys"):
         WeightSyncHandle.from_dict({**body, "curve": {"server_public": "x"}})
+
+
+def test_a_control_server_needs_the_server_secret():
+    from checkpointengine.control import ControlServer
+
+    with pytest.raises(ValueError, match="server secret"):
+        ControlServer(_cfg(curve=True), make_job_keys().for_clients())
