@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from checkpointengine.backend import get_backend
 from common.dtypes import FLOAT_DTYPES
+from common.net import check_bind_host
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 GROUP_BACKENDS = ("auto", "gloo", "nccl")
@@ -22,7 +23,15 @@ class CheckpointEngineConfig:
     ``group_backend``: torch.distributed backend of the ``broadcast`` group, gloo | nccl | auto (nccl
     when CUDA is available); ``reuse_receive_buffers``: a roller copies shm/zmq buckets into the tensors
     of its previous update instead of fresh memory (much faster on CPU, no page faults; costs one
-    resident copy of the weights per roller between updates)."""
+    resident copy of the weights per roller between updates).
+
+    Across nodes: ``host`` is the address the leader's control socket binds (``tcp://host:<random
+    port>``; with the ``zmq`` backend every bucket travels on it too) and the ``broadcast`` backend's
+    rendezvous store listens on; loopback by default, so rollers on another machine need the leader
+    machine's address here. ``curve``: ZMQ CURVE on the control socket (``common.curve``): the leader
+    makes the job's keys, the handle carries the server's public key and the client key pair to the
+    rollers through Ray, and a peer without them is refused. The ``broadcast`` group itself
+    (torch.distributed) is not covered: with ``curve`` a warning says so."""
 
     backend: str = "shm"
     bucket_bytes: int = 64 * 1024**2
@@ -33,6 +42,8 @@ class CheckpointEngineConfig:
     disk_dir: str = ""
     group_backend: str = "auto"
     reuse_receive_buffers: bool = True
+    host: str = "127.0.0.1"
+    curve: bool = False
 
     def __post_init__(self):
         get_backend(self.backend, "checkpointengine.backend")  # ValueError listing the registered backends
@@ -54,3 +65,6 @@ class CheckpointEngineConfig:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"checkpointengine.timeout_s must be > 0, got {self.timeout_s}")
+        check_bind_host("checkpointengine.host", self.host)
+        if not isinstance(self.curve, bool):
+            raise ValueError(f"checkpointengine.curve must be true or false, got {self.curve!r}")

@@ -1,5 +1,10 @@
 """The leader's control plane: a ZMQ ROUTER that every roller's DEALER (identity = roller name) talks
-to, the per-update round state, and the bounded waits of ``protocol``'s message flow."""
+to, the per-update round state, and the bounded waits of ``protocol``'s message flow.
+
+The ROUTER binds ``checkpointengine.host`` (loopback unless configured); it is the weight plane's one
+ZMQ socket that may leave the node (the ``zmq`` backend's buckets ride on it). With
+``checkpointengine.curve`` it is a CURVE server admitting only the job's client key (``common.curve``).
+"""
 
 from __future__ import annotations
 
@@ -22,9 +27,9 @@ from checkpointengine.protocol import (
     decode,
     encode,
 )
+from common.curve import CurveKeys, serve_curve, start_authenticator
 
 logger = logging.getLogger(__name__)
-LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -41,22 +46,32 @@ class Round:
 
 
 class ControlServer:
-    """Bound to ``tcp://host:<random port>`` (``address``). ``version``: the last version the leader
+    """Bound to ``tcp://{cfg.host}:<random port>`` (``address``); a CURVE server with ``curve`` (the
+    job's keys, server secret included), else plain TCP. ``version``: the last version the leader
     completed; ``roller_versions``: each roller's committed version as it last reported or acked.
     Every wait ends after ``cfg.timeout_s`` (read at each wait) with WeightSyncTimeout naming the
-    rollers and the version."""
+    rollers and the version. Raises zmq.ZMQError when ``cfg.host`` cannot be bound (an address not on
+    this machine), ValueError for ``curve`` keys without the server secret."""
 
-    def __init__(self, host: str, cfg: CheckpointEngineConfig):
+    def __init__(self, cfg: CheckpointEngineConfig, curve: CurveKeys | None = None):
         self.cfg = cfg
         self.version = -1
         self.roller_versions: dict[str, int] = {}
         self._wants: dict[str, int] = {}
         self._ctx = zmq.Context()
+        self._auth = None
         self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown roller raises, not drops
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted roller (same name) takes over
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self.address = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
+        try:
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown roller raises, not drops
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted roller (same name) takes over
+            self._sock.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                serve_curve(self._sock, curve)
+                self._auth = start_authenticator(self._ctx, curve)
+            self.address = f"tcp://{cfg.host}:{self._sock.bind_to_random_port(f'tcp://{cfg.host}')}"
+        except BaseException:
+            self.close()
+            raise
 
     def send_to(self, roller: str, msg, frames=()) -> None:
         self._sock.send_multipart([roller.encode(), encode(msg), *frames], copy=False)
@@ -145,8 +160,11 @@ class ControlServer:
             logger.warning("weight sender: unexpected %s from %s", type(msg).__name__, roller)
 
     def close(self) -> None:
-        """Close the socket and its context. Idempotent."""
+        """Close the socket, its CURVE authenticator and its context. Idempotent."""
         if self._sock is not None:
             self._sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
             self._ctx.term()
             self._sock = None

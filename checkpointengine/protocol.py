@@ -24,6 +24,7 @@ import msgpack
 
 from checkpointengine.backend import NoFields, WeightSyncBackend, get_backend
 from checkpointengine.bucket import TensorEntry
+from common.curve import CurveKeys
 
 
 class WeightSyncError(RuntimeError):
@@ -153,7 +154,9 @@ class WeightSyncHandle:
     ``backend``: the backend's registered name (or ``module:name``); ``control_address``: the sender's
     ZMQ ROUTER; ``reuse_receive_buffers``: rollers copy packed buckets into the previous update's
     tensors; ``fields``: the backend's own typed fields (e.g. ``ShmFields(shm_paths)``), see
-    ``checkpointengine.backend``.
+    ``checkpointengine.backend``; ``curve``: with ``checkpointengine.curve``, the control socket's CURVE
+    keys as a client needs them (the server's public key and the job's client key pair, no server
+    secret; ``common.curve``), else None. The handle reaches rollers through Ray, never over the socket.
     """
 
     backend: str
@@ -163,6 +166,7 @@ class WeightSyncHandle:
     timeout_s: float
     reuse_receive_buffers: bool = True
     fields: Any = field(default_factory=NoFields)
+    curve: CurveKeys | None = None
 
     @property
     def plugin(self) -> WeightSyncBackend:
@@ -170,15 +174,23 @@ class WeightSyncHandle:
         return get_backend(self.backend, "handle.backend")
 
     def to_dict(self) -> dict:
-        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fields"}
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("fields", "curve")}
         body["fields"] = dataclasses.asdict(self.fields)
+        body["curve"] = dataclasses.asdict(self.curve) if self.curve is not None else None
         return body
 
     @classmethod
     def from_dict(cls, data: dict) -> WeightSyncHandle:
-        """Inverse of ``to_dict``; raises ValueError for an unknown backend or fields that are not its."""
+        """Inverse of ``to_dict``; raises ValueError for an unknown backend, fields that are not its, or
+        malformed ``curve`` keys."""
         data = dict(data)
         fields = data.pop("fields", {})
-        handle = cls(**data)
+        curve = data.pop("curve", None)
+        if curve is not None:
+            try:
+                curve = CurveKeys(**curve)
+            except TypeError as exc:
+                raise ValueError(f"handle curve keys {sorted(curve)}: {exc}") from exc
+        handle = cls(**data, curve=curve)
         handle.fields = handle.plugin.fields_from_dict(fields)
         return handle

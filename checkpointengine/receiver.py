@@ -1,7 +1,7 @@
 """Receive side of the weight plane: ``WeightReceiver`` in each roller process.
 
 The receiver speaks the control protocol of ``checkpointengine.protocol`` over a ZMQ DEALER whose
-identity is the roller's name, and fetches payloads through the backend plug-in the handle names
+identity is the roller's name (a CURVE client when the handle carries keys: ``checkpointengine.curve``), and fetches payloads through the backend plug-in the handle names
 (``checkpointengine.backend``: shm slots, zmq frames, a broadcast group joined when the sender asks,
 safetensors files). Driving an engine through an update (pause → receive → load → commit → flush →
 resume) is the rollers' part: ``rollers.weight_update.apply_update``.
@@ -33,6 +33,7 @@ from checkpointengine.protocol import (
     decode,
     encode,
 )
+from common.curve import connect_curve
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,10 @@ class WeightReceiver:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, roller.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(handle.control_address)
         try:
+            if handle.curve is not None:
+                connect_curve(self._sock, handle.curve)
+            self._sock.connect(handle.control_address)
             self._side = handle.plugin.receiver(handle, self.device)
         except BaseException:
             self._sock.close(0)

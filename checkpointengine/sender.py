@@ -1,8 +1,9 @@
 """Send side of the weight plane: one ``WeightSender`` per trainer rank.
 
-Rank 0 (the leader) owns the control socket (a ZMQ ROUTER on loopback) and the version bookkeeping; the
-backend plug-in (``checkpointengine.backend``, one module per backend in ``backends/``) owns how bytes
-travel (its slots, buffers, group or files). The leader makes the ``WeightSyncHandle`` that the
+Rank 0 (the leader) owns the control socket (a ZMQ ROUTER on ``checkpointengine.host``, loopback by
+default; with ``checkpointengine.curve`` a CURVE server whose keys the leader makes) and the version
+bookkeeping; the backend plug-in (``checkpointengine.backend``, one module per backend in ``backends/``)
+owns how bytes travel (its slots, buffers, group or files). The leader makes the ``WeightSyncHandle`` that the
 controller hands to the other ranks and to every roller. Two ways to send one ``weight_version``:
 
 * ``send(named_tensors, version)`` — full tensors (``named_full_tensors()``: every rank iterates, since
@@ -19,6 +20,7 @@ the slot to be consumed by every target (double buffering: packing k+1 overlaps 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -30,9 +32,10 @@ import torch.distributed as dist
 from checkpointengine.backend import get_backend
 from checkpointengine.bucket import RowShard, dtype_from_name
 from checkpointengine.config import CheckpointEngineConfig
-from checkpointengine.control import LOOPBACK, ControlServer, Round
+from checkpointengine.control import ControlServer, Round
 from checkpointengine.naming import WeightNameMapper
 from checkpointengine.protocol import Abort, Begin, End, WeightSyncError, WeightSyncHandle
+from common.curve import make_job_keys
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +53,15 @@ class SyncReport:
 
 class WeightSender:
     """One trainer rank's sender. ``rank`` 0 creates everything (``rollers``: the roller names it serves;
-    ``mapper``: trainer → engine names and coverage check); other ranks pass the leader's ``handle``.
+    ``mapper``: trainer → engine names and coverage check); other ranks pass the leader's ``handle``
+    (they open no socket of the control plane and need no CURVE keys: ``handle_for_ranks``).
 
     Raises ValueError for a non-leader without a handle, an unknown backend, or ``send_shards`` on a
-    backend that does not ``supports_shards``.
+    backend that does not ``supports_shards``; zmq.ZMQError when ``cfg.host`` cannot be bound.
     """
 
     def __init__(self, cfg: CheckpointEngineConfig, rollers: Iterable[str] = (), *, rank: int = 0,
-                 handle: WeightSyncHandle | None = None, mapper: WeightNameMapper | None = None,
-                 host: str = LOOPBACK):
+                 handle: WeightSyncHandle | None = None, mapper: WeightNameMapper | None = None):
         self.cfg = cfg
         self.rank = rank
         self.mapper = mapper or WeightNameMapper()
@@ -76,13 +79,20 @@ class WeightSender:
             return
         self.backend = get_backend(cfg.backend)
         self._side = self.backend.sender.create(cfg)
+        keys = make_job_keys() if cfg.curve else None
         try:
-            self.control = ControlServer(host, cfg)
+            self.control = ControlServer(cfg, keys)
         except BaseException:
             self._side.close()
             raise
         self.handle = WeightSyncHandle(cfg.backend, self.control.address, cfg.bucket_bytes, cfg.dtype,
-                                       cfg.timeout_s, cfg.reuse_receive_buffers, self._side.fields)
+                                       cfg.timeout_s, cfg.reuse_receive_buffers, self._side.fields,
+                                       keys.for_clients() if keys is not None else None)
+
+    def handle_for_ranks(self) -> WeightSyncHandle:
+        """The handle without CURVE keys, for the other trainer ranks (they travel over the trainers'
+        own process group, which CURVE does not protect; those ranks never talk to the control socket)."""
+        return dataclasses.replace(self.handle, curve=None)
 
     # ------------------------------------------------------------------------------------ membership
 

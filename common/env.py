@@ -4,6 +4,17 @@ Everything here keeps a job on this machine's loopback and inside directories th
 a local Ray cluster listens on 127.0.0.1 only and requires Ray's token authentication, Hugging Face
 never reaches a hub, caches and Ray's temp dir live under ``cache_dir()``, and each process uses a fixed
 number of torch threads so pools sharing a few cores do not oversubscribe them.
+
+Loopback pin, and when it does not apply. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray take
+127.0.0.1 as this node's address wherever it asks, so the one-node cluster a job starts itself (no
+``ray.address``), its daemons, workers (which inherit the driver's environment) and runtime-env agent
+listen on loopback only. A driver that joins a cluster someone started (``ray.address=HEAD:PORT`` or
+``auto``: ``ray start`` on the machines' real addresses) must not be pinned: Ray would then register the
+driver at 127.0.0.1, which the other nodes cannot reach, and look for this machine's raylet on an address
+it does not use. That cluster's nodes chose their addresses with ``ray start``; its workers inherit their
+raylet's environment, not the driver's. So ``setup_process_env(ray_address=...)`` pins only when
+``ray_address`` is empty (``pins_ray_to_loopback``); ``controller.job.run_job`` passes ``ray.address``.
+Everything else (token auth, offline hubs) applies either way.
 """
 
 from __future__ import annotations
@@ -14,12 +25,8 @@ from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 
-# Environment every process of a job starts with (Ray workers inherit it from the driver).
-# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray take 127.0.0.1 as this node's address wherever it asks
-# (its daemons, workers and runtime-env agent then listen on loopback only). Ray reads it when it is first
-# imported: setup_process_env must run before anything imports ray (init_ray checks).
+# Environment every process of a job starts with (Ray workers of a local cluster inherit it from the driver).
 _PROCESS_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
     "HF_HUB_OFFLINE": "1",
@@ -29,6 +36,20 @@ _PROCESS_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
 }
+# Added for a local cluster only (see the module docstring). Ray reads it when it is first imported:
+# setup_process_env must run before anything imports ray (init_ray checks).
+_LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def pins_ray_to_loopback(ray_address: str | None) -> bool:
+    """Whether a process that will use the Ray cluster at ``ray_address`` (``ray.address``: empty or None
+    for a local cluster it starts itself, ``HOST:PORT`` or ``auto`` to join one) pins Ray to 127.0.0.1."""
+    return not ray_address
+
+
+def process_env(ray_address: str | None = None) -> dict[str, str]:
+    """The environment ``setup_process_env`` sets defaults from, for a process using ``ray_address``."""
+    return {**_PROCESS_ENV, **(_LOOPBACK_RAY_ENV if pins_ray_to_loopback(ray_address) else {})}
 
 
 def cache_dir() -> Path:
@@ -41,13 +62,15 @@ def cache_dir() -> Path:
     return root
 
 
-def setup_process_env(num_threads: int | None = None) -> None:
-    """Set the loopback/offline environment for this process and its children; idempotent.
+def setup_process_env(num_threads: int | None = None, ray_address: str | None = None) -> None:
+    """Set the loopback/offline environment for this process and its children; idempotent (values already
+    in the environment are kept, except that Ray's token authentication is always forced on).
 
     ``num_threads``: torch intra-op threads for this process (``None`` leaves torch's default).
-    Must run before Ray is imported by anything that starts a cluster.
+    ``ray_address``: the cluster this process will join (``ray.address``); empty or None = a local one it
+    starts, the only case that pins Ray to loopback (module docstring). Must run before Ray is imported.
     """
-    for key, value in _PROCESS_ENV.items():
+    for key, value in process_env(ray_address).items():
         os.environ.setdefault(key, value)
     # Ray's token authentication stays on whatever the environment says: without it, anyone who can reach
     # a Ray port can run code in the job. The token is Ray's own (~/.ray/auth_token, or RAY_AUTH_TOKEN /
@@ -205,7 +228,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
     Raises RuntimeError when ray was imported before ``setup_process_env`` ran (Ray would then listen on
     every interface). Idempotent within a process.
     """
-    setup_process_env()
+    setup_process_env(ray_address=address)
     import ray
     from ray._private import ray_constants
 

@@ -1,4 +1,5 @@
-"""Sockets that both sides use: a torch rendezvous store that listens only on the address it is given.
+"""Sockets that both sides use: a torch rendezvous store that listens only on the address it is given, and
+the check of a configured bind address (``transferqueue.host``, ``checkpointengine.host``).
 
 ``torch.distributed.TCPStore(host, port, is_master=True)`` listens on every interface whatever ``host``
 says (``host`` only tells clients where to connect). Here the master's listening socket is bound to
@@ -36,3 +37,10 @@ def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, tim
     # The store owns the descriptor from here on (it closes it when the store is destroyed).
     return dist.TCPStore(host, bound_port, world_size, True, timeout=timeout,
                          wait_for_workers=wait_for_workers, master_listen_fd=sock.detach())
+
+
+def check_bind_host(key: str, host: str) -> None:
+    """Raise ValueError naming ``key`` unless ``host`` is a non-empty host name or IPv4 address (no scheme,
+    port, path or spaces): what a config's bind address (``tcp://HOST:<port>``) may be."""
+    if not isinstance(host, str) or not host or any(c in host for c in "/ :"):
+        raise ValueError(f"{key} must be a host name or IPv4 address (e.g. 127.0.0.1 or 10.0.0.5), got {host!r}")

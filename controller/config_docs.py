@@ -205,6 +205,8 @@ KEY_DOCS: dict[str, str] = {
     "checkpointengine.disk_dir": "root of the disk backend's version directories; empty = a temp dir",
     "checkpointengine.group_backend": "torch.distributed backend of the broadcast group: auto | gloo | nccl",
     "checkpointengine.reuse_receive_buffers": "rollers copy buckets into their previous update's tensors",
+    "checkpointengine.host": "bind address of the weight plane's cross-node sockets (loopback unless set)",
+    "checkpointengine.curve": "ZMQ CURVE on the weight plane's control socket (keys handed out through Ray)",
     # val
     "val.n": "validation samples per prompt at rollout.temperature (pass@1, pass@k)",
     "val.greedy": "also one greedy (temperature 0) validation response per prompt",

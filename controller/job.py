@@ -415,7 +415,9 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
 
     started = time.monotonic()
 
-    setup_process_env(num_threads=1)  # before ray is imported: Ray reads its bind settings at import
+    # Before ray is imported (Ray reads its bind settings at import); pinned to loopback only for a local
+    # cluster: a driver joining ray.address must register at its real address (common.env's docstring).
+    setup_process_env(num_threads=1, ray_address=cfg.ray.address)
     import ray
 
     from controller.job_checkpoint import truncate_metrics

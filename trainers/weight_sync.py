@@ -28,16 +28,18 @@ from trainers.collectives import broadcast_json
 
 def attach_sender(worker, cfg: CheckpointEngineConfig, rollers: list[str]) -> dict:
     """Collective: rank 0 creates a ``WeightSender`` for ``rollers`` (names mapped and checked against
-    the policy's own parameters), the other ranks attach to its handle. Returns the handle as a dict."""
+    the policy's own parameters), the other ranks attach to its handle. Returns the handle as a dict:
+    on rank 0 the rollers' handle (with ``checkpointengine.curve``, the client keys the controller hands
+    to rollers through Ray), elsewhere the ranks' copy, which never carries keys."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     sender = None
     if rank == 0:
         sender = WeightSender(cfg, rollers, mapper=WeightNameMapper.for_model(worker.policy))
-    handle = broadcast_json(sender.handle.to_dict() if sender is not None else None)
+    shared = broadcast_json(sender.handle_for_ranks().to_dict() if sender is not None else None)
     if sender is None:
-        sender = WeightSender(cfg, rank=rank, handle=WeightSyncHandle.from_dict(handle))
+        sender = WeightSender(cfg, rank=rank, handle=WeightSyncHandle.from_dict(shared))
     worker.weight_sender = sender
-    return handle
+    return sender.handle.to_dict() if rank == 0 else shared
 
 
 def _sender(worker) -> WeightSender:

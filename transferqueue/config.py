@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.net import check_bind_host
+
 
 @dataclass
 class TransferQueueConfig:
@@ -85,8 +87,7 @@ class TransferQueueConfig:
             raise ValueError(f"transferqueue.p2p_device must be 'cpu' or 'cuda', got {self.p2p_device!r}")
         if self.p2p_backend == "nccl" and self.p2p_device != "cuda":
             raise ValueError("transferqueue.p2p_backend=nccl needs transferqueue.p2p_device=cuda")
-        if not self.host or any(c in self.host for c in "/ :"):
-            raise ValueError(f"transferqueue.host must be a host name or IPv4 address, got {self.host!r}")
+        check_bind_host("transferqueue.host", self.host)
         self._check_bounds()
 
     def _check_bounds(self) -> None:

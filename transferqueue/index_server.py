@@ -13,10 +13,11 @@ import time
 from dataclasses import asdict
 from itertools import repeat
 
+from common.curve import CurveKeys
 from transferqueue import wire
 from transferqueue.config import TransferQueueConfig
 from transferqueue.index import MetadataIndex
-from transferqueue.records import CurveKeys, IndexStats
+from transferqueue.records import IndexStats
 from transferqueue.server import Reply, RouterServer
 
 

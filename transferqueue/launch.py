@@ -25,9 +25,10 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from common.curve import CurveKeys, make_job_keys
 from common.node import adopt_node_id, node_id
 from transferqueue.config import TransferQueueConfig
-from transferqueue.records import CurveKeys, TQError, TQHandle
+from transferqueue.records import TQError, TQHandle
 
 logger = logging.getLogger(__name__)
 
@@ -120,14 +121,13 @@ def _handle(cfg: TransferQueueConfig, infos: list[dict], curve: CurveKeys | None
                     index_local_address=infos[0]["local_endpoint"],
                     unit_local_addresses=[i["local_endpoint"] for i in infos[1:]], route_block=cfg.route_block,
                     shared_memory=cfg.shared_memory, shm_min_bytes=cfg.shm_min_bytes,
-                    request_timeout_s=cfg.request_timeout_s, curve=curve, p2p_backend=cfg.p2p_backend)
+                    request_timeout_s=cfg.request_timeout_s, curve=curve.for_clients() if curve else None,
+                    p2p_backend=cfg.p2p_backend)
 
 
 def _keys(cfg: TransferQueueConfig) -> CurveKeys | None:
     if not cfg.curve:
         return None
-    from transferqueue.security import make_job_keys
-
     return make_job_keys()
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from common.curve import CurveKeys
+
 # ------------------------------------------------------------------------------------------- errors
 
 
@@ -161,17 +163,6 @@ class Batch:
             parts = [b.fields[name] for b in batches]
             fields[name] = torch.cat(parts) if isinstance(first, torch.Tensor) else [x for p in parts for x in p]
         return Batch(meta, fields)
-
-
-@dataclass
-class CurveKeys:
-    """ZMQ CURVE keys of one job (Z85 text): the servers' key pair and the one client key pair the servers
-    accept. Created per job by ``security.make_job_keys``; handed to workers inside ``TQHandle``."""
-
-    server_public: str
-    server_secret: str
-    client_public: str
-    client_secret: str
 
 
 @dataclass

@@ -20,8 +20,9 @@ from typing import Any
 
 import zmq
 
+from common.curve import CurveKeys, serve_curve, start_authenticator
 from transferqueue import wire
-from transferqueue.records import CurveKeys, Full
+from transferqueue.records import Full
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,8 @@ class RouterServer:
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.auth = None
         if curve is not None:
-            from transferqueue.security import start_authenticator
-
             self.auth = start_authenticator(self.ctx, curve)
-            self.sock.curve_server = True
-            self.sock.curve_secretkey = curve.server_secret.encode()
-            self.sock.curve_publickey = curve.server_public.encode()
+            serve_curve(self.sock, curve)
         if address.startswith("tcp://") and address.endswith(":0"):
             port = self.sock.bind_to_random_port(address[: address.rindex(":")])
             self.endpoint = f"{address[: address.rindex(':')]}:{port}"

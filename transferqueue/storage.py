@@ -34,6 +34,7 @@ from collections import OrderedDict
 import numpy as np
 import zmq
 
+from common.curve import CurveKeys
 from common.node import node_id
 from transferqueue import wire
 from transferqueue.chunks import (
@@ -43,7 +44,7 @@ from transferqueue.chunks import (
     chunks_of_column,
     contiguous_runs,
 )
-from transferqueue.records import CurveKeys, Full
+from transferqueue.records import Full
 from transferqueue.server import Reply, RouterServer
 from transferqueue.shm_layout import HEADER, SHM_DIR, size_class
 from transferqueue.wire import as_ids, id_range

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from common.curve import connect_curve
 from common.node import node_id
 from transferqueue import wire
 from transferqueue.records import Closed, Full, RemoteError, Timeout, TQError, TQHandle
@@ -58,9 +59,7 @@ def _setup(sock: zmq.Socket, handle: TQHandle, address: str) -> None:
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.RCVHWM, 1000)
     if handle.curve is not None:
-        sock.curve_serverkey = handle.curve.server_public.encode()
-        sock.curve_publickey = handle.curve.client_public.encode()
-        sock.curve_secretkey = handle.curve.client_secret.encode()
+        connect_curve(sock, handle.curve)
     sock.connect(address)
 
 

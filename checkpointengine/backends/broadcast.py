@@ -1,10 +1,13 @@
 """``broadcast``: a ``torch.distributed`` group of trainer rank 0 and the rollers, formed the way SGLang
 forms its weight-update group (``checkpointengine.broadcast``); each bucket's tensors are broadcast by
 rank 0 after their ``BucketReady``. The group is re-formed (``GroupInit`` before ``Begin``) whenever the
-set of rollers in an update changes."""
+set of rollers in an update changes. The group's rendezvous store listens on ``checkpointengine.host``
+(the address ``GroupInit`` names); the group's own traffic (gloo/NCCL) is torch.distributed's, which
+``checkpointengine.curve`` cannot cover: the sender logs a warning when both are set."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -13,8 +16,9 @@ import torch
 from checkpointengine import broadcast as bc
 from checkpointengine.backend import BackendReceiver, BackendSender, WeightSyncBackend, register_backend
 from checkpointengine.backends._whole import whole_buckets, whole_entries
-from checkpointengine.control import LOOPBACK
 from checkpointengine.protocol import BucketReady, GroupInit, ProtocolError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class BroadcastSender(BackendSender):
         backend = cfg.group_backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if cfg.curve:
+            logger.warning("checkpointengine.curve protects the weight plane's control socket only: the "
+                           "broadcast group's %s traffic and its rendezvous store on %s are not encrypted",
+                           backend, cfg.host)
         return cls(cfg, BroadcastFields(backend))
 
     def before_begin(self, sender, rnd) -> None:
@@ -46,10 +54,10 @@ class BroadcastSender(BackendSender):
         bc.destroy_group(self.group)
         self.group = None
         backend, world = self.fields.broadcast_backend, len(members) + 1
-        store = bc.create_sender_store(LOOPBACK, 0, world, self.cfg.timeout_s)
+        store = bc.create_sender_store(self.cfg.host, 0, world, self.cfg.timeout_s)
         name = f"hflow-weights-{uuid.uuid4().hex[:12]}"
         for i, roller in enumerate(members):
-            sender.control.send_to(roller, GroupInit(LOOPBACK, store.port, i + 1, world, name, backend))
+            sender.control.send_to(roller, GroupInit(self.cfg.host, store.port, i + 1, world, name, backend))
         self.group = bc.create_sender_group(store, world, name, backend, self.cfg.timeout_s)
         self.members = members
 

@@ -32,11 +32,11 @@ import torch
 from checkpointengine import broadcast as bc
 from checkpointengine.bucket import dtype_name
 from checkpointengine.config import CheckpointEngineConfig
-from checkpointengine.control import LOOPBACK
 from checkpointengine.naming import WeightNameMapper, to_engine_dtype
 from checkpointengine.protocol import WeightSyncError
 from checkpointengine.sender import SyncReport
 from checkpointengine.storage import DiskVersions
+from common.env import LOOPBACK
 
 
 class SGLangWeightPusher:

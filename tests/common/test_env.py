@@ -19,6 +19,40 @@ def test_process_env_is_offline_and_loopback():
     assert os.environ["HF_HOME"].startswith(str(env.cache_dir()))
 
 
+@pytest.mark.parametrize("address, pinned", [("", True), (None, True), ("10.0.0.5:6379", False), ("auto", False)])
+def test_ray_is_pinned_to_loopback_only_for_a_local_cluster(monkeypatch, address, pinned):
+    """A job that starts its own cluster pins Ray to 127.0.0.1; a driver joining ray.address must not be
+    pinned (it would register at 127.0.0.1, which the cluster's other nodes cannot reach)."""
+    assert env.pins_ray_to_loopback(address) is pinned
+    assert ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in env.process_env(address)) is pinned
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    env.setup_process_env(ray_address=address)
+    assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == ("0" if pinned else None)
+    assert os.environ["RAY_AUTH_MODE"] == "token"  # token auth either way
+
+
+@pytest.mark.parametrize("address", ["", "10.0.0.5:6379"])
+def test_run_job_sets_up_the_environment_for_its_ray_address(monkeypatch, address):
+    """run_job hands ``ray.address`` to setup_process_env, first thing (before Ray is imported)."""
+    from controller.config import load_config
+    from controller.job import run_job
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_setup(num_threads=None, ray_address=None):
+        seen.append(ray_address)
+        raise Stop
+
+    monkeypatch.setattr(env, "setup_process_env", fake_setup)
+    cfg = load_config(mode="sync", preset="tiny", overrides=[f"ray.address={address}"] if address else [])
+    with pytest.raises(Stop):
+        run_job(cfg)
+    assert seen == [address]
+
+
 def test_thread_count_validation():
     with pytest.raises(ValueError, match="num_threads"):
         env.set_torch_threads(0)

@@ -45,7 +45,9 @@ def _ray_client(address: str, **token_env: str) -> tuple[str, str]:
 
 def test_job_listens_on_loopback_only_and_ray_requires_its_token(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # Without the test session's own loopback pin: the job must pin Ray itself (it starts its own cluster).
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     job = subprocess.Popen(
         [sys.executable, "-m", "controller.cli", "--mode", "fully-async", "--preset", "tiny",
          "trainer.num_ranks=2", "rollers.num_replicas=2", "metrics.progress=false", f"run_dir={run_dir}"],

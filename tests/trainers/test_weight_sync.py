@@ -38,3 +38,18 @@ def test_attach_then_close_sets_and_clears_the_workers_own_slot():
     assert worker.weight_sender is None
     weight_sync.close_sender(worker)  # idempotent
 
+
+
+def test_rank_0_hands_the_rollers_client_keys_on_the_configured_host():
+    """With checkpointengine.curve the handle rank 0 returns (which the controller gives rollers through Ray)
+    carries the server's public key and the client key pair, never the server's secret."""
+    worker = _worker()
+    cfg = CheckpointEngineConfig(backend="zmq", bucket_bytes=4096, host="127.0.0.2", curve=True)
+    handle = weight_sync.attach_sender(worker, cfg, ["r0"])
+    try:
+        assert handle["control_address"].startswith("tcp://127.0.0.2:")
+        keys = handle["curve"]
+        assert keys["server_public"] and keys["client_public"] and keys["client_secret"]
+        assert keys["server_secret"] == ""
+    finally:
+        weight_sync.close_sender(worker)

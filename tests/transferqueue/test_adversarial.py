@@ -17,11 +17,11 @@ import pytest
 import torch
 import zmq
 
+from common.curve import make_job_keys
 from transferqueue import RemoteError, TQClient, wire
 from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
 from transferqueue.records import Full, Timeout
-from transferqueue.security import make_job_keys
 from transferqueue.shm_layout import HEADER
 from transferqueue.storage import StorageUnit
 

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from common.curve import make_job_keys
 from transferqueue import Timeout, TQClient
 from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
-from transferqueue.security import make_job_keys
 
 
 @pytest.fixture(scope="module")
