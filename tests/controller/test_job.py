@@ -144,6 +144,11 @@ def test_fully_async_max_staleness_zero_matches_sync(tmp_path, ray_cluster):
     code_a, sync_steps, _ = run(tmp_path / "sync", "sync", *common)
     code_b, async_steps, _ = run(tmp_path / "async", "fully-async", *common)
     assert code_a == code_b == EXIT_OK and len(sync_steps) == len(async_steps) == 3
+    assert_trains_as_sync(sync_steps, async_steps)
+
+
+def assert_trains_as_sync(sync_steps: list[dict], async_steps: list[dict]) -> None:
+    """Step by step: the same prompts, token-identical responses, staleness 0, equal loss and grad norm."""
     for a, b in zip(sync_steps, async_steps, strict=True):
         assert a["uids"] == b["uids"]                           # same prompts in the same steps
         assert a["responses_digest"] == b["responses_digest"]   # token-identical responses

@@ -19,8 +19,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,8 +27,8 @@ import pytest
 
 from controller.config import load_config, to_dict, to_yaml
 from controller.job_checkpoint import CHECKPOINTS, JOB_FILE, PAUSE_ENV, JobState, list_checkpoints
+from tests.controller._cli_job import CliJob
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420  # Ray, the TransferQueue servers and the pools start on a loaded 2-core machine
 STEP_LINE = re.compile(r"^step +(\d+)/", re.MULTILINE)
 MAX_STALENESS = 1
@@ -44,39 +42,23 @@ def run(args: list[str], until: Callable[[str], bool] | None = None, sig: int = 
     """Run ``python -m controller.cli *args``; once ``until(stdout)`` holds, send ``sig`` to the job's process
     (then kill what it started); ``watch(pid, stdout)`` is called while it runs. Returns (exit code, stdout,
     stderr)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out: list[str] = []
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda s=stream, b=buf: b.extend(iter(s.readline, "")), daemon=True)
-               for stream, buf in ((proc.stdout, out), (proc.stderr, err))]
-    for reader in readers:
-        reader.start()
+    job = CliJob(args, **env_vars)
+    proc = job.proc
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while watch is not None and proc.poll() is None and time.monotonic() < deadline:
-            watch(proc.pid, "".join(out))
+            watch(proc.pid, job.out())
             time.sleep(0.2)
-        while until is not None and not until("".join(out)):
-            assert proc.poll() is None, f"ended first (rc {proc.returncode}):\n{''.join(out)[-2000:]}\n{''.join(err)[-3000:]}"
-            assert time.monotonic() < deadline, f"not there within {RUN_TIMEOUT_S}s:\n{''.join(err)[-3000:]}"
+        while until is not None and not until(job.out()):
+            assert proc.poll() is None, f"ended first (rc {proc.returncode}):\n{job.out()[-2000:]}\n{job.err()[-3000:]}"
+            assert time.monotonic() < deadline, f"not there within {RUN_TIMEOUT_S}s:\n{job.err()[-3000:]}"
             time.sleep(0.2)
         if until is not None:
             proc.send_signal(sig)
         code = proc.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        try:  # what the job started (Ray, the TransferQueue servers) goes too, as after a crash of the node
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for reader in readers:
-            reader.join(timeout=10)
-    return code, "".join(out), "".join(err)
+    finally:  # what the job started (Ray, the TransferQueue servers) goes too, as after a crash of the node
+        job.close(kill_group=True)
+    return code, job.out(), job.err()
 
 
 def base_uid(uid: str) -> str:

@@ -5,13 +5,9 @@ one line, no traceback, exits 128 + the signal, and leaves a summary with every 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from controller.report import SUMMARY_KEYS
+from tests.controller._cli_job import CliJob
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240  # Ray, the TransferQueue servers and the pools start on a loaded 2-core machine
 STOP_TIMEOUT_S = 120
 STEP_LINE = re.compile(r"^step +\d+/", re.MULTILINE)
@@ -33,22 +29,13 @@ def run_and_stop(run_dir: Path, mode: str, sig: signal.Signals, ready: Callable[
     """Start the tiny preset in ``mode`` (with ``env_vars`` in its environment), send ``sig`` to it once
     ``ready(pid, stdout, stderr)`` (and again ``again_after_s`` later, as an impatient user does); returns
     (exit code, stdout, stderr). The process and everything it started are killed if it does not end."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", "tiny", f"run_dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    out: list[str] = []
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda s=stream, b=buf: b.extend(iter(s.readline, "")), daemon=True)
-               for stream, buf in ((proc.stdout, out), (proc.stderr, err))]
-    for reader in readers:
-        reader.start()
+    job = CliJob(["--mode", mode, "--preset", "tiny", f"run_dir={run_dir}"], **env_vars)
+    proc = job.proc
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready(proc.pid, "".join(out), "".join(err)):
-            assert proc.poll() is None, f"ended before the signal (rc {proc.returncode}):\n{''.join(err)[-3000:]}"
-            assert time.monotonic() < deadline, f"not ready within {START_TIMEOUT_S}s:\n{''.join(err)[-3000:]}"
+        while not ready(proc.pid, job.out(), job.err()):
+            assert proc.poll() is None, f"ended before the signal (rc {proc.returncode}):\n{job.err()[-3000:]}"
+            assert time.monotonic() < deadline, f"not ready within {START_TIMEOUT_S}s:\n{job.err()[-3000:]}"
             time.sleep(0.2)
         proc.send_signal(sig)  # to the job's process only, as `kill PID` does
         if again_after_s is not None:
@@ -57,12 +44,8 @@ def run_and_stop(run_dir: Path, mode: str, sig: signal.Signals, ready: Callable[
                 proc.send_signal(sig)
         code = proc.wait(timeout=STOP_TIMEOUT_S)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        for reader in readers:
-            reader.join(timeout=10)
-    return code, "".join(out), "".join(err)
+        job.close(kill_group=False)
+    return code, job.out(), job.err()
 
 
 def steps_started(pid: int, out: str, err: str) -> bool:
