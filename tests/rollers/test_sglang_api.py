@@ -555,8 +555,12 @@ def test_agent_loop_drives_the_server_with_input_ids(served):
         finally:
             roller.close()
 
+    # Known weights on the server first: earlier tests of this module push other weights to the same server.
+    weights = _perturbed(served.model, seed=303)
+
     async def over_http():
         async with connected(served.url) as client:
+            await _push(client, weights)
             return await roll(client)
 
     result, stats = run(over_http())
@@ -570,7 +574,11 @@ def test_agent_loop_drives_the_server_with_input_ids(served):
         return
 
     async def in_process():
-        engine = TorchEngine(load_model(served.model), tok, max_batch_slots=4)
+        model = load_model(served.model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[name])
+        engine = TorchEngine(model, tok, max_batch_slots=4)
         try:
             return await roll(engine)
         finally:
