@@ -55,6 +55,7 @@ from common import schema
 logger = logging.getLogger(__name__)
 
 RESTARTS_KEY = "num_trainer_restarts"  # in the run's counters (summary.json): restarts over the whole job
+GONE_TIMEOUT_S = 60.0  # a replaced roller's process is gone within this after it was killed
 
 
 def restart_point(cfg, lost: BaseException, num_restarts: int) -> Path:
@@ -116,7 +117,8 @@ async def restart_trainer(st, path: Path) -> None:
     if unreachable:
         await st.keeper.recover(unreachable)
     num_requeued = await _take_back_steps(st, restored)
-    num_replaced = _replace_newer_rollers(st, state.weight_version)
+    num_live = len(st.rt.pool.live())
+    num_replaced = await _replace_newer_rollers(st, state.weight_version)
     if num_replaced:
         await st.keeper.reissue_orphans()  # the groups the replaced rollers held
     num_dropped = await _drop_newer_samples(st, state.weight_version)
@@ -124,8 +126,8 @@ async def restart_trainer(st, path: Path) -> None:
     st.finished = False  # the schedule's end flag (fully-async's admitter) of the run that was cut short
     await st.sync_weights(wait_validation=False)
     print(f"hflow-async: trainer group restarted from step {restored} (weight_version {state.weight_version}) in "
-          f"{time.monotonic() - started:.1f}s; rollers kept: {len(st.rt.pool.live())} running, {num_replaced} "
-          f"replaced; {num_requeued} trained groups requeued, {num_dropped} dropped for newer weights", flush=True)
+          f"{time.monotonic() - started:.1f}s; rollers: {num_live - num_replaced} kept, {num_replaced} replaced; "
+          f"{num_requeued} trained groups requeued, {num_dropped} dropped for newer weights", flush=True)
 
 
 async def _take_back_steps(st, step: int) -> int:
@@ -146,9 +148,10 @@ async def _take_back_steps(st, step: int) -> int:
     return len(uids)
 
 
-def _replace_newer_rollers(st, version: int) -> int:
-    """Replace every live roller that holds a weight version newer than ``version`` (it joins again at
-    ``version``; not counted against ``rollers.max_restarts``); returns how many."""
+async def _replace_newer_rollers(st, version: int) -> int:
+    """Replace every live roller that holds a weight version newer than ``version`` (the replacement joins at
+    ``version``; not counted against ``rollers.max_restarts``); returns how many once every replaced process
+    is gone (so nothing it generated can still reach the TransferQueue)."""
     newer = [m for m in st.rt.pool.live() if m.weight_version > version]
     for member in newer:
         logger.warning("roller %s holds weight_version %d, newer than the restored %d: replaced", member.name,
@@ -156,7 +159,24 @@ def _replace_newer_rollers(st, version: int) -> int:
         st.rt.pool.retire(member.name)
         st.keeper.event("down", "replacement", member.name)
         st.keeper.spawn("replacement")
+    await asyncio.gather(*(_wait_gone(st.rt.pool, m) for m in newer))
     return len(newer)
+
+
+async def _wait_gone(pool, member, timeout_s: float = GONE_TIMEOUT_S) -> None:
+    """Wait until the retired ``member``'s process no longer answers as alive (killed by ``RollerPool.retire``);
+    RuntimeError after ``timeout_s``."""
+    from controller.pool import RollerLost
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await pool.call(member, "ping", timeout_s=1.0)
+        except RollerLost as lost:
+            if lost.reason == "died":
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"roller {member.name} still answers {timeout_s:.0f} s after it was killed")
 
 
 async def _drop_newer_samples(st, version: int) -> int:

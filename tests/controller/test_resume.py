@@ -195,10 +195,18 @@ def kill_trainer_after_checkpoint(run_dir: Path, seen: dict[str, list[int]]) -> 
             seen["rollers"], seen["killed"] = actor_pids(pid, ROLLER), actor_pids(pid, TRAINER)
             assert len(seen["killed"]) == 1, seen
             os.kill(seen["killed"][0], signal.SIGKILL)
-        elif "killed" in seen and "rollers_after" not in seen and "trainer group restarted" in out:
-            seen["rollers_after"], seen["trainers_after"] = actor_pids(pid, ROLLER), actor_pids(pid, TRAINER)
+        elif "killed" in seen and "trainer group restarted" in out:
+            note_after_restart(pid, seen)
 
     return watch
+
+
+def note_after_restart(pid: int, seen: dict[str, list[int]]) -> None:
+    """Note the roller and trainer processes of job ``pid`` after the trainer's restart (each look replaces the
+    last, so the notes are those of the run's last look, while its pools still ran)."""
+    rollers, trainers = actor_pids(pid, ROLLER), actor_pids(pid, TRAINER)
+    if rollers and trainers:
+        seen["rollers_after"], seen["trainers_after"] = rollers, trainers
 
 
 def assert_every_prompt_once(run_dir: Path, num_steps: int, bound: int) -> list[dict]:
@@ -231,6 +239,7 @@ def test_a_lost_trainer_rank_restarts_the_trainer_alone_or_fails_naming_it(tmp_p
         return
     assert code == 0, err[-3000:]
     assert "restarting the trainer group from" in err and "restarting the pools" not in err
+    assert "rollers: 1 kept, 0 replaced" in out  # save_every=1: no roller holds weights newer than the checkpoint
     # The rollers kept running: the same processes before the kill and after the trainer came back.
     assert seen["rollers"] and seen["rollers_after"] == seen["rollers"], seen
     assert len(seen["trainers_after"]) == 1 and seen["trainers_after"] != seen["killed"], seen
@@ -258,3 +267,51 @@ def test_sigterm_then_resume_trains_every_prompt_once_in_sync_and_one_step_off(t
     assert code == 0, err[-3000:]
     assert f"(step {stopped_at}, weight_version {stopped_at})" in out
     assert_every_prompt_once(run_dir, 4, bound)
+
+
+def kill_trainer_once_rollers_are_ahead(run_dir: Path, step: int, seen: dict[str, list[int]]
+                                        ) -> Callable[[int, str], None]:
+    """A ``watch`` for ``run``: once ``run_dir`` has the job checkpoint of ``step`` and a roller holds a newer
+    weight version (the admin endpoint's pool state), SIGKILL the trainer rank, before the next checkpoint.
+    Notes the roller processes before the kill and once the trainer group is back, as
+    ``kill_trainer_after_checkpoint``."""
+    from controller.admin import AdminError, pool_state
+
+    def watch(pid: int, out: str) -> None:
+        if "killed" in seen:
+            if "trainer group restarted" in out:
+                note_after_restart(pid, seen)
+            return
+        if step not in list_checkpoints(run_dir):
+            return
+        try:
+            versions = [r["weight_version"] for r in pool_state(run_dir)["rollers"]]
+        except AdminError:
+            return
+        if versions and max(versions) > step:
+            assert max(list_checkpoints(run_dir)) == step, "the next checkpoint came first: widen save_every"
+            seen["rollers"], seen["killed"] = actor_pids(pid, ROLLER), actor_pids(pid, TRAINER)
+            os.kill(seen["killed"][0], signal.SIGKILL)
+
+    return watch
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_a_trainer_restart_replaces_rollers_that_hold_weights_newer_than_the_checkpoint(tmp_path):
+    """``trainer.save_every=3``: the kill lands once the rollers hold version 4 or 5, the checkpoint is step 3.
+    Those weights are in no history the restored trainer will have, so the rollers holding them are replaced
+    and what they generated is re-issued; steps 4.. are trained again, every prompt once."""
+    run_dir = tmp_path / "run"
+    args = [*JOB, "trainer.total_steps=6", "trainer.save_every=3", "trainer.max_restarts=1", f"run_dir={run_dir}"]
+    seen: dict[str, list[int]] = {}
+    code, out, err = run(args, watch=kill_trainer_once_rollers_are_ahead(run_dir, 3, seen))
+    assert code == 0, err[-3000:]
+    assert "restarting the trainer group from" in err and "trainer group restarted from step 3 " in out, out[-2000:]
+    assert "rollers: 0 kept, 1 replaced" in out, out[-2000:]
+    assert len(seen["rollers"]) == 1 and seen["rollers"][0] not in seen["rollers_after"], seen
+    assert "holds weight_version" in err and "newer than the restored 3" in err
+    superseded = [json.loads(line) for line in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded and min(r["step"] for r in superseded) == 4
+    assert_every_prompt_once(run_dir, 6, MAX_STALENESS)
