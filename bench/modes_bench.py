@@ -13,7 +13,8 @@ samples (``--steps`` × B × n); only ``--mode`` and the split differ.
 * **splits** (``Split``: roller replicas × torch threads each, trainer threads): each mode runs every split
   of its list once (``--sweep small``) and the best by samples/s is repeated to ``--reps`` runs; ``sync``
   may give each phase every core (its phases alternate), the overlapping modes split the cores.
-  ``--sweep none`` uses the first split of each list (what the small sweep picked on this machine).
+  ``--sweep none`` uses the first split of each list (what the small sweep picked on this machine);
+  ``--split MODE=rRxT-tU`` runs that mode at that one split.
 * **metrics** per run (``bench/modes_runs.py`` defines them; steady-state window: updates after
   ``--warmup-steps`` up to the last ``--tail-steps``, whose generation falls inside the window too):
   samples/s, trained tokens/s, trainer idle (waiting for data), roller idle, weight-sync share, staleness
@@ -42,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -89,6 +91,15 @@ def splits_for(mode: str, cores: int) -> list[Split]:
         half = max(1, cores // 2)
         splits = [Split(1, half, max(1, cores - half)), Split(1, cores, cores), Split(max(2, cores - 1), 1, 1)]
     return list(dict.fromkeys(splits))
+
+
+def _parse_split(p: argparse.ArgumentParser, item: str) -> tuple[str, Split]:
+    """``"one-step-off=r1x2-t2"`` → ``("one-step-off", Split(1, 2, 2))``; a malformed item is a usage error."""
+    mode, _, key = item.partition("=")
+    m = re.fullmatch(r"r(\d+)x(\d+)-t(\d+)", key)
+    if mode not in MODES or not m or min(map(int, m.groups())) < 1:
+        p.error(f"--split {item!r}: expected MODE=rRxT-tU with MODE one of {list(MODES)} and R, T, U >= 1")
+    return mode, Split(*map(int, m.groups()))
 
 
 def log(msg: str) -> None:
@@ -156,7 +167,8 @@ def bench_workload(name: str, args, cores: int) -> dict:
     """Sweep and repeat every mode on one workload; returns ``{"best": {mode: summary}, "runs": [...]}``."""
     all_runs, best = [], {}
     for mode in (args.longtail_modes if name == "longtail" else args.modes):
-        candidates = splits_for(mode, cores)[: 1 if args.sweep == "none" else None]
+        candidates = ([args.split[mode]] if mode in args.split
+                      else splits_for(mode, cores)[: 1 if args.sweep == "none" else None])
         swept = [(s, run_one(name, mode, s, 0, args)) for s in candidates]
         all_runs += [dict(r, mode=mode) for _, r in swept]
         good = [(s, r) for s, r in swept if "error" not in r]
@@ -296,7 +308,10 @@ def parse_args(argv=None):
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
+    p.add_argument("--split", action="append", default=[], metavar="MODE=rRxT-tU",
+                   help="run MODE at this split only (R rollers x T threads, U trainer threads), no sweep; repeatable")
     args = p.parse_args(argv)
+    args.split = dict(_parse_split(p, item) for item in args.split)
     if args.quick:
         args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 3, 1, 0, 2, "none"
         args.longtail_modes = args.longtail_modes or "sync,fully-async"
