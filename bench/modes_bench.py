@@ -14,7 +14,8 @@ samples (``--steps`` × B × n); only ``--mode`` and the split differ.
   of its list once (``--sweep small``) and the best by samples/s is repeated to ``--reps`` runs; ``sync``
   may give each phase every core (its phases alternate), the overlapping modes split the cores.
   ``--sweep none`` uses the first split of each list (what the small sweep picked on this machine);
-  ``--split MODE=rRxT-tU`` runs that mode at that one split.
+  ``--split MODE=rRxT-tU`` (repeatable) makes those splits that mode's sweep. ``--reuse-runs`` reads runs
+  already completed in ``--out`` instead of repeating them (add a split to a recorded sweep).
 * **metrics** per run (``bench/modes_runs.py`` defines them; steady-state window: updates after
   ``--warmup-steps`` up to the last ``--tail-steps``, whose generation falls inside the window too):
   samples/s, trained tokens/s, trainer idle (waiting for data), roller idle, weight-sync share, staleness
@@ -117,6 +118,8 @@ def workload_overrides(name: str, args) -> list[str]:
 def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     """One ``hflow-async`` run; its steady-state metrics (``read_run``) or ``{"error": ...}``."""
     run_dir = args.out / "runs" / workload / f"{mode}-{split.key}-rep{rep}"
+    if args.reuse_runs and _completed(run_dir, args.steps):
+        return reuse_run(run_dir, split, args)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", args.preset,
@@ -147,6 +150,24 @@ def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     return res
 
 
+def _completed(run_dir: Path, num_steps: int) -> bool:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return summary.get("status") == "completed" and summary.get("num_steps") == num_steps
+
+
+def reuse_run(run_dir: Path, split: Split, args) -> dict:
+    """A completed run's metrics, read again (``--reuse-runs``); ``process_s`` is the job's own ``wall_s``."""
+    res = read_run(run_dir, args.warmup_steps, args.tail_steps)
+    res["split"] = asdict(split) | {"key": split.key}
+    res["process_s"] = json.loads((run_dir / "summary.json").read_text())["wall_s"]
+    res["reused"] = True
+    log(f"{run_dir.parent.name} {run_dir.name}: reused, {res['samples_per_s']:.3f} samples/s")
+    return res
+
+
 def summarize(runs: list[dict]) -> dict:
     """Median (and min-max spread) over the repeated runs of one mode's best split."""
     ok = [r for r in runs if "error" not in r]
@@ -167,8 +188,7 @@ def bench_workload(name: str, args, cores: int) -> dict:
     """Sweep and repeat every mode on one workload; returns ``{"best": {mode: summary}, "runs": [...]}``."""
     all_runs, best = [], {}
     for mode in (args.longtail_modes if name == "longtail" else args.modes):
-        candidates = ([args.split[mode]] if mode in args.split
-                      else splits_for(mode, cores)[: 1 if args.sweep == "none" else None])
+        candidates = args.split.get(mode) or splits_for(mode, cores)[: 1 if args.sweep == "none" else None]
         swept = [(s, run_one(name, mode, s, 0, args)) for s in candidates]
         all_runs += [dict(r, mode=mode) for _, r in swept]
         good = [(s, r) for s, r in swept if "error" not in r]
@@ -267,10 +287,10 @@ def run_calibration(model: str, threads: int, slots: int) -> dict:
 
 
 def trl_peer(args, cfg, cores: int) -> dict:
-    from rollers.tasks import load_task_records
     from trl_peer import run_trl
 
     from common.models import resolve_model_dir
+    from controller.tasks import load_task_records
 
     records = load_task_records(cfg.data.task, cfg.data.size, cfg.data.seed, cfg.data.task_kwargs,
                                 cfg.data.prompt_key, cfg.data.answer_key)
@@ -309,9 +329,15 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
     p.add_argument("--split", action="append", default=[], metavar="MODE=rRxT-tU",
-                   help="run MODE at this split only (R rollers x T threads, U trainer threads), no sweep; repeatable")
+                   help="MODE's sweep is these splits (R rollers x T threads, U trainer threads); repeatable")
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="read a run whose directory in --out holds a completed summary.json instead of running it")
     args = p.parse_args(argv)
-    args.split = dict(_parse_split(p, item) for item in args.split)
+    splits: dict[str, list[Split]] = {}
+    for item in args.split:
+        mode, split = _parse_split(p, item)
+        splits.setdefault(mode, []).append(split)
+    args.split = splits
     if args.quick:
         args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 3, 1, 0, 2, "none"
         args.longtail_modes = args.longtail_modes or "sync,fully-async"
