@@ -290,11 +290,11 @@ def trl_peer(args, cfg, cores: int) -> dict:
     from trl_peer import run_trl
 
     from common.models import resolve_model_dir
-    from controller.tasks import load_task_records
+    from controller.tasks import load_task_records, resolve_reward
 
     records = load_task_records(cfg.data.task, cfg.data.size, cfg.data.seed, cfg.data.task_kwargs,
                                 cfg.data.prompt_key, cfg.data.answer_key)
-    spec = {"model_dir": str(resolve_model_dir(cfg.model)), "task": cfg.data.task, "reward": cfg.rollout.reward,
+    spec = {"model_dir": str(resolve_model_dir(cfg.model)), "task": cfg.data.task, "reward": resolve_reward(cfg.rollout.reward, cfg.data.task),
             "records": [{"prompt": r.prompt, "ground_truth": r.ground_truth} for r in records],
             "n": cfg.rollout.n, "prompts_per_step": cfg.data.train_batch_size,
             "max_response_length": cfg.rollout.max_response_length, "temperature": cfg.rollout.temperature,
@@ -369,7 +369,8 @@ def main(argv=None) -> None:
 
     cores = os.cpu_count() or 1
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    arg_values = dict(vars(args), split={m: [s.key for s in ss] for m, ss in args.split.items()})
+    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in arg_values.items()},
                "cores": cores, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "workloads": {}}
     for name in args.workloads:
         cfg = load_config(preset=args.preset, overrides=workload_overrides(name, args) + list(args.set))
