@@ -91,7 +91,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             restored = True
         # the version the rollers hold, before the first step (val.before_train; on resume: if it is due)
         await stages.validator.maybe_start(stages.synced_weight_version)
-        await SCHEDULES[cfg.mode](stages)
+        await rt.watch(SCHEDULES[cfg.mode](stages))  # a dead TransferQueue server ends it: ServerLost
         await stages.validator.wait()  # the round of the last version
         await stages.checkpointer.save(stages, "end of the run")
         await stages.refresh_gauges()
