@@ -116,6 +116,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             "num_rollers_lost": stages.keeper.num_lost,
             "num_roller_restarts": stages.keeper.num_restarts,
             "num_reissued_groups": stages.keeper.num_reissued_groups,
+            "roller_joins": stages.keeper.joins,  # the same list: keeper.stop() below completes its last rows
             **group_reward_stats(stages.rewards_by_uid),
         })
         _STOP.attach(None)
