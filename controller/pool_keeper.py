@@ -270,7 +270,7 @@ class PoolKeeper:
             if member.in_push:  # its event loop is busy with weights: next time
                 continue
             try:
-                join.put_uids.update(await self.pool.call(member, "recent_put_uids"))
+                join.put_uids.update(await self.pool.call(member, "recent_put_uids", timeout_s=2 * HEALTH_PERIOD_S))
             except Exception as exc:  # noqa: BLE001 - a lost roller is the health check's business
                 logger.debug("recent_put_uids of %s: %s", name, exc)
                 continue

@@ -49,6 +49,9 @@ class ServerLost(TQError):
         self.server = server
         super().__init__(message)
 
+    def __reduce__(self):  # picklable with both arguments (Ray carries a worker's errors to the caller)
+        return type(self), (self.server, self.args[0])
+
 
 # ------------------------------------------------------------------------------------------ schemas
 

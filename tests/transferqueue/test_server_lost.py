@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import glob
+import pickle
 import time
 
 import pytest
@@ -43,6 +44,8 @@ def test_dead_storage_unit_and_index_are_named_long_before_the_request_timeout(m
         with pytest.raises(ServerLost, match="storage unit 1 at .* is gone") as lost:
             client.get_data(meta)  # its connection to unit 1 was open, and closed with the process
         assert lost.value.server == "storage unit 1"
+        again = pickle.loads(pickle.dumps(lost.value))  # as Ray carries it from a worker to its caller
+        assert (again.server, str(again)) == (lost.value.server, str(lost.value))
 
         async def fresh_get():  # a client that never reached unit 1: nothing ever answers its connect
             with TQClient(servers.handle) as fresh:
