@@ -91,7 +91,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             restored = True
         # the version the rollers hold, before the first step (val.before_train; on resume: if it is due)
         await stages.validator.maybe_start(stages.synced_weight_version)
-        await SCHEDULES[cfg.mode](stages)
+        await rt.watch(SCHEDULES[cfg.mode](stages))  # a dead TransferQueue server ends it: ServerLost
         await stages.validator.wait()  # the round of the last version
         await stages.checkpointer.save(stages, "end of the run")
         await stages.refresh_gauges()
@@ -116,6 +116,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             "num_rollers_lost": stages.keeper.num_lost,
             "num_roller_restarts": stages.keeper.num_restarts,
             "num_reissued_groups": stages.keeper.num_reissued_groups,
+            "roller_joins": stages.keeper.joins,  # the same list: keeper.stop() below completes its last rows
             **group_reward_stats(stages.rewards_by_uid),
         })
         _STOP.attach(None)

@@ -18,11 +18,14 @@ REQUIRED_STEP_KEYS = ("step", "reward_mean", "weight_version", "staleness_mean",
 
 
 # Run-level keys every summary.json carries, whatever the outcome (null where unknown): what the run is,
-# how it ended, and the schedule's counters (``controller/job.py``).
+# how it ended, and the schedule's counters (``controller/job.py``). ``roller_joins``: one row per roller
+# that joined while the run went on (``controller.pool_keeper``: roller, reason, join_to_active_s,
+# join_to_first_trained_s).
 ABOUT_KEYS = ("status", "error", "mode", "model", "task", "model_dir", "threads")
 COUNT_KEYS = ("num_syncs", "num_groups_admitted", "num_groups_generated", "num_failed_groups",
               "num_dropped_groups", "num_zero_variance_groups", "weight_version", "frac_groups_reward_variance",
-              "frac_groups_any_correct", "num_rollers_lost", "num_roller_restarts", "num_reissued_groups")
+              "frac_groups_any_correct", "num_rollers_lost", "num_roller_restarts", "num_reissued_groups",
+              "roller_joins")
 STEP_SUMMARY_KEYS = ("num_steps", "wall_s", "reward_first", "reward_last", "reward_mean", "staleness_max")
 # Seconds from the job's start until its pools were up, and stopping pools and Ray after the last step (the
 # job writes the summary, then shuts down, then adds shutdown_s and the final wall_s: ``RunReport.amend``).

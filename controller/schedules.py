@@ -389,7 +389,7 @@ class Stages:
             "responses_digest": _digest(tags),
             **group_reward_stats(by_uid),
             **self._dynamic_sampling_stats(by_uid),
-            **self._pool_stats(),
+            **self._pool_stats(by_uid),
             **{k: v for k, v in train_metrics.items() if isinstance(v, int | float)},
         }
         self.metrics.consumed.inc(len(tags))
@@ -405,13 +405,17 @@ class Stages:
         self.metrics.observe_validation(record)
         self.report.log_validation(record)
 
-    def _pool_stats(self) -> dict:
-        """The roller pool's counters for the step record, and the scale events since the last one."""
+    def _pool_stats(self, trained_uids) -> dict:
+        """The roller pool's counters for the step record, and the scale events and completed roller joins
+        (``PoolKeeper.joins``) since the last one; tells the keeper which groups this step trained."""
         k = self.keeper
+        k.note_trained(trained_uids)
         events, k.events = k.events, []
+        joins, k.first_trained = k.first_trained, []
         return {"roller_pool_size": self.rt.pool.size(), "num_roller_restarts": k.num_restarts,
                 "num_rollers_lost": k.num_lost, "num_reissued_groups": k.num_reissued_groups,
-                "num_weight_sync_timeouts": k.num_weight_sync_timeouts, "scale_events": events}
+                "num_weight_sync_timeouts": k.num_weight_sync_timeouts, "scale_events": events,
+                "roller_joins": joins}
 
     def _dynamic_sampling_stats(self, rewards_by_uid: dict[str, list[float]]) -> dict[str, int]:
         """Per-step DAPO counts (only with ``algorithm.dynamic_sampling``): a group admitted in refill
