@@ -131,7 +131,8 @@ def test_group_local_advantages_skip_the_gather(group, estimator, group_local):
         for (part, _, _, _), index in zip(per_rank, rows, strict=True):
             for k in fields:
                 fields[k][index] = part[k]
-        assert per_rank[0][1] == per_rank[1][1] and per_rank[0][2] == per_rank[1][2]  # every rank: same metrics
+        assert per_rank[0][1] == pytest.approx(per_rank[1][1], rel=1e-12)  # every rank reports the same metrics
+        assert per_rank[0][2] == pytest.approx(per_rank[1][2], rel=1e-12)
         results[name] = fields, per_rank[0][1], per_rank[0][2], [calls for *_, calls in per_rank]
     (local, local_metrics, local_coef, local_calls), (gathered, metrics, coef, gathered_calls) = \
         results["whole"], results["split"]
@@ -140,9 +141,9 @@ def test_group_local_advantages_skip_the_gather(group, estimator, group_local):
     assert local[schema.ADVANTAGES].abs().max() > 0.1
     assert sorted(local_metrics) == sorted(metrics)
     for key, value in metrics.items():
-        assert local_metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
-    assert metrics["overlong/frac_penalised"] > 0 and metrics["kl_in_reward/kl"] > 0
-    assert local_coef == pytest.approx(coef, rel=1e-9) and coef != 0.5  # the controller moved, by the global KL
+        assert local_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key  # float32 means
+    assert metrics["overlong/frac_penalised"] > 0 and metrics["kl_in_reward/kl"] != 0
+    assert local_coef == pytest.approx(coef, rel=1e-5) and coef != 0.5  # the controller moved, by the global KL
     assert all(any(len(shape) == 2 for shape in calls) for calls in gathered_calls)  # the inputs were gathered
     if group_local:  # only the uid-hash check: one int64 per group the rank holds (rank 0: 3 groups, rank 1: 2)
         assert local_calls == [[(3,)], [(2,)]]
