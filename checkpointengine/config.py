@@ -19,7 +19,7 @@ class CheckpointEngineConfig:
     engine; ``pause_mode``: what a roller does with in-flight requests during an update (SGLang's
     ``/pause_generation`` modes); ``timeout_s``: every wait of an update; ``num_slots``: bucket buffers
     the sender cycles through (2 = double buffering: packing bucket k+1 overlaps sending k);
-    ``disk_dir``: root of the ``disk`` backend's version directories (empty = a temp dir);
+    ``disk_dir``: root of the ``disk`` backend's directories, one per ``weight_version`` (empty = a temp dir);
     ``group_backend``: torch.distributed backend of the ``broadcast`` group, gloo | nccl | auto (nccl
     when CUDA is available); ``reuse_receive_buffers``: a roller copies shm/zmq buckets into the tensors
     of its previous update instead of fresh memory (much faster on CPU, no page faults; costs one

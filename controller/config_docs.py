@@ -202,7 +202,7 @@ KEY_DOCS: dict[str, str] = {
     "checkpointengine.pause_mode": "in-flight requests during an update: retract | in_place | abort",
     "checkpointengine.timeout_s": "bound in seconds on every wait of a weight update",
     "checkpointengine.num_slots": "bucket buffers the sender cycles through (2 = double buffering)",
-    "checkpointengine.disk_dir": "root of the disk backend's version directories; empty = a temp dir",
+    "checkpointengine.disk_dir": "root of the disk backend's directories, one per weight_version; empty = a temp dir",
     "checkpointengine.group_backend": "torch.distributed backend of the broadcast group: auto | gloo | nccl",
     "checkpointengine.reuse_receive_buffers": "rollers copy buckets into their previous update's tensors",
     "checkpointengine.host": "bind address of the weight plane's cross-node sockets (loopback unless set)",

@@ -352,10 +352,10 @@ class JobCheckpointer:
 
         state = JobState.read(path)
         await asyncio.to_thread(st.rt.trainer.load_checkpoint, str(path))
-        version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
-        if version != state.weight_version:
-            raise ValueError(f"{path}: the trainer checkpoint has weight_version {version}, {JOB_FILE} says "
-                             f"{state.weight_version}")
+        trainer_weight_version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
+        if trainer_weight_version != state.weight_version:
+            raise ValueError(f"{path}: the trainer checkpoint has weight_version {trainer_weight_version}, "
+                             f"{JOB_FILE} says {state.weight_version}")
         uids = (await asyncio.to_thread(st.rt.trainer.execute, restore_samples, str(path / SAMPLES_DIR),
                                         PARTITION, self.train_fields()))[0]
         await st.rt.feeder.restore.remote(state.feeder)

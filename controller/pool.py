@@ -217,9 +217,9 @@ class RollerPool:
         async with trainer_lock:
             await self._flush_sender_removals()
             await asyncio.to_thread(self.trainer.execute, add_roller, name)
-            version = weight_version()
-            if version > member.weight_version:
-                lost, error = await self._push(version, [member], self.cfg.checkpointengine.pause_mode)
+            current = weight_version()
+            if current > member.weight_version:
+                lost, error = await self._push(current, [member], self.cfg.checkpointengine.pause_mode)
                 if lost:
                     raise lost[0]
                 if error is not None:
@@ -228,8 +228,8 @@ class RollerPool:
             member.state = ACTIVE
         return member
 
-    async def push_weights(self, version: int, pause_mode: str) -> tuple[dict, list[RollerLost]]:
-        """Bring every live member to ``version`` (caller holds the trainer lock: the policy is at it).
+    async def push_weights(self, weight_version: int, pause_mode: str) -> tuple[dict, list[RollerLost]]:
+        """Bring every live member to ``weight_version`` (caller holds the trainer lock: the policy is at it).
 
         A member that dies, or does not acknowledge within ``rollers.health_timeout_s`` after the sender
         finished or gave up (``checkpointengine.timeout_s``), is returned as lost (not yet retired); the
@@ -241,30 +241,30 @@ class RollerPool:
         report: dict = {}
         for _ in range(MAX_SYNC_ATTEMPTS):
             gone = {x.name for x in lost}
-            targets = [m for m in self.live() if m.weight_version < version and m.name not in gone]
+            targets = [m for m in self.live() if m.weight_version < weight_version and m.name not in gone]
             if not targets:
                 break
-            new_lost, error = await self._push(version, targets, pause_mode, report)
+            new_lost, error = await self._push(weight_version, targets, pause_mode, report)
             lost += new_lost
             if error is not None and not new_lost:
                 raise error
             if error is None:
                 break
         else:
-            raise RuntimeError(f"weight_version {version}: still not on every roller after {MAX_SYNC_ATTEMPTS} "
+            raise RuntimeError(f"weight_version {weight_version}: still not on every roller after {MAX_SYNC_ATTEMPTS} "
                                f"attempts (lost on the way: {[x.name for x in lost]})")
         return report, lost
 
-    async def _push(self, version: int, targets: list[Member], pause_mode: str, report: dict | None = None
+    async def _push(self, weight_version: int, targets: list[Member], pause_mode: str, report: dict | None = None
                     ) -> tuple[list[RollerLost], BaseException | None]:
-        """One send of ``version`` to ``targets``; (members lost, the sender's error or None)."""
+        """One send of ``weight_version`` to ``targets``; (members lost, the sender's error or None)."""
         from trainers.weight_sync import send_weights
 
         names = [m.name for m in targets]
         for m in targets:
             m.in_push = True
-        send = asyncio.ensure_future(asyncio.to_thread(self.trainer.execute, send_weights, version, names))
-        receives = {m.name: asyncio.ensure_future(self._remote(m, "update_weights", version, pause_mode))
+        send = asyncio.ensure_future(asyncio.to_thread(self.trainer.execute, send_weights, weight_version, names))
+        receives = {m.name: asyncio.ensure_future(self._remote(m, "update_weights", weight_version, pause_mode))
                     for m in targets}  # bounded below: the sender's deadlines, then rollers.health_timeout_s
         error = None
         try:
@@ -280,14 +280,14 @@ class RollerPool:
             fut = receives[m.name]
             if not fut.done():
                 fut.cancel()
-                lost.append(RollerLost(m.name, "weight_sync", f"did not acknowledge weight_version {version} "
+                lost.append(RollerLost(m.name, "weight_sync", f"did not acknowledge weight_version {weight_version} "
                                        f"within {self.timeout_s:.1f} s of the sender's end"))
             elif isinstance(fut.exception(), RollerLost):
                 lost.append(fut.exception())
             elif fut.exception() is None:
-                m.weight_version = version
+                m.weight_version = weight_version
             else:
-                logger.warning("roller %s: weight_version %d not applied: %s", m.name, version, fut.exception())
+                logger.warning("roller %s: weight_version %d not applied: %s", m.name, weight_version, fut.exception())
         return lost, error
 
     async def drain(self, name: str, timeout_s: float) -> list[str]:

@@ -42,7 +42,7 @@ class ShmSender(PackedSender):
         return self.slots.buffer(slot)
 
     def publish(self, sender, rnd, bucket, slot: int) -> None:
-        sender.control.broadcast(rnd, BucketReady(rnd.version, bucket.index, bucket.entries, bucket.used_bytes,
+        sender.control.broadcast(rnd, BucketReady(rnd.weight_version, bucket.index, bucket.entries, bucket.used_bytes,
                                                   slot=slot))
 
     def close(self) -> None:

@@ -100,7 +100,7 @@ def test_curve_serves_a_keyed_roller_and_refuses_the_others():
                 receiver.close()
         _send_one(sender, sender.handle, "r0", 1)
         # The sender handled every message that reached it while sending: none came from an intruder.
-        assert sender.roller_versions == {"r0": 1}
+        assert sender.roller_weight_versions == {"r0": 1}
     finally:
         sender.close()
 
