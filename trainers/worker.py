@@ -57,8 +57,8 @@ from trainers.update import (
 
 logger = logging.getLogger(__name__)
 
-FORWARD_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES)
-ADVANTAGE_FIELDS = (schema.TOKEN_LEVEL_SCORES, schema.RESPONSE_MASK, schema.UID)
+FORWARD_FIELDS = schema.FORWARD.reads
+ADVANTAGE_FIELDS = schema.COMPUTE_ADVANTAGES.reads
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
