@@ -3,8 +3,9 @@ into the TransferQueue. It runs as a Ray actor so that the controller never hold
 says *how many* groups to start; the feeder answers with their ``uid``s.
 
 Each group is stored as one prompt row under its ``uid`` (``controller.data.prompt_fields``, the
-contract's ``common.schema.FEEDER``); a roller turns it into the group's ``rollout.n`` sample rows. ``uid`` = ``s<global_step>.p<position>`` — deterministic, so the
-per-sample seeds (``rollers.roller.sample_seed``) and hence the responses do not depend on the schedule.
+contract's ``common.schema.FEEDER``); a roller turns it into the group's ``rollout.n`` sample rows.
+``uid`` = ``s<global_step>.p<position>`` — deterministic, so the per-sample seeds
+(``rollers.response_fields.sample_seed``) and hence the responses do not depend on the schedule.
 A re-issued prompt (``stale_policy=drop``, or in flight at a job checkpoint) gets ``uid`` + ``.r<k>``.
 
 ``state()``/``restore(state)``: the data position a job checkpoint keeps (prompts taken from the stream,
