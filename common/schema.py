@@ -24,7 +24,7 @@ call it): no undeclared field, every required one, dtypes and consistent dims.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,13 +105,21 @@ class Stage:
     optional_puts: tuple[str, ...] = ()
     wire: bool = True
 
-    def fields(self, names: Iterable[str] | None = None) -> tuple[str, ...]:
-        """The stored fields (not tags) among ``names`` (default: ``reads``), in order."""
-        return tuple(n for n in (self.reads if names is None else names) if not FIELDS[n].tag)
+    def read_fields(self) -> tuple[str, ...]:
+        """The stored fields (not tags) it always reads, in order."""
+        return tuple(n for n in self.reads if not FIELDS[n].tag)
 
-    def tags(self, names: Iterable[str] | None = None) -> tuple[str, ...]:
-        """The tags among ``names`` (default: ``puts``), in order."""
-        return tuple(n for n in (self.puts if names is None else names) if FIELDS[n].tag)
+    def read_tags(self) -> tuple[str, ...]:
+        """The tags it always reads, in order."""
+        return tuple(n for n in self.reads if FIELDS[n].tag)
+
+    def put_fields(self) -> tuple[str, ...]:
+        """The stored fields (not tags) it always puts, in order."""
+        return tuple(n for n in self.puts if not FIELDS[n].tag)
+
+    def put_tags(self) -> tuple[str, ...]:
+        """The tags it always puts, in order."""
+        return tuple(n for n in self.puts if FIELDS[n].tag)
 
 
 _RESPONSE_FIELDS = (RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS, TOKEN_LEVEL_SCORES)
@@ -135,19 +143,19 @@ UPDATE_ACTOR = Stage("trainer.update_actor", reads=(INPUT_IDS, ATTENTION_MASK, R
 UPDATE_CRITIC = Stage("trainer.update_critic", reads=(INPUT_IDS, ATTENTION_MASK, RESPONSES, RESPONSE_MASK, VALUES,
                                                       RETURNS), optional_reads=(UID,), wire=False)
 # The controller: whole groups ready for training (the trainer's fields), their tags for the step record.
-CONTROLLER = Stage("controller", reads=(*TRAINER.fields(), UID, MIN_WEIGHT_VERSION, MAX_WEIGHT_VERSION, REWARD,
+CONTROLLER = Stage("controller", reads=(*TRAINER.read_fields(), UID, MIN_WEIGHT_VERSION, MAX_WEIGHT_VERSION, REWARD,
                                         RESPONSE_LENGTH, FINISH_REASON, RESPONSE_DIGEST))
 VALIDATION = Stage("validation", reads=(RESPONSES, TOKEN_LEVEL_SCORES, UID, GREEDY, REWARD, RESPONSE_LENGTH,
                                         FINISH_REASON, MIN_WEIGHT_VERSION, MAX_WEIGHT_VERSION))
 GENERATION_DUMP = Stage("generation_dump", reads=(RESPONSE_TEXT, UID, REWARD, GREEDY, MIN_WEIGHT_VERSION,
                                                   MAX_WEIGHT_VERSION, FINISH_REASON, RESPONSE_LENGTH))
 # A job checkpoint saves the trainer's fields of buffered groups with their tags and puts them back.
-CHECKPOINT = Stage("checkpoint", reads=TRAINER.fields(), optional_reads=TRAINER.optional_reads,
-                   puts=TRAINER.fields(), optional_puts=TRAINER.optional_reads)
+CHECKPOINT = Stage("checkpoint", reads=TRAINER.read_fields(), optional_reads=TRAINER.optional_reads,
+                   puts=TRAINER.read_fields(), optional_puts=TRAINER.optional_reads)
 
 STAGES = (FEEDER, ROLLER, TRAINER, FORWARD, COMPUTE_ADVANTAGES, UPDATE_ACTOR, UPDATE_CRITIC, CONTROLLER,
           VALIDATION, GENERATION_DUMP, CHECKPOINT)
-DUMP_TAGS = GENERATION_DUMP.tags(GENERATION_DUMP.reads)
+DUMP_TAGS = GENERATION_DUMP.read_tags()
 
 
 def check_batch(stage: Stage, data: Mapping[str, Any], tags: Sequence[Mapping[str, Any]] | None = None) -> None:
@@ -157,7 +165,7 @@ def check_batch(stage: Stage, data: Mapping[str, Any], tags: Sequence[Mapping[st
     only the stage's tags, with their types. Raises ValueError naming the stage, the field and what was
     expected."""
     allowed = set(stage.puts) | set(stage.optional_puts)
-    missing = [n for n in stage.fields(stage.puts) if n not in data]
+    missing = [n for n in stage.put_fields() if n not in data]
     extra = sorted(n for n in data if n not in allowed or FIELDS[n].tag)
     if missing or extra:
         raise ValueError(f"{stage.name} puts fields {sorted(data)}: missing {missing}, undeclared {extra} "

@@ -90,7 +90,7 @@ class PromptFeeder:
         ``max_weight_version``, ``finish_reason``, ``response_length`` (tokens). Needs
         ``metrics.dump_every`` > 0 (the rollers put ``response_text`` only then); the prompt (the user message
         before the chat template) and ground truth are this feeder's own, found by ``uid``."""
-        batch = self.client.get_data(meta, list(schema.GENERATION_DUMP.fields()))
+        batch = self.client.get_data(meta, list(schema.GENERATION_DUMP.read_fields()))
         rows = []
         for i, tag in enumerate(meta.tags):
             prompt = self._prompt_of(str(tag[schema.UID]))

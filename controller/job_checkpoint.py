@@ -241,7 +241,7 @@ class JobCheckpointer:
         from trainers.advantages import ADV_ESTIMATORS
 
         extras = ADV_ESTIMATORS.get(self.cfg.algorithm.adv_estimator).roller_extras
-        return list(schema.CHECKPOINT.fields()) + list(extras)
+        return list(schema.CHECKPOINT.read_fields()) + list(extras)
 
     async def save(self, st, reason: str) -> Path | None:
         """Write a job checkpoint of ``st`` (``controller.schedules.Stages``) at its step, holding the

@@ -59,7 +59,7 @@ from transferqueue.records import BatchMeta
 
 logger = logging.getLogger(__name__)
 
-TRAIN_FIELDS = list(schema.CONTROLLER.fields())  # a group is ready for training when these are (the trainer's)
+TRAIN_FIELDS = list(schema.CONTROLLER.read_fields())  # a group is ready for training when these are (the trainer's)
 REWARD_TAG = schema.REWARD
 TRAIN_TASK = "train"  # the trainer's consumer task in the TransferQueue (the rollers' is "rollout")
 POLL_S = 0.5

@@ -16,8 +16,7 @@ from common.ground_truth import decode_ground_truth
 from rollers.response_fields import response_digest
 from rollers.roller import GroupResult, PromptGroup
 
-# Values of build_response_fields that travel as tags, not as stored fields (common.schema.ROLLER).
-_OUTPUT_TAGS = (schema.MIN_WEIGHT_VERSION, schema.MAX_WEIGHT_VERSION, schema.FINISH_REASON, schema.RESPONSE_LENGTH)
+_TAG_TYPES = {"int": int, "str": str, "float": float}  # a tag's declared dtype (common.schema.Field.dtype)
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class TQGroupChannel:
 
     async def _take(self, prompt_partition: str, partition: str, size: int, timeout_s: float,
                     num_greedy: int = 0, validation: bool = False) -> PromptGroup | None:
-        meta = await self.client.aget_meta(list(schema.ROLLER.fields()), 1, self.task, prompt_partition,
+        meta = await self.client.aget_meta(list(schema.ROLLER.read_fields()), 1, self.task, prompt_partition,
                                            timeout_s=timeout_s)
         if len(meta) == 0:
             return None
@@ -97,15 +96,18 @@ class TQGroupChannel:
     async def put_group(self, result: GroupResult) -> None:
         group, fields = result.group, result.fields
         n = len(result.rewards)
+        # build_response_fields' per-sample values the contract declares tags (weight versions, finish
+        # reason, length) travel as tags only; the rest are stored fields.
+        as_tags = [name for name in fields if schema.FIELDS[name].tag]
         tags = [
             {schema.UID: group.uid}
-            | {name: (fields[name][i] if name == schema.FINISH_REASON else int(fields[name][i])) for name in _OUTPUT_TAGS}
+            | {name: _TAG_TYPES[schema.FIELDS[name].dtype](fields[name][i]) for name in as_tags}
             | {schema.REWARD: float(result.rewards[i]), schema.RESPONSE_DIGEST: response_digest(fields, i),
                schema.GREEDY: int(bool(result.greedy and result.greedy[i]))}
             for i in range(n)
         ]
         data = {name: value.repeat(n, 1) for name, value in group.prompt_fields.items()}
-        data |= {k: v for k, v in fields.items() if k not in _OUTPUT_TAGS}
+        data |= {k: v for k, v in fields.items() if k not in as_tags}
         if self.put_text:
             data[schema.RESPONSE_TEXT] = list(result.texts)
         schema.check_batch(schema.ROLLER, data, tags)

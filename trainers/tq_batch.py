@@ -17,7 +17,7 @@ from transferqueue.batching import pad_sequences
 from transferqueue.records import BatchMeta
 
 # Fields a training step reads (common.schema.TRAINER), each padded with 0 on its ``pad_side``.
-TRAIN_FIELDS = schema.TRAINER.fields()
+TRAIN_FIELDS = schema.TRAINER.read_fields()
 
 
 def fetch_batch(client, meta: BatchMeta, extra_fields: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -30,12 +30,12 @@ def test_nothing_on_the_wire_goes_unread():
             assert readers, f"{stage.name} puts {name!r}, which no other stage reads"
     # The weight versions and lengths travel as tags only, never as stored fields.
     for name in (schema.MIN_WEIGHT_VERSION, schema.MAX_WEIGHT_VERSION, schema.RESPONSE_LENGTH, schema.FINISH_REASON):
-        assert schema.FIELDS[name].tag and name not in schema.ROLLER.fields(schema.ROLLER.puts)
+        assert schema.FIELDS[name].tag and name not in schema.ROLLER.put_fields()
 
 
 def test_declared_names_are_the_constants_and_trainer_stages_stay_off_the_wire():
     assert all(spec.name == name for name, spec in schema.FIELDS.items())
-    assert {schema.FIELDS[n].pad_side for n in schema.TRAINER.fields()} == {"left", "right"}
+    assert {schema.FIELDS[n].pad_side for n in schema.TRAINER.read_fields()} == {"left", "right"}
     computed = {n for s in schema.STAGES if not s.wire for n in s.puts}
     on_wire = {n for s in schema.STAGES if s.wire for n in (*s.puts, *s.optional_puts)}
     assert computed and not computed & on_wire
@@ -74,7 +74,7 @@ def test_the_channel_puts_exactly_the_roller_contract(put_text, remax):
     ((data, partition, sample_ids, tags),) = client.puts
     assert partition == "samples" and sample_ids is None  # new sample rows, one per sample
     assert client.clears == [("prompts", [41])]  # then the prompt row goes
-    expected = set(schema.ROLLER.fields(schema.ROLLER.puts)) | ({schema.RESPONSE_TEXT} if put_text else set()) \
+    expected = set(schema.ROLLER.put_fields()) | ({schema.RESPONSE_TEXT} if put_text else set()) \
         | ({schema.REMAX_BASELINE} if remax else set())
     assert set(data) == expected
     schema.check_batch(schema.ROLLER, data, tags)
@@ -85,7 +85,7 @@ def test_the_channel_puts_exactly_the_roller_contract(put_text, remax):
         else:
             assert str(value.dtype) == f"torch.{spec.dtype}" and value.dim() == len(spec.shape) and len(value) == 3
     assert torch.equal(data[schema.INPUT_IDS], torch.tensor([[0, 0, 5, 6, 7]] * 3))  # the prompt row, per sample
-    assert [set(t) for t in tags] == [set(schema.ROLLER.tags())] * 3
+    assert [set(t) for t in tags] == [set(schema.ROLLER.put_tags())] * 3
     assert [t[schema.UID] for t in tags] == ["s0.p1"] * 3 and [t[schema.GREEDY] for t in tags] == [0, 0, 1]
     assert [t[schema.RESPONSE_LENGTH] for t in tags] == [1, 2, 3] and tags[0][schema.MIN_WEIGHT_VERSION] == 2
 

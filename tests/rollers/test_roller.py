@@ -516,7 +516,7 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
     dataset = PromptDataset.from_config(cfg, tok)
     data, tags = prompt_fields(dataset.prompts, tok.pad_token_id, uids=["g0", "g1", "g2"])
     schema.check_batch(schema.FEEDER, data, tags)
-    train_fields = list(schema.TRAINER.fields())
+    train_fields = list(schema.TRAINER.read_fields())
 
     async def scenario():
         client = TQClient(tq_servers.handle)
@@ -547,9 +547,9 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
     meta, prompts_left, rows, train, batch = run(scenario())
     assert len(meta) == 3 and prompts_left == []  # one prompt row per group, cleared once its samples are put
     # On the wire: exactly the fields the roller declares (no weight-version or length tensors), the tags too.
-    roller_fields = set(schema.ROLLER.fields(schema.ROLLER.puts))
+    roller_fields = set(schema.ROLLER.put_fields())
     assert len(rows) == 3 * N and all(set(r["fields"]) == roller_fields for r in rows)
-    assert all(set(r["tags"]) == set(schema.ROLLER.tags()) for r in rows)
+    assert all(set(r["tags"]) == set(schema.ROLLER.put_tags()) for r in rows)
     assert sorted(train.sample_ids) == sorted(r["id"] for r in rows)
     by_id = dict(zip(train.sample_ids, train.tags, strict=True))
     for tag in by_id.values():
