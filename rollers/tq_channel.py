@@ -98,7 +98,7 @@ class TQGroupChannel:
         n = len(result.rewards)
         # build_response_fields' per-sample values the contract declares tags (weight versions, finish
         # reason, length) travel as tags only; the rest are stored fields.
-        as_tags = [name for name in fields if schema.FIELDS[name].tag]
+        as_tags = [name for name in fields if name in schema.FIELDS and schema.FIELDS[name].tag]
         tags = [
             {schema.UID: group.uid}
             | {name: _TAG_TYPES[schema.FIELDS[name].dtype](fields[name][i]) for name in as_tags}
