@@ -14,7 +14,7 @@ weight sync targets exactly the members that lack the version.
 
 Every call to a roller has a timeout (``rollers.health_timeout_s``; the start of a joining roller,
 ``JOIN_TIMEOUT_S`` plus an SGLang server's start-up). The groups a lost roller held are found in the data
-plane (taken by the ``rollout`` task, no responses, claimed by no live roller: ``find_orphans``) and
+plane (prompt rows taken by the ``rollout`` task and claimed by no live roller: ``find_orphans``) and
 re-issued by the schedule's ``Stages.reissue``; ``PoolKeeper`` (``controller.pool_keeper``) drives all of
 it while a schedule runs.
 """
@@ -314,30 +314,45 @@ class RollerPool:
                 ray.kill(m.actor, no_restart=True)
 
 
-async def find_orphans(tq, partition: str, limit: int, held_by_live: Callable, grace_s: float = 1.0
-                       ) -> dict[str, list[int]]:
-    """Groups no live roller will finish: every sample taken by the ``rollout`` task, not every one with
-    responses, and claimed by no live roller (``held_by_live()``, awaited) in two looks ``grace_s`` apart (a
-    group whose take is still in flight to a live roller is claimed by the second look). Returns uid →
-    sample ids (metadata only). ``limit``: at most this many samples are looked at (the TransferQueue's
-    ``max_request_ids``)."""
+async def find_orphans(tq, prompt_partition: str, partition: str, limit: int, held_by_live: Callable,
+                       grace_s: float = 1.0) -> dict[str, list[int]]:
+    """Groups no live roller will finish: prompt rows of ``prompt_partition`` taken by the ``rollout`` task
+    and claimed by no live roller (``held_by_live()``, awaited) in two looks ``grace_s`` apart (a group
+    whose take is still in flight to a live roller is claimed by the second look). Returns uid → prompt
+    row ids (metadata only). A prompt row whose group already has samples in ``partition`` (its roller
+    left between putting them and clearing the row) is cleared here, not returned. ``limit``: at most this
+    many rows of each partition are looked at (the TransferQueue's ``max_request_ids``)."""
     from common import schema
 
     async def look() -> dict[str, list[int]]:
-        samples = await tq.asample_info(partition, None, limit=limit)  # the partition: a few steps' groups
-        by_uid: dict[str, list[dict]] = {}
-        for s in samples:
-            by_uid.setdefault(s["tags"].get(schema.UID), []).append(s)
+        rows = await _rows(tq, prompt_partition, limit)  # the groups in flight: a few steps' at most
         held = await held_by_live()
-        return {uid: [s["id"] for s in group] for uid, group in by_uid.items()
-                if uid is not None and uid not in held
-                and all("rollout" in s["consumed_by"] for s in group)
-                and not all(schema.RESPONSES in s["fields"] for s in group)}
+        by_uid: dict[str, list[int]] = {}
+        for r in rows:
+            uid = r["tags"].get(schema.UID)
+            if uid is not None and uid not in held and "rollout" in r["consumed_by"]:
+                by_uid.setdefault(uid, []).append(r["id"])
+        return by_uid
 
     first = await look()
     if not first:
         return {}
     await asyncio.sleep(grace_s)
-    second = await look()
-    return {uid: ids for uid, ids in second.items() if uid in first}
+    second = {uid: ids for uid, ids in (await look()).items() if uid in first}
+    done = {s["tags"].get(schema.UID) for s in await _rows(tq, partition, limit)} if second else set()
+    leftover = [i for uid, ids in second.items() if uid in done for i in ids]
+    if leftover:
+        await tq.aclear(prompt_partition, leftover)
+    return {uid: ids for uid, ids in second.items() if uid not in done}
 
+
+async def _rows(tq, partition: str, limit: int) -> list[dict]:
+    """``tq.asample_info`` of ``partition``; [] while nothing was ever put there."""
+    from transferqueue.records import RemoteError
+
+    try:
+        return await tq.asample_info(partition, None, limit=limit)
+    except RemoteError as exc:
+        if "unknown partition" not in str(exc):
+            raise
+        return []

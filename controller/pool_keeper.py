@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from controller.metrics import SCALE_REASONS
 from controller.pool import RollerLost, find_orphans
-from controller.runtime import PARTITION
+from controller.runtime import PARTITION, PROMPT_PARTITION
 
 logger = logging.getLogger(__name__)
 
@@ -179,13 +179,13 @@ class PoolKeeper:
         async with self._reissuing:
             if self.st.outstanding <= 0:  # nothing admitted and untrained: nothing can be held
                 return
-            orphans = await find_orphans(self.st.rt.tq, PARTITION, self.cfg.transferqueue.max_request_ids,
-                                         self.pool.held_by_live)
+            orphans = await find_orphans(self.st.rt.tq, PROMPT_PARTITION, PARTITION,
+                                         self.cfg.transferqueue.max_request_ids, self.pool.held_by_live)
             for uid, sample_ids in orphans.items():
                 await self.reissue(uid, sample_ids)
 
     async def reissue(self, uid: str, sample_ids: list[int]) -> None:
-        await self.st.reissue(uid, sample_ids, "its roller left the pool")
+        await self.st.reissue(uid, sample_ids, "its roller left the pool", partition=PROMPT_PARTITION)
         self.num_reissued_groups += 1
         self.metrics.reissued_groups.inc()
 

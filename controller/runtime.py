@@ -5,8 +5,8 @@ roller pool, the trainer group, and the weight-sync wiring between trainers and 
 
     controller ── TQClient (metadata only: get_meta / status / clear) ──┐
         │                                                              │
-        ├── PromptFeeder (Ray actor) ──put prompt groups──> TransferQueue servers (index + storage units)
-        ├── RollerPool (controller.pool): N RollerActors, elastic ──take group / put responses──┘   ▲
+        ├── PromptFeeder (Ray actor) ──put prompt rows──> TransferQueue servers (index + storage units)
+        ├── RollerPool (controller.pool): N RollerActors, elastic ──take prompt / put samples──┘    ▲
         ├── TrainerGroup: M FSDP2 ranks (placement group) ──get_data(meta slice)──────────┘
         └── weight sync: trainer rank(s) ──checkpoint engine (versioned buckets)──> every roller
 
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 # The TransferQueue partition holding a run's samples. Not "train": that is the trainer's consumer task
 # (``controller.schedules.TRAIN_TASK``; the rollers' is "rollout"), the label of hflow_queue_depth{task}.
 PARTITION = "samples"
+PROMPT_PARTITION = "prompts"  # the feeder's prompt rows (one per group), taken by the rollers' "rollout" task
 _POLL_S = 0.05  # how often start-up looks at the pools that are not ready yet
 WATCH_PERIOD_S = 0.5  # how often a running schedule's TransferQueue server processes are checked (Runtime.watch)
 
@@ -74,7 +75,7 @@ class Runtime:
         from controller.feeder import PromptFeeder
         from controller.pool import RollerPool
         from controller.tasks import resolve_reward
-        from controller.validation import VAL_PARTITION
+        from controller.validation import VAL_PARTITION, VAL_PROMPT_PARTITION
         from rollers.actor import remote_roller
         from rollers.tq_channel import GroupSource, TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
@@ -94,15 +95,15 @@ class Runtime:
         # Launch the feeder and the rollers (actor creation does not block), then build the trainer
         # meanwhile: their processes start and load models concurrently.
         on_stage(f"starting the prompt feeder (task {cfg.data.task})")
-        self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches,
-                                                                    VAL_PARTITION)
+        self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PROMPT_PARTITION, num_batches,
+                                                                    VAL_PROMPT_PARTITION)
         on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine) and "
                  f"{n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path}) at once")
         roller_cls = remote_roller(num_cpus=0.5, resources=cfg.rollers.resources)
         roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
-        validation = (GroupSource(VAL_PARTITION, cfg.val.n + int(cfg.val.greedy), int(cfg.val.greedy))
-                      if cfg.data.val_size else None)
-        channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n,
+        validation = (GroupSource(VAL_PROMPT_PARTITION, VAL_PARTITION, cfg.val.n + int(cfg.val.greedy),
+                                  int(cfg.val.greedy)) if cfg.data.val_size else None)
+        channel = functools.partial(TQGroupChannel.from_handle, handle, PROMPT_PARTITION, PARTITION, cfg.rollout.n,
                                     validation=validation, put_text=cfg.metrics.dump_every > 0)
         reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
         rollers_cfg = dataclasses.replace(cfg.rollers, num_threads=self.threads.roller_threads)

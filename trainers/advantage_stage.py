@@ -39,7 +39,7 @@ from trainers.metrics import masked_stats
 from trainers.update import require_fields
 
 # What every estimator reads, besides its own input_fields.
-ADVANTAGE_FIELDS = (schema.TOKEN_LEVEL_SCORES, schema.RESPONSE_MASK, schema.UID)
+ADVANTAGE_FIELDS = schema.COMPUTE_ADVANTAGES.reads
 
 
 def advantage_inputs(estimator: AdvantageEstimator, algorithm: AlgorithmConfig) -> tuple[str, ...]:

@@ -55,7 +55,7 @@ from trainers.update import (
 
 logger = logging.getLogger(__name__)
 
-FORWARD_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES)
+FORWARD_FIELDS = schema.FORWARD.reads
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
