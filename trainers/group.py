@@ -119,7 +119,9 @@ class TrainerGroup:
         from ray.util.placement_group import placement_group_table
 
         nodes = placement_group_table(self._pg)["bundles_to_node_id"]
-        return [nodes[rank] for rank in range(self.num_ranks)]
+        rank_nodes = [nodes.get(rank, "") for rank in range(self.num_ranks)]
+        assert all(rank_nodes), f"a ready placement group has a bundle without a node: {nodes}"
+        return rank_nodes
 
     def _wait(self, refs: list, method: str) -> list:
         """``ray.get`` every ref within ``trainer.timeout_s``; re-raise a rank's exception as itself."""
