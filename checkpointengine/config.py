@@ -28,9 +28,11 @@ class CheckpointEngineConfig:
     Across nodes: ``host`` is the address the leader's control socket binds (``tcp://host:<random
     port>``; with the ``zmq`` backend every bucket travels on it too) and the ``broadcast`` backend's
     rendezvous store listens on; loopback by default, so rollers on another machine need the leader
-    machine's address here. ``curve``: ZMQ CURVE on the control socket (``common.curve``): the leader
-    makes the job's keys, the handle carries the server's public key and the client key pair to the
-    rollers through Ray, and a peer without them is refused. The ``broadcast`` group itself
+    machine's address here: one IPv4 address, or ``node`` for the Ray node address of trainer rank 0,
+    resolved there (``common.net``); rollers connect to the address the leader's handle reports.
+    ``curve``: ZMQ CURVE on the control socket (``common.curve``): the leader makes the job's keys, the
+    handle carries the server's public key and the client key pair to the rollers through Ray, and a peer
+    without them is refused. The ``broadcast`` group itself
     (torch.distributed) is not covered: with ``curve`` a warning says so."""
 
     backend: str = "shm"

@@ -36,6 +36,7 @@ from checkpointengine.control import ControlServer, Round
 from checkpointengine.naming import WeightNameMapper
 from checkpointengine.protocol import Abort, Begin, End, WeightSyncError, WeightSyncHandle
 from common.curve import make_job_keys
+from common.net import resolve_bind_host
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,14 @@ class WeightSender:
     (they open no socket of the control plane and need no CURVE keys: ``handle_for_ranks``).
 
     Raises ValueError for a non-leader without a handle, an unknown backend, or ``send_shards`` on a
-    backend that does not ``supports_shards``; zmq.ZMQError when ``cfg.host`` cannot be bound.
+    backend that does not ``supports_shards``; zmq.ZMQError when ``cfg.host`` cannot be bound; RuntimeError
+    for ``cfg.host`` ``node`` outside a Ray cluster.
     """
 
     def __init__(self, cfg: CheckpointEngineConfig, rollers: Iterable[str] = (), *, rank: int = 0,
                  handle: WeightSyncHandle | None = None, mapper: WeightNameMapper | None = None):
+        if rank == 0:  # ``node``: this process's Ray node address; rollers connect to what the handle reports
+            cfg = dataclasses.replace(cfg, host=resolve_bind_host("checkpointengine.host", cfg.host))
         self.cfg = cfg
         self.rank = rank
         self.mapper = mapper or WeightNameMapper()

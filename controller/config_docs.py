@@ -130,6 +130,7 @@ KEY_DOCS: dict[str, str] = {
     "trainer.num_cpus_per_rank": "Ray logical CPUs reserved per trainer rank",
     "trainer.resources": "Ray custom resources each trainer rank asks for, e.g. {hflow_trainer: 1}",
     "trainer.timeout_s": "bound in seconds on every collective and every call the controller waits for",
+    "trainer.host": "rendezvous address when ranks span Ray nodes: IPv4 of rank 0's node | node (its Ray address)",
     # algorithm
     "algorithm.adv_estimator": "advantage estimator: grpo | rloo | gae | ... (README, Algorithms) | module:name",
     "algorithm.norm_adv_by_std": "GRPO: divide advantages by the group's reward std",
@@ -175,7 +176,7 @@ KEY_DOCS: dict[str, str] = {
     "transferqueue.capacity_bytes": "memory each storage unit may hold, bytes",
     "transferqueue.shared_memory": "same-node clients move tensors through shared memory, not sockets",
     "transferqueue.curve": "ZMQ CURVE authentication and encryption (for sockets that leave the node)",
-    "transferqueue.host": "bind address of the servers (loopback unless set)",
+    "transferqueue.host": "bind address of the servers: IPv4 (loopback default) | node (the driver's Ray node address)",
     "transferqueue.request_timeout_s": "seconds one client request may wait for its reply",
     "transferqueue.route_block": "samples [k*B, (k+1)*B) live on storage unit k mod num_storage_units",
     "transferqueue.shm_min_bytes": "puts smaller than this go over ZMQ even on one node",
@@ -205,7 +206,7 @@ KEY_DOCS: dict[str, str] = {
     "checkpointengine.disk_dir": "root of the disk backend's directories, one per weight_version; empty = a temp dir",
     "checkpointengine.group_backend": "torch.distributed backend of the broadcast group: auto | gloo | nccl",
     "checkpointengine.reuse_receive_buffers": "rollers copy buckets into their previous update's tensors",
-    "checkpointengine.host": "bind address of the weight plane's cross-node sockets (loopback unless set)",
+    "checkpointengine.host": "bind address of the weight plane's cross-node sockets: IPv4 (loopback) | node (rank 0's)",
     "checkpointengine.curve": "ZMQ CURVE on the weight plane's control socket (keys handed out through Ray)",
     # val
     "val.n": "validation samples per prompt at rollout.temperature (pass@1, pass@k)",

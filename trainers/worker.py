@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common import schema
+from common import net, schema
 from common.env import resolve_num_threads, set_torch_threads
 from common.models import ModelConfig
 from trainers import checkpoint, collectives, export, fsdp
@@ -419,13 +419,11 @@ class TrainerActor:
         set_torch_threads(resolve_num_threads(num_threads))
         self.worker: TrainerWorker | None = None
 
-    def free_port(self) -> int:
-        """A free TCP port on this node's loopback, for the process group's rendezvous (rank 0 only)."""
-        import socket
-
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    def rendezvous_address(self, host: str) -> tuple[str, int]:
+        """(address, free port) for the process group's rendezvous, on this rank's node (rank 0 only):
+        ``host`` resolved here (``node``: this rank's Ray node address, ``common.net.resolve_bind_host``)."""
+        address = net.resolve_bind_host("trainer.host", host)
+        return address, net.free_port(address)
 
     def setup(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
               timeout_s: float, worker_kwargs: dict) -> None:

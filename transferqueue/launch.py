@@ -8,6 +8,10 @@ gives back a ``TQHandle`` (addresses, routing, keys) for every worker's ``TQClie
                 servers.check()                             # ServerLost if a server process exited
                 servers.shutdown()                          # stops the loops, unlinks shared memory
 
+The servers bind ``transferqueue.host`` (``node``: the launcher's Ray node address, resolved here, since
+the servers are subprocesses of the launcher on its node and not Ray processes); clients connect to the
+endpoints the servers publish, which the handle carries.
+
 Subprocesses get their settings (including CURVE secrets) as JSON on stdin, never on the command line,
 and publish their bound endpoint in a file the launcher waits for (``start_timeout_s``).
 """
@@ -28,6 +32,7 @@ from dataclasses import asdict
 from typing import Any
 
 from common.curve import CurveKeys, make_job_keys
+from common.net import resolve_bind_host
 from common.node import adopt_node_id, node_id
 from transferqueue.config import TransferQueueConfig
 from transferqueue.records import ServerLost, TQError, TQHandle
@@ -105,8 +110,8 @@ def _server_main() -> None:
             pass
 
 
-def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None) -> list[dict]:
-    base = {"address": f"tcp://{cfg.host}:0", "curve": asdict(curve) if curve else None,
+def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None, host: str) -> list[dict]:
+    base = {"address": f"tcp://{host}:0", "curve": asdict(curve) if curve else None,
             "lease_s": cfg.request_timeout_s, "limits": cfg.limits()}
     specs = [dict(base, role="index", sampler_modules=list(cfg.sampler_modules))]
     for i in range(cfg.num_storage_units):
@@ -203,14 +208,16 @@ def start_transferqueue(cfg: TransferQueueConfig) -> TQServers:
     """Start the index and ``cfg.num_storage_units`` units as subprocesses; returns once all are bound.
 
     Raises TQError when a server exits or does not publish its endpoint within ``cfg.start_timeout_s``
-    (every started process is stopped first).
+    (every started process is stopped first); RuntimeError for ``transferqueue.host=node`` outside a Ray
+    cluster (``common.net.resolve_bind_host``).
     """
+    host = resolve_bind_host("transferqueue.host", cfg.host)
     curve = _keys(cfg)
     run_dir = tempfile.mkdtemp(prefix="hflow-tq-")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     procs, files = [], []
     try:
-        for i, spec in enumerate(_specs(cfg, curve)):
+        for i, spec in enumerate(_specs(cfg, curve, host)):
             spec["endpoint_file"] = files_i = os.path.join(run_dir, f"server{i}.json")
             spec["local_address"] = local_address(run_dir, i)
             spec["node"] = node_id()

@@ -132,7 +132,7 @@ def test_a_bad_bind_host_names_its_key(section, host):
     from transferqueue.config import TransferQueueConfig
 
     make = {"checkpointengine": CheckpointEngineConfig, "transferqueue": TransferQueueConfig}[section]
-    with pytest.raises(ValueError, match=f"{section}.host must be a host name or IPv4 address.*{re.escape(repr(host))}"):
+    with pytest.raises(ValueError, match=f"{section}.host must be one IPv4 address.*{re.escape(repr(host))}"):
         make(host=host)
 
 
