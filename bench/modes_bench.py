@@ -88,9 +88,11 @@ def splits_for(mode: str, cores: int) -> list[Split]:
     """The small sweep of ``mode`` on ``cores`` cores, its usual best first."""
     if mode == "sync":  # the phases alternate: each may take every core
         splits = [Split(1, cores, cores), Split(1, 1, 1), Split(cores, 1, cores)]
-    else:  # the phases overlap: split the cores, or oversubscribe them
+    else:  # the phases overlap: split the cores, or oversubscribe them (the trainer every core: training
+        # scales with cores and CPU decoding hardly does, see bench/recorded/)
         half = max(1, cores // 2)
-        splits = [Split(1, half, max(1, cores - half)), Split(1, cores, cores), Split(max(2, cores - 1), 1, 1)]
+        splits = [Split(1, half, max(1, cores - half)), Split(1, half, cores), Split(1, cores, cores),
+                  Split(max(2, cores - 1), 1, 1)]
     return list(dict.fromkeys(splits))
 
 
