@@ -120,8 +120,9 @@ def workload_overrides(name: str, args) -> list[str]:
 def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     """One ``hflow-async`` run; its steady-state metrics (``read_run``) or ``{"error": ...}``."""
     run_dir = args.out / "runs" / workload / f"{mode}-{split.key}-rep{rep}"
-    if args.reuse_runs and _completed(run_dir, args.steps):
-        return reuse_run(run_dir, split, args)
+    summary = _completed_summary(run_dir, args.steps) if args.reuse_runs else None
+    if summary is not None:
+        return reuse_run(run_dir, summary, split, args)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", args.preset,
@@ -152,19 +153,20 @@ def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     return res
 
 
-def _completed(run_dir: Path, num_steps: int) -> bool:
+def _completed_summary(run_dir: Path, num_steps: int) -> dict | None:
+    """``run_dir``'s ``summary.json`` when that run completed ``num_steps`` steps, else None."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
-        return False
-    return summary.get("status") == "completed" and summary.get("num_steps") == num_steps
+        return None
+    return summary if summary.get("status") == "completed" and summary.get("num_steps") == num_steps else None
 
 
-def reuse_run(run_dir: Path, split: Split, args) -> dict:
+def reuse_run(run_dir: Path, summary: dict, split: Split, args) -> dict:
     """A completed run's metrics, read again (``--reuse-runs``); ``process_s`` is the job's own ``wall_s``."""
     res = read_run(run_dir, args.warmup_steps, args.tail_steps)
     res["split"] = asdict(split) | {"key": split.key}
-    res["process_s"] = json.loads((run_dir / "summary.json").read_text())["wall_s"]
+    res["process_s"] = summary["wall_s"]
     res["reused"] = True
     log(f"{run_dir.parent.name} {run_dir.name}: reused, {res['samples_per_s']:.3f} samples/s")
     return res

@@ -27,14 +27,14 @@ def test_a_malformed_split_is_a_usage_error_naming_it(item, capsys):
 
 def test_only_a_completed_run_of_the_same_length_is_reused(tmp_path):
     run = tmp_path / "run"
-    assert not modes_bench._completed(run, 8)
+    assert modes_bench._completed_summary(run, 8) is None
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"status": "failed", "num_steps": 8}))
-    assert not modes_bench._completed(run, 8)
+    assert modes_bench._completed_summary(run, 8) is None
     (run / "summary.json").write_text(json.dumps({"status": "completed", "num_steps": 3}))
-    assert not modes_bench._completed(run, 8)
+    assert modes_bench._completed_summary(run, 8) is None
     (run / "summary.json").write_text(json.dumps({"status": "completed", "num_steps": 8}))
-    assert modes_bench._completed(run, 8)
+    assert modes_bench._completed_summary(run, 8) == {"status": "completed", "num_steps": 8}
 
 
 def test_the_trl_peer_gets_the_jobs_own_prompts_and_settings(tmp_path, monkeypatch):
