@@ -12,14 +12,17 @@ Reported (from ``metrics.jsonl`` and the requests' own timing):
 * ``sps_1_roller`` / ``sps_2_rollers``: trained samples per second over the steps that ended before the
   scale-up request, and over those that ended between the join and the scale-down request;
 * ``join_s``: from the scale-up request until the new roller is active (it holds the trainer's current
-  weights and takes work) — the answer of the request; its first trained sample follows within one step;
+  weights and takes work) — the answer of the request;
+* ``join_to_first_trained_s``: from the scale-up request (as the job received it) until the end of the first
+  trainer step that trained a group the new roller generated (``summary.json``'s ``roller_joins``, see
+  ``controller.pool_keeper``): the time until the new roller's work counts;
 * ``drain_s``: from the scale-down request until the drained roller left (the answer);
 * ``lost_samples`` / ``repeated_samples``: prompts (uid without its ``.r<k>`` re-issue suffix) of the run's
   steps never trained / trained more than once, times ``rollout.n``.
 
 Last line::
 
-    RESULT sps_1_roller=… sps_2_rollers=… join_s=… drain_s=… lost_samples=… repeated_samples=…
+    RESULT sps_1_roller=… sps_2_rollers=… join_s=… join_to_first_trained_s=… drain_s=… lost_samples=… repeated_samples=…
 
 ``--quick``: a few short steps, with roller0 paced to 1 s per group (``rollers.fault_injection``) so the
 requests land mid-run on any machine: proves the script runs, measures nothing. Run it on a quiet machine.
@@ -64,6 +67,13 @@ def _sps(steps: list[dict], t_from: float, t_to: float, ended: dict[int, float])
     first, last = picked[0]["step"], picked[-1]["step"]
     samples = sum(s["num_samples"] for s in picked[1:])
     return samples / max(ended[last] - ended[first], 1e-9)
+
+
+def _first_trained_s(run_dir: Path) -> float:
+    """``join_to_first_trained_s`` of the roller the scale-up request added (NaN when unknown)."""
+    rows = json.loads((run_dir / "summary.json").read_text()).get("roller_joins") or []
+    value = next((r["join_to_first_trained_s"] for r in rows if r["reason"] == "scale_up"), None)
+    return float("nan") if value is None else float(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     repeated = sum(c - 1 for c in prompts.values()) * n
     lost = (expected - len(prompts)) * n
     result = {"sps_1_roller": _sps(steps, 0.0, t_up, ended), "sps_2_rollers": _sps(steps, t_joined, t_down, ended),
-              "join_s": t_joined - t_up, "drain_s": t_left - t_down, "lost_samples": lost,
+              "join_s": t_joined - t_up, "join_to_first_trained_s": _first_trained_s(run_dir),
+              "drain_s": t_left - t_down, "lost_samples": lost,
               "repeated_samples": repeated}
     (run_dir / "elastic_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     print("RESULT " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))

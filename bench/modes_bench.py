@@ -13,7 +13,9 @@ samples (``--steps`` × B × n); only ``--mode`` and the split differ.
 * **splits** (``Split``: roller replicas × torch threads each, trainer threads): each mode runs every split
   of its list once (``--sweep small``) and the best by samples/s is repeated to ``--reps`` runs; ``sync``
   may give each phase every core (its phases alternate), the overlapping modes split the cores.
-  ``--sweep none`` uses the first split of each list (what the small sweep picked on this machine).
+  ``--sweep none`` uses the first split of each list (what the small sweep picked on this machine);
+  ``--split MODE=rRxT-tU`` (repeatable) makes those splits that mode's sweep. ``--reuse-runs`` reads runs
+  already completed in ``--out`` instead of repeating them (add a split to a recorded sweep).
 * **metrics** per run (``bench/modes_runs.py`` defines them; steady-state window: updates after
   ``--warmup-steps`` up to the last ``--tail-steps``, whose generation falls inside the window too):
   samples/s, trained tokens/s, trainer idle (waiting for data), roller idle, weight-sync share, staleness
@@ -42,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -85,10 +88,21 @@ def splits_for(mode: str, cores: int) -> list[Split]:
     """The small sweep of ``mode`` on ``cores`` cores, its usual best first."""
     if mode == "sync":  # the phases alternate: each may take every core
         splits = [Split(1, cores, cores), Split(1, 1, 1), Split(cores, 1, cores)]
-    else:  # the phases overlap: split the cores, or oversubscribe them
+    else:  # the phases overlap: split the cores, or oversubscribe them (the trainer every core: training
+        # scales with cores and CPU decoding hardly does, see bench/recorded/)
         half = max(1, cores // 2)
-        splits = [Split(1, half, max(1, cores - half)), Split(1, cores, cores), Split(max(2, cores - 1), 1, 1)]
+        splits = [Split(1, half, max(1, cores - half)), Split(1, half, cores), Split(1, cores, cores),
+                  Split(max(2, cores - 1), 1, 1)]
     return list(dict.fromkeys(splits))
+
+
+def _parse_split(p: argparse.ArgumentParser, item: str) -> tuple[str, Split]:
+    """``"one-step-off=r1x2-t2"`` → ``("one-step-off", Split(1, 2, 2))``; a malformed item is a usage error."""
+    mode, _, key = item.partition("=")
+    m = re.fullmatch(r"r(\d+)x(\d+)-t(\d+)", key)
+    if mode not in MODES or not m or min(map(int, m.groups())) < 1:
+        p.error(f"--split {item!r}: expected MODE=rRxT-tU with MODE one of {list(MODES)} and R, T, U >= 1")
+    return mode, Split(*map(int, m.groups()))
 
 
 def log(msg: str) -> None:
@@ -106,6 +120,9 @@ def workload_overrides(name: str, args) -> list[str]:
 def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     """One ``hflow-async`` run; its steady-state metrics (``read_run``) or ``{"error": ...}``."""
     run_dir = args.out / "runs" / workload / f"{mode}-{split.key}-rep{rep}"
+    summary = _completed_summary(run_dir, args.steps) if args.reuse_runs else None
+    if summary is not None:
+        return reuse_run(run_dir, summary, split, args)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", args.preset,
@@ -136,6 +153,25 @@ def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     return res
 
 
+def _completed_summary(run_dir: Path, num_steps: int) -> dict | None:
+    """``run_dir``'s ``summary.json`` when that run completed ``num_steps`` steps, else None."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status") == "completed" and summary.get("num_steps") == num_steps else None
+
+
+def reuse_run(run_dir: Path, summary: dict, split: Split, args) -> dict:
+    """A completed run's metrics, read again (``--reuse-runs``); ``process_s`` is the job's own ``wall_s``."""
+    res = read_run(run_dir, args.warmup_steps, args.tail_steps)
+    res["split"] = asdict(split) | {"key": split.key}
+    res["process_s"] = summary["wall_s"]
+    res["reused"] = True
+    log(f"{run_dir.parent.name} {run_dir.name}: reused, {res['samples_per_s']:.3f} samples/s")
+    return res
+
+
 def summarize(runs: list[dict]) -> dict:
     """Median (and min-max spread) over the repeated runs of one mode's best split."""
     ok = [r for r in runs if "error" not in r]
@@ -156,7 +192,7 @@ def bench_workload(name: str, args, cores: int) -> dict:
     """Sweep and repeat every mode on one workload; returns ``{"best": {mode: summary}, "runs": [...]}``."""
     all_runs, best = [], {}
     for mode in (args.longtail_modes if name == "longtail" else args.modes):
-        candidates = splits_for(mode, cores)[: 1 if args.sweep == "none" else None]
+        candidates = args.split.get(mode) or splits_for(mode, cores)[: 1 if args.sweep == "none" else None]
         swept = [(s, run_one(name, mode, s, 0, args)) for s in candidates]
         all_runs += [dict(r, mode=mode) for _, r in swept]
         good = [(s, r) for s, r in swept if "error" not in r]
@@ -255,14 +291,14 @@ def run_calibration(model: str, threads: int, slots: int) -> dict:
 
 
 def trl_peer(args, cfg, cores: int) -> dict:
-    from rollers.tasks import load_task_records
     from trl_peer import run_trl
 
     from common.models import resolve_model_dir
+    from controller.tasks import load_task_records, resolve_reward
 
     records = load_task_records(cfg.data.task, cfg.data.size, cfg.data.seed, cfg.data.task_kwargs,
                                 cfg.data.prompt_key, cfg.data.answer_key)
-    spec = {"model_dir": str(resolve_model_dir(cfg.model)), "task": cfg.data.task, "reward": cfg.rollout.reward,
+    spec = {"model_dir": str(resolve_model_dir(cfg.model)), "task": cfg.data.task, "reward": resolve_reward(cfg.rollout.reward, cfg.data.task),
             "records": [{"prompt": r.prompt, "ground_truth": r.ground_truth} for r in records],
             "n": cfg.rollout.n, "prompts_per_step": cfg.data.train_batch_size,
             "max_response_length": cfg.rollout.max_response_length, "temperature": cfg.rollout.temperature,
@@ -296,7 +332,16 @@ def parse_args(argv=None):
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
+    p.add_argument("--split", action="append", default=[], metavar="MODE=rRxT-tU",
+                   help="MODE's sweep is these splits (R rollers x T threads, U trainer threads); repeatable")
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="read a run whose directory in --out holds a completed summary.json instead of running it")
     args = p.parse_args(argv)
+    splits: dict[str, list[Split]] = {}
+    for item in args.split:
+        mode, split = _parse_split(p, item)
+        splits.setdefault(mode, []).append(split)
+    args.split = splits
     if args.quick:
         args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 3, 1, 0, 2, "none"
         args.longtail_modes = args.longtail_modes or "sync,fully-async"
@@ -328,7 +373,8 @@ def main(argv=None) -> None:
 
     cores = os.cpu_count() or 1
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    arg_values = dict(vars(args), split={m: [s.key for s in ss] for m, ss in args.split.items()})
+    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in arg_values.items()},
                "cores": cores, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "workloads": {}}
     for name in args.workloads:
         cfg = load_config(preset=args.preset, overrides=workload_overrides(name, args) + list(args.set))

@@ -66,7 +66,7 @@ def table(results: dict) -> str:
                          + (f"{sps:.3f} | {sps / lim:.0%} | {trl.get('tokens_per_s') or math.nan:.1f} | | | | | "
                             f"{trl['window_s']:.0f} | {trl['wall_s']:.0f} | 1 |" if sps
                             else f"{trl.get('error')} | | | | | | | | | |"))
-        lines += ["", "sweep (first run of each split):", ""]
+        lines += ["", "every run, in order (the first run of each split is its sweep run):", ""]
         for r in wl["runs"]:
             sps = f"{r['samples_per_s']:.3f} samples/s" if "error" not in r else r["error"]
             lines.append(f"- {r['mode']} {r['split']['key']}: {sps}")

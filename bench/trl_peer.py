@@ -51,6 +51,14 @@ def ensure_trl_env(log=print) -> tuple[Path | None, str]:
         return None, f"could not install {want} into {TRL_ENV}: {exc}"
 
 
+def build_reward(spec: dict):
+    """The job's reward function for ``spec["reward"]`` (already resolved from the task, never ``auto``), as
+    the rollers build it (``rollers.rewards.build_reward_fn``). Raises ValueError for an unknown reward."""
+    from rollers.rewards import build_reward_fn
+
+    return build_reward_fn(spec["reward"])
+
+
 def run_trl(spec: dict, out_dir: Path, timeout_s: float, log=print) -> dict:
     """Run the worker in the TRL venv on ``spec`` (model_dir, records, task, reward, n, prompts_per_step,
     max_response_length, temperature, lr, num_steps, warmup_steps, num_threads, seed); returns its result
@@ -82,11 +90,9 @@ def _worker(spec_path: str, result_path: str) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rollers.rewards import build_reward_fn
-
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["num_threads"])
-    reward_fn = build_reward_fn(spec["reward"], spec["task"])
+    reward_fn = build_reward(spec)
     rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "ground_truth": json.dumps(r["ground_truth"])}
             for r in spec["records"]]
     rewards_seen: list[float] = []

@@ -89,7 +89,7 @@ async def _roller_loop(name: str, conn) -> None:
         cmd, *args = await loop.run_in_executor(None, conn.recv)
         if cmd == "attach":
             handle = WeightSyncHandle.from_dict(args[0])
-            receiver = WeightReceiver(handle, name, initial_version=engine.weight_version)
+            receiver = WeightReceiver(handle, name, initial_weight_version=engine.weight_version)
             conn.send(None)
         elif cmd == "update":
             result = await apply_update(engine, receiver, args[0], "retract")

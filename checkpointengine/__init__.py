@@ -9,8 +9,8 @@ neither ``trainers`` nor ``rollers``.
 
 Modules: ``bucket`` (layout, packing, unpacking), ``naming`` (names, tied embeddings, dtype cast),
 ``protocol`` (messages, handle, errors), ``control`` (the leader's ZMQ control plane), ``storage`` (shm
-slots, safetensors version dirs), ``broadcast`` (SGLang's weight-update group: the ``broadcast``
-backend's and the SGLang-API server's), ``backend`` + ``backends/`` (shm, zmq, broadcast, disk),
+slots, safetensors directories, one per ``weight_version``), ``broadcast`` (SGLang's weight-update group:
+the ``broadcast`` backend's and the SGLang-API server's), ``backend`` + ``backends/`` (shm, zmq, broadcast, disk),
 ``sender``/``receiver``.
 """
 

@@ -19,7 +19,7 @@ class CheckpointEngineConfig:
     engine; ``pause_mode``: what a roller does with in-flight requests during an update (SGLang's
     ``/pause_generation`` modes); ``timeout_s``: every wait of an update; ``num_slots``: bucket buffers
     the sender cycles through (2 = double buffering: packing bucket k+1 overlaps sending k);
-    ``disk_dir``: root of the ``disk`` backend's version directories (empty = a temp dir);
+    ``disk_dir``: root of the ``disk`` backend's directories, one per ``weight_version`` (empty = a temp dir);
     ``group_backend``: torch.distributed backend of the ``broadcast`` group, gloo | nccl | auto (nccl
     when CUDA is available); ``reuse_receive_buffers``: a roller copies shm/zmq buckets into the tensors
     of its previous update instead of fresh memory (much faster on CPU, no page faults; costs one
@@ -28,9 +28,11 @@ class CheckpointEngineConfig:
     Across nodes: ``host`` is the address the leader's control socket binds (``tcp://host:<random
     port>``; with the ``zmq`` backend every bucket travels on it too) and the ``broadcast`` backend's
     rendezvous store listens on; loopback by default, so rollers on another machine need the leader
-    machine's address here. ``curve``: ZMQ CURVE on the control socket (``common.curve``): the leader
-    makes the job's keys, the handle carries the server's public key and the client key pair to the
-    rollers through Ray, and a peer without them is refused. The ``broadcast`` group itself
+    machine's address here: one IPv4 address, or ``node`` for the Ray node address of trainer rank 0,
+    resolved there (``common.net``); rollers connect to the address the leader's handle reports.
+    ``curve``: ZMQ CURVE on the control socket (``common.curve``): the leader makes the job's keys, the
+    handle carries the server's public key and the client key pair to the rollers through Ray, and a peer
+    without them is refused. The ``broadcast`` group itself
     (torch.distributed) is not covered: with ``curve`` a warning says so."""
 
     backend: str = "shm"

@@ -37,7 +37,7 @@ class Round:
     """State of the update in flight: ``active`` targets still in it, the last bucket each consumed,
     and each one's outcome (None = acked, else its error)."""
 
-    version: int
+    weight_version: int
     targets: list[str]
     active: set[str]
     consumed: dict[str, int] = field(default_factory=dict)
@@ -47,16 +47,16 @@ class Round:
 
 class ControlServer:
     """Bound to ``tcp://{cfg.host}:<random port>`` (``address``); a CURVE server with ``curve`` (the
-    job's keys, server secret included), else plain TCP. ``version``: the last version the leader
-    completed; ``roller_versions``: each roller's committed version as it last reported or acked.
-    Every wait ends after ``cfg.timeout_s`` (read at each wait) with WeightSyncTimeout naming the
-    rollers and the version. Raises zmq.ZMQError when ``cfg.host`` cannot be bound (an address not on
-    this machine), ValueError for ``curve`` keys without the server secret."""
+    job's keys, server secret included), else plain TCP. ``weight_version``: the last one the leader
+    completed; ``roller_weight_versions``: each roller's committed ``weight_version`` as it last reported
+    or acked. Every wait ends after ``cfg.timeout_s`` (read at each wait) with WeightSyncTimeout naming
+    the rollers and the ``weight_version``. Raises zmq.ZMQError when ``cfg.host`` cannot be bound (an
+    address not on this machine), ValueError for ``curve`` keys without the server secret."""
 
     def __init__(self, cfg: CheckpointEngineConfig, curve: CurveKeys | None = None):
         self.cfg = cfg
-        self.version = -1
-        self.roller_versions: dict[str, int] = {}
+        self.weight_version = -1
+        self.roller_weight_versions: dict[str, int] = {}
         self._wants: dict[str, int] = {}
         self._ctx = zmq.Context()
         self._auth = None
@@ -89,15 +89,15 @@ class ControlServer:
                     rnd.active.discard(roller)
 
     def await_wants(self, rnd: Round) -> None:
-        """Until every target wants ``rnd.version``; one wanting a later version leaves the round at once."""
+        """Until every target wants ``rnd.weight_version``; one wanting a later one leaves the round at once."""
         def pending() -> list[str]:
             for roller in list(rnd.active):
                 want = self._wants.get(roller)
-                if want is not None and want > rnd.version:
+                if want is not None and want > rnd.weight_version:
                     rnd.results[roller] = (f"wants weight_version {want} but the sender is sending "
-                                           f"{rnd.version}")
+                                           f"{rnd.weight_version}")
                     rnd.active.discard(roller)
-            return [r for r in rnd.active if self._wants.get(r) != rnd.version]
+            return [r for r in rnd.active if self._wants.get(r) != rnd.weight_version]
 
         self._await(rnd, pending, "want")
         for roller in rnd.active:
@@ -125,7 +125,7 @@ class ControlServer:
         while missing := sorted(pending()):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WeightSyncTimeout(f"weight_version {rnd.version}: rollers {missing} did not {what} "
+                raise WeightSyncTimeout(f"weight_version {rnd.weight_version}: rollers {missing} did not {what} "
                                         f"within {self.cfg.timeout_s:.1f} s")
             if self._sock.poll(min(left, 1.0) * 1000):
                 self._handle_incoming(rnd)
@@ -141,14 +141,14 @@ class ControlServer:
             logger.warning("weight sender: bad message from %s: %s", roller, exc)
             return
         if isinstance(msg, Want):
-            self.roller_versions[roller] = msg.have
-            if msg.version < self.version or msg.version <= msg.have:
-                reason = f"the sender is at weight_version {self.version}; roller has {msg.have}"
-                self._sock.send_multipart([frames[0], encode(Abort(msg.version, reason))])
+            self.roller_weight_versions[roller] = msg.have
+            if msg.weight_version < self.weight_version or msg.weight_version <= msg.have:
+                reason = f"the sender is at weight_version {self.weight_version}; roller has {msg.have}"
+                self._sock.send_multipart([frames[0], encode(Abort(msg.weight_version, reason))])
             else:
-                self._wants[roller] = msg.version
+                self._wants[roller] = msg.weight_version
         elif isinstance(msg, Consumed | Ack | Fail):
-            if not rnd.started or msg.version != rnd.version or roller not in rnd.active:
+            if not rnd.started or msg.weight_version != rnd.weight_version or roller not in rnd.active:
                 return  # late message of an earlier update (a roller sends it before its next Want)
             if isinstance(msg, Consumed):
                 rnd.consumed[roller] = max(rnd.consumed.get(roller, -1), msg.index)

@@ -7,7 +7,7 @@ One update of ``weight_version`` v between the sender (trainer rank 0) and each 
       | <------------- Begin(v) --  |   after every target wants v (timeout names the missing ones)
       | <-- BucketReady(v, k) ----  |   payload: shm slot | zmq frame | broadcast | safetensors file
       | -- Consumed(v, k) ------->  |   the slot of bucket k may be reused (double buffering)
-      | <--------------- End(v) --  |   or Abort(v, reason): the roller keeps its old version
+      | <--------------- End(v) --  |   or Abort(v, reason): the roller keeps its old weight_version
       | -- Ack(v) | Fail(v, e) -->  |   after load → commit → flush → resume
                                         (Broadcast only: GroupInit before Begin when the group changes.)
 
@@ -28,21 +28,22 @@ from common.curve import CurveKeys
 
 
 class WeightSyncError(RuntimeError):
-    """An update failed on some rollers; ``failures`` maps roller → reason, ``version`` is the update."""
+    """An update failed on some rollers; ``failures`` maps roller → reason, ``weight_version`` is the update."""
 
-    def __init__(self, version: int, failures: dict[str, str]):
-        self.version = version
+    def __init__(self, weight_version: int, failures: dict[str, str]):
+        self.weight_version = weight_version
         self.failures = dict(failures)
         detail = "; ".join(f"{r}: {e}" for r, e in sorted(failures.items()))
-        super().__init__(f"weight update to version {version} failed on {sorted(failures)}: {detail}")
+        super().__init__(f"weight update to weight_version {weight_version} failed on {sorted(failures)}: "
+                         f"{detail}")
 
 
 class WeightSyncTimeout(TimeoutError):
-    """A wait of an update ran past its timeout (the message names the peer and the version)."""
+    """A wait of an update ran past its timeout (the message names the peer and the weight_version)."""
 
 
 class WeightSyncAborted(RuntimeError):
-    """The sender aborted an update; the roller keeps its old version."""
+    """The sender aborted an update; the roller keeps its old weight_version."""
 
 
 class ProtocolError(RuntimeError):
@@ -51,13 +52,13 @@ class ProtocolError(RuntimeError):
 
 @dataclass(frozen=True)
 class Want:
-    version: int
+    weight_version: int
     have: int
 
 
 @dataclass(frozen=True)
 class Begin:
-    version: int
+    weight_version: int
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class BucketReady:
     """Bucket ``index`` is ready; where its bytes are is the backend's business: shm ``slot`` (shm), the
     next frame (zmq), broadcast tensor by tensor (broadcast), file ``path`` (disk)."""
 
-    version: int
+    weight_version: int
     index: int
     entries: list[TensorEntry]
     used_bytes: int
@@ -75,31 +76,31 @@ class BucketReady:
 
 @dataclass(frozen=True)
 class End:
-    version: int
+    weight_version: int
     num_buckets: int
     total_bytes: int
 
 
 @dataclass(frozen=True)
 class Abort:
-    version: int
+    weight_version: int
     reason: str
 
 
 @dataclass(frozen=True)
 class Consumed:
-    version: int
+    weight_version: int
     index: int
 
 
 @dataclass(frozen=True)
 class Ack:
-    version: int
+    weight_version: int
 
 
 @dataclass(frozen=True)
 class Fail:
-    version: int
+    weight_version: int
     error: str
 
 

@@ -42,22 +42,22 @@ CANCEL_POLL_S = 0.5  # how often a waiting receive looks whether it was cancelle
 
 
 class WeightReceiver:
-    """One roller's end of the weight plane. ``version``: the last committed ``weight_version``
-    (``initial_version`` until the first update, e.g. 0 for weights loaded from the same checkpoint).
+    """One roller's end of the weight plane. ``weight_version``: the last committed ``weight_version``
+    (``initial_weight_version`` until the first update, e.g. 0 for weights loaded from the same checkpoint).
 
-    ``receive(version)`` yields the update's tensors; the caller loads them, then calls ``ack`` or
+    ``receive(weight_version)`` yields the update's tensors; the caller loads them, then calls ``ack`` or
     ``fail`` (``rollers.weight_update.apply_update`` does all of it). Not thread-safe: one update at a time;
     only ``cancel`` may be called from another thread.
     """
 
     def __init__(self, handle: WeightSyncHandle, roller: str, device: str | torch.device = "cpu",
-                 initial_version: int = 0):
+                 initial_weight_version: int = 0):
         if not roller:
             raise ValueError("roller name must be non-empty")
         self.handle = handle
         self.roller = roller
         self.device = torch.device(device)
-        self.version = initial_version
+        self.weight_version = initial_weight_version
         self._cancelled = threading.Event()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -78,37 +78,37 @@ class WeightReceiver:
 
     # ---------------------------------------------------------------------------------- receiving
 
-    def receive(self, version: int, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """Ask the sender for ``version`` and yield its ``(engine_name, tensor)`` pairs.
+    def receive(self, weight_version: int, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Ask the sender for ``weight_version`` and yield its ``(engine_name, tensor)`` pairs.
 
         ``copy=False`` yields views into the shared slot for unchunked shm tensors, valid only until the
         next item is requested. With ``handle.reuse_receive_buffers`` (default) shm/zmq tensors reuse
         the previous update's memory: valid until the next update (engines copy them).
 
-        Raises ValueError when ``version`` does not exceed the committed one, WeightSyncTimeout (naming
-        the version and the sender) when a message does not come within ``timeout_s``,
+        Raises ValueError when ``weight_version`` does not exceed the committed one, WeightSyncTimeout (naming
+        the weight_version and the sender) when a message does not come within ``timeout_s``,
         WeightSyncAborted when the sender aborts or the receiver is cancelled, ProtocolError on a malformed
         stream.
         """
-        if version <= self.version:
-            raise ValueError(f"roller {self.roller!r}: weight_version {version} does not exceed the "
-                             f"committed {self.version}")
-        self._send(Want(version, self.version))
-        self._await_begin(version)
+        if weight_version <= self.weight_version:
+            raise ValueError(f"roller {self.roller!r}: weight_version {weight_version} does not exceed the "
+                             f"committed {self.weight_version}")
+        self._send(Want(weight_version, self.weight_version))
+        self._await_begin(weight_version)
         unpacker = BucketUnpacker(self.device, self._pool)
         expected = 0
         num_bytes = 0
         while True:
-            msg, frames = self._recv(version, f"bucket {expected}")
+            msg, frames = self._recv(weight_version, f"bucket {expected}")
             if isinstance(msg, End):
                 unpacker.finish()
                 if msg.num_buckets != expected:
-                    raise ProtocolError(f"weight_version {version}: got {expected} buckets, sender sent "
+                    raise ProtocolError(f"weight_version {weight_version}: got {expected} buckets, sender sent "
                                         f"{msg.num_buckets}")
                 self._stats["last_bytes"] = num_bytes
                 return
             if not isinstance(msg, BucketReady) or msg.index != expected:
-                raise ProtocolError(f"weight_version {version}: expected bucket {expected}, got {msg}")
+                raise ProtocolError(f"weight_version {weight_version}: expected bucket {expected}, got {msg}")
             expected += 1
             num_bytes += sum(e.nbytes for e in msg.entries)
             yield from self._bucket_tensors(msg, frames, unpacker, copy)
@@ -116,39 +116,39 @@ class WeightReceiver:
     def _bucket_tensors(self, msg: BucketReady, frames: list, unpacker: BucketUnpacker, copy: bool
                         ) -> Iterator[tuple[str, torch.Tensor]]:
         return self._side.bucket_tensors(msg, frames, unpacker, copy,
-                                         lambda: self._send(Consumed(msg.version, msg.index)))
+                                         lambda: self._send(Consumed(msg.weight_version, msg.index)))
 
-    def _await_begin(self, version: int) -> None:
+    def _await_begin(self, weight_version: int) -> None:
         while True:
-            msg, _ = self._recv(version, "begin")
-            if isinstance(msg, Begin) and msg.version == version:
+            msg, _ = self._recv(weight_version, "begin")
+            if isinstance(msg, Begin) and msg.weight_version == weight_version:
                 return
             if not self._side.on_control(msg):
-                raise ProtocolError(f"weight_version {version}: expected Begin, got {msg}")
+                raise ProtocolError(f"weight_version {weight_version}: expected Begin, got {msg}")
 
-    def _recv(self, version: int, what: str):
+    def _recv(self, weight_version: int, what: str):
         """Next control message of this update; raises WeightSyncTimeout / WeightSyncAborted."""
         deadline = time.monotonic() + self.handle.timeout_s
         while True:
             if self._cancelled.is_set():
-                raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {version} cancelled "
+                raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {weight_version} cancelled "
                                         "(the receiver was cancelled: its sender is gone)")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WeightSyncTimeout(f"roller {self.roller!r}: no {what} of weight_version {version} from "
+                raise WeightSyncTimeout(f"roller {self.roller!r}: no {what} of weight_version {weight_version} from "
                                         f"{self.handle.control_address} within {self.handle.timeout_s:.1f} s")
             if not self._sock.poll(min(left, CANCEL_POLL_S) * 1000):
                 continue
             header, *frames = self._sock.recv_multipart(copy=False)
             msg = decode(header.bytes)
             if isinstance(msg, Abort):
-                if msg.version == version:
-                    raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {version} "
+                if msg.weight_version == weight_version:
+                    raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {weight_version} "
                                             f"aborted by the sender: {msg.reason}")
                 continue  # abort of an update this roller no longer waits for
-            if getattr(msg, "version", version) != version:
+            if getattr(msg, "weight_version", weight_version) != weight_version:
                 logger.warning("roller %s: dropping %s of weight_version %s while waiting for %s",
-                               self.roller, type(msg).__name__, msg.version, version)
+                               self.roller, type(msg).__name__, msg.weight_version, weight_version)
                 continue
             return msg, frames
 
@@ -157,19 +157,19 @@ class WeightReceiver:
 
     # --------------------------------------------------------------------------------- outcome
 
-    def ack(self, version: int, duration_s: float = 0.0) -> None:
-        """Commit ``version`` (the engine loaded it) and tell the sender."""
-        self.version = version
+    def ack(self, weight_version: int, duration_s: float = 0.0) -> None:
+        """Commit ``weight_version`` (the engine loaded it) and tell the sender."""
+        self.weight_version = weight_version
         self._stats["num_updates"] += 1
         self._stats["last_update_s"] = duration_s
         self._stats["total_bytes"] += self._stats["last_bytes"]
-        self._send(Ack(version))
+        self._send(Ack(weight_version))
 
-    def fail(self, version: int, error: str) -> None:
-        """Report a failed update of ``version``; the committed version stays."""
+    def fail(self, weight_version: int, error: str) -> None:
+        """Report a failed update of ``weight_version``; the committed weight_version stays."""
         self._stats["num_failures"] += 1
         self._stats["last_error"] = error
-        self._send(Fail(version, error))
+        self._send(Fail(weight_version, error))
 
     def cancel(self) -> None:
         """Make a ``receive`` waiting in another thread raise WeightSyncAborted within ``CANCEL_POLL_S``, and every
@@ -177,7 +177,7 @@ class WeightReceiver:
         self._cancelled.set()
 
     def stats(self) -> dict:
-        return {**self._stats, "roller": self.roller, "weight_version": self.version}
+        return {**self._stats, "roller": self.roller, "weight_version": self.weight_version}
 
     def close(self) -> None:
         """Release the socket and the backend's resources (shm mapping, broadcast group). Idempotent."""

@@ -97,8 +97,8 @@ class ShmSlots:
 
 
 class DiskVersions:
-    """Version directories of safetensors files, ``root/v{version:08d}/bucket-{k:05d}.safetensors``,
-    plus a Hugging Face ``model.safetensors.index.json`` once a version is complete, so SGLang's
+    """Version directories of safetensors files, ``root/v{weight_version:08d}/bucket-{k:05d}.safetensors``,
+    plus a Hugging Face ``model.safetensors.index.json`` once a weight_version is complete, so SGLang's
     ``/update_weights_from_disk`` can load the directory. Keeps the newest ``keep`` versions."""
 
     def __init__(self, root: str | Path, keep: int = 2):
@@ -107,28 +107,29 @@ class DiskVersions:
         self.keep = keep
         self._weight_map: dict[str, str] = {}
 
-    def version_dir(self, version: int) -> Path:
-        return self.root / f"v{version:08d}"
+    def weight_version_dir(self, weight_version: int) -> Path:
+        return self.root / f"v{weight_version:08d}"
 
-    def begin(self, version: int) -> Path:
-        path = self.version_dir(version)
+    def begin(self, weight_version: int) -> Path:
+        path = self.weight_version_dir(weight_version)
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         self._weight_map = {}
         return path
 
-    def write_bucket(self, version: int, index: int, named: list[tuple[str, torch.Tensor]]) -> str:
+    def write_bucket(self, weight_version: int, index: int, named: list[tuple[str, torch.Tensor]]) -> str:
         """Write one bucket's tensors (already in the engine dtype, contiguous); returns the file path."""
-        path = self.version_dir(version) / f"bucket-{index:05d}.safetensors"
-        save_file(dict(named), str(path), metadata={"weight_version": str(version)})
+        path = self.weight_version_dir(weight_version) / f"bucket-{index:05d}.safetensors"
+        save_file(dict(named), str(path), metadata={"weight_version": str(weight_version)})
         for name, _ in named:
             self._weight_map[name] = path.name
         return str(path)
 
-    def finish(self, version: int, total_bytes: int) -> None:
-        index = {"metadata": {"total_size": total_bytes, "weight_version": version},
+    def finish(self, weight_version: int, total_bytes: int) -> None:
+        index = {"metadata": {"total_size": total_bytes, "weight_version": weight_version},
                  "weight_map": self._weight_map}
-        (self.version_dir(version) / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        index_path = self.weight_version_dir(weight_version) / "model.safetensors.index.json"
+        index_path.write_text(json.dumps(index, indent=1))
         versions = sorted(p for p in self.root.glob("v*") if p.is_dir())
         for old in versions[: max(0, len(versions) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)

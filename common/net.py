@@ -1,5 +1,12 @@
 """Sockets that both sides use: a torch rendezvous store that listens only on the address it is given, and
-the check of a configured bind address (``transferqueue.host``, ``checkpointengine.host``).
+the configured bind addresses (``transferqueue.host``, ``checkpointengine.host``, ``trainer.host``): checked
+at config time (``check_bind_host``) and resolved by the process that opens the socket (``resolve_bind_host``).
+
+A bind address is one IPv4 address (loopback ``127.0.0.1`` by default) or ``node``: the Ray node address
+of the process that binds (``common.node.node_ip_address``), for clusters where no fixed address can name
+the right machine (on KubeRay, whichever pod becomes trainer rank 0 or runs the driver). Peers never
+resolve ``node`` themselves: they connect to the address the binding process reports (a handle's
+``tcp://ADDRESS:PORT``, a rendezvous ``(address, port)``).
 
 ``torch.distributed.TCPStore(host, port, is_master=True)`` listens on every interface whatever ``host``
 says (``host`` only tells clients where to connect). Here the master's listening socket is bound to
@@ -10,9 +17,14 @@ from this machine only, and one on a configured address from that address only.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import socket
 
 import torch.distributed as dist
+
+from common.node import node_ip_address
+
+NODE_HOST = "node"
 
 
 def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, timeout_s: float,
@@ -40,7 +52,47 @@ def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, tim
 
 
 def check_bind_host(key: str, host: str) -> None:
-    """Raise ValueError naming ``key`` unless ``host`` is a non-empty host name or IPv4 address (no scheme,
-    port, path or spaces): what a config's bind address (``tcp://HOST:<port>``) may be."""
-    if not isinstance(host, str) or not host or any(c in host for c in "/ :"):
-        raise ValueError(f"{key} must be a host name or IPv4 address (e.g. 127.0.0.1 or 10.0.0.5), got {host!r}")
+    """Raise ValueError naming ``key`` unless ``host`` is ``node`` or one IPv4 address (no host name, scheme,
+    port or wildcard): what a config's bind address (``tcp://HOST:<port>``) may be. ``0.0.0.0`` is refused:
+    peers connect to the address the binding process reports, and a wildcard names no reachable one."""
+    if host == NODE_HOST:
+        return
+    what = (f"{key} must be one IPv4 address of the machine that binds it (127.0.0.1, the default, or e.g. "
+            f"10.0.0.5) or {NODE_HOST!r} (the Ray node address of the process that opens the socket)")
+    try:
+        if not isinstance(host, str):
+            raise TypeError(host)
+        address = ipaddress.IPv4Address(host)
+    except (ipaddress.AddressValueError, TypeError):
+        raise ValueError(f"{what}, got {host!r}") from None
+    if address.is_unspecified or address.is_multicast or address == ipaddress.IPv4Address("255.255.255.255"):
+        raise ValueError(f"{what}, got {host!r}: a wildcard, multicast or broadcast address names no peer "
+                         "can connect to") from None
+
+
+def resolve_bind_host(key: str, host: str) -> str:
+    """The address this process binds for ``key``'s ``host`` (already checked by ``check_bind_host``):
+    ``host`` itself, or for ``node`` this process's Ray node address. Raises RuntimeError naming ``key``
+    for ``node`` outside a Ray cluster, ValueError when the Ray node address is not IPv4 (the sockets take
+    ``tcp://IPv4:port``; set ``key`` to an address then)."""
+    if host != NODE_HOST:
+        return host
+    try:
+        address = node_ip_address()
+    except RuntimeError as exc:
+        raise RuntimeError(f"{key}={NODE_HOST!r} binds the Ray node address of the process that opens the "
+                           f"socket, but {exc}") from None
+    try:
+        ipaddress.IPv4Address(address)
+    except ipaddress.AddressValueError:
+        raise ValueError(f"{key}={NODE_HOST!r}: this process's Ray node address {address!r} is not an IPv4 "
+                         f"address; set {key} to the IPv4 address to bind") from None
+    return address
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now (bound and released; the caller binds it next). Raises OSError
+    when ``host`` is not an address of this machine."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -35,3 +35,16 @@ def adopt_node_id(node: str) -> None:
     launcher's node and takes its id (a Ray node id the subprocess could not learn itself)."""
     global _ADOPTED_NODE
     _ADOPTED_NODE = node
+
+
+def node_ip_address() -> str:
+    """This process's Ray node address (``ray.util.get_node_ip_address()``: the address the node's raylet
+    registered, which the cluster's other nodes reach it at; on KubeRay the pod's IP). What a bind address
+    of ``node`` (``common.net.resolve_bind_host``) binds. Raises RuntimeError outside a Ray cluster (neither
+    a Ray worker nor a driver connected to one): then there is no Ray node to name."""
+    ray = sys.modules.get("ray")  # never imports Ray into a process that does not use it
+    if ray is None or not ray.is_initialized():
+        raise RuntimeError("this process is not in a Ray cluster, so it has no Ray node address")
+    import ray.util
+
+    return ray.util.get_node_ip_address()

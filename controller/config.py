@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from checkpointengine.config import CheckpointEngineConfig
 from common.models import ModelConfig
+from common.net import NODE_HOST
 from rollers.config import RollersConfig, RolloutConfig
 from trainers.config import AlgorithmConfig, TrainerConfig
 from transferqueue.config import TransferQueueConfig
@@ -105,7 +106,9 @@ class MetricsConfig:
     samples of that step (and of validation at that version) go to ``RUN_DIR/generations.jsonl``; 0 = never.
     The job writes its scrape targets as a Prometheus file_sd file, ``RUN_DIR/prometheus_targets.json``;
     ``sd_dir`` (empty = no copy) also puts a copy in that directory, removed when the job ends, for a
-    Prometheus watching ``SD_DIR/*.json`` (``controller.prometheus_sd``)."""
+    Prometheus watching ``SD_DIR/*.json`` (``controller.prometheus_sd``). ``host`` is any address of the
+    controller's machine, ``0.0.0.0`` included (the one socket allowed a wildcard, in a pod: deploy/README.md),
+    but not ``node``, which the other ``*.host`` keys take."""
 
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -121,6 +124,10 @@ class MetricsConfig:
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"metrics.port must be in [0, 65535], got {self.port}")
+        if self.host == NODE_HOST:  # the other *.host keys take it; this endpoint is served before Ray starts
+            raise ValueError(f"metrics.host={NODE_HOST!r} is not supported: the controller serves the endpoint before it "
+                             "joins Ray; give an address of the controller's machine (deploy/README.md, Metrics "
+                             "endpoint)")
         if self.dump_every < 0:
             raise ValueError(f"metrics.dump_every must be >= 0 (0 = never), got {self.dump_every}")
         if self.wandb_mode not in WANDB_MODES:

@@ -21,8 +21,8 @@ from this stream; fully-async's steps are not aligned to batches at all)::
 dataset size, ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps``.
 ``PromptDataset.batches(total_steps)`` yields exactly ``total_steps`` ``PromptBatch`` es and stops —
 nothing is produced beyond the last step, so a feeder that prefetches never has a batch to cancel.
-``prompt_fields(prompts, n, pad_token_id, uids)`` builds the TransferQueue prompt fields and tags of a
-batch, each prompt repeated ``rollout.n`` times under one ``uid`` tag.
+``prompt_fields(prompts, pad_token_id, uids)`` builds the TransferQueue prompt rows and tags of a batch:
+one row per prompt group under its ``uid`` tag (the rollers write the ``rollout.n`` samples).
 """
 
 from __future__ import annotations
@@ -222,36 +222,32 @@ class PromptDataset:
 
 
 def prompt_fields(
-    prompts: Sequence[Prompt], n: int, pad_token_id: int, uids: Sequence[str], with_text: bool = False
+    prompts: Sequence[Prompt], pad_token_id: int, uids: Sequence[str]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The prompt fields and per-sample tags of ``prompts``, each prompt repeated ``n`` (``rollout.n``) times.
+    """The prompt rows of ``prompts``: one row per prompt group (``common.schema.FEEDER``), each prompt
+    stored once whatever ``rollout.n``.
 
     Returns ``(data, tags)`` ready for ``TQClient.put(data, partition, tags=tags)`` (what
-    ``rollers.tq_channel.TQGroupChannel`` reads), with batch = ``len(prompts) * n``: ``data`` holds
+    ``rollers.tq_channel.TQGroupChannel`` reads), with batch = ``len(prompts)``: ``data`` holds
     ``input_ids`` (batch, prompt_len) int64 left-padded with ``pad_token_id``, ``attention_mask``
     (batch, prompt_len) int64 and ``ground_truth`` (batch JSON str, ``common.ground_truth.encode_ground_truth``);
-    ``tags[j]`` is ``{"uid": uids[j // n]}``. ``with_text``: also ``prompt_text`` (batch str, the user message
-before the chat template), for generation dumps. Raises ValueError when ``uids`` and ``prompts`` differ in
-    length, ``prompts`` is empty or ``n`` < 1.
+    ``tags[j]`` is ``{"uid": uids[j]}``. Raises ValueError when ``uids`` and ``prompts`` differ in length
+    or ``prompts`` is empty.
     """
     if len(uids) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(uids)} uids")
-    if n < 1 or not prompts:
-        raise ValueError(f"need n >= 1 and at least one prompt, got n={n}, {len(prompts)} prompts")
+    if not prompts:
+        raise ValueError("need at least one prompt, got none")
     width = max(len(p.input_ids) for p in prompts)
-    batch = len(prompts) * n
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.int64)
-    attention_mask = torch.zeros((batch, width), dtype=torch.int64)
-    for i, prompt in enumerate(prompts):
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
         length = len(prompt.input_ids)
-        rows = slice(i * n, (i + 1) * n)
-        input_ids[rows, width - length:] = torch.tensor(prompt.input_ids, dtype=torch.int64)
-        attention_mask[rows, width - length:] = 1
+        input_ids[row, width - length:] = torch.tensor(prompt.input_ids, dtype=torch.int64)
+        attention_mask[row, width - length:] = 1
     data = {
         schema.INPUT_IDS: input_ids,
         schema.ATTENTION_MASK: attention_mask,
-        schema.GROUND_TRUTH: [encode_ground_truth(p.ground_truth) for p in prompts for _ in range(n)],
+        schema.GROUND_TRUTH: [encode_ground_truth(p.ground_truth) for p in prompts],
     }
-    if with_text:
-        data[schema.PROMPT_TEXT] = [p.text for p in prompts for _ in range(n)]
-    return data, [{schema.UID: uid} for uid in uids for _ in range(n)]
+    return data, [{schema.UID: uid} for uid in uids]

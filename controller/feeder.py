@@ -2,9 +2,10 @@
 into the TransferQueue. It runs as a Ray actor so that the controller never holds a tensor: the controller
 says *how many* groups to start; the feeder answers with their ``uid``s.
 
-Each group is ``rollout.n`` rows of the same prompt under one ``uid``
-(``controller.data.prompt_fields``). ``uid`` = ``s<global_step>.p<position>`` — deterministic, so the
-per-sample seeds (``rollers.roller.sample_seed``) and hence the responses do not depend on the schedule.
+Each group is stored as one prompt row under its ``uid`` (``controller.data.prompt_fields``, the
+contract's ``common.schema.FEEDER``); a roller turns it into the group's ``rollout.n`` sample rows.
+``uid`` = ``s<global_step>.p<position>`` — deterministic, so the per-sample seeds
+(``rollers.response_fields.sample_seed``) and hence the responses do not depend on the schedule.
 A re-issued prompt (``stale_policy=drop``, or in flight at a job checkpoint) gets ``uid`` + ``.r<k>``.
 
 ``state()``/``restore(state)``: the data position a job checkpoint keeps (prompts taken from the stream,
@@ -13,11 +14,12 @@ and can re-issue any prompt it issued before, since a ``uid`` names its place in
 queues issued prompts to be fed again (``.r<k>`` uids) before the stream's next ones: the prompts a trainer
 restart takes back (``controller.trainer_restart``), admitted again under the usual rules.
 
-Validation (``data.val_size``): ``feed_validation(round)`` puts every held-out prompt as one group of
-``val.n`` sampled rows (+ 1 greedy row with ``val.greedy``) under ``uid`` = ``v<round>.p<position>`` into
-the validation partition. Generation dumps (``metrics.dump_every``): prompts carry ``prompt_text`` and
-``dump_rows(meta)`` reads the decoded text of finished samples from the TransferQueue, so the controller
-receives strings and tags, never tensors.
+Validation (``data.val_size``): ``feed_validation(round)`` puts every held-out prompt as one prompt row
+(answered by ``val.n`` sampled samples + 1 greedy one with ``val.greedy``) under ``uid`` =
+``v<round>.p<position>`` into the validation prompt partition. Generation dumps (``metrics.dump_every``):
+``dump_rows(meta)`` reads the decoded responses of finished samples from the TransferQueue and takes
+their prompt text and ground truth from its own prompts by ``uid``, so the controller receives strings
+and tags, never tensors.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from controller.data import Prompt, PromptDataset, prompt_fields
 
 
 class PromptFeeder:
-    """Puts prompt groups into partition ``partition`` of the TransferQueue on request.
+    """Puts prompt groups (one prompt row each) into partition ``partition`` of the TransferQueue on request;
+    validation prompts into ``val_partition``.
 
     ``num_batches``: prompt batches (of ``data.train_batch_size``) the run consumes; the feeder never
     produces beyond them — except with ``algorithm.dynamic_sampling``, whose refills draw further prompts
@@ -49,14 +52,11 @@ class PromptFeeder:
         set_torch_threads(1)
         tokenizer = load_tokenizer(cfg.model)
         self.pad_token_id = tokenizer.pad_token_id
-        self.n = cfg.rollout.n
         self.partition = partition
         self.dataset = PromptDataset.from_config(cfg.data, tokenizer)
         self.dataset.check_total_steps(num_batches)
         self.val_partition = val_partition
         self.val_dataset = PromptDataset.from_config(cfg.data, tokenizer, "val") if cfg.data.val_size else None
-        self.val_group_size = cfg.val.n + int(cfg.val.greedy)
-        self.with_text = cfg.metrics.dump_every > 0
         self._pending: deque[tuple[str, int, Prompt]] = deque()
         if cfg.algorithm.dynamic_sampling:  # refills may use every prompt the epochs provide
             num_batches = self.dataset.num_available_steps()
@@ -72,18 +72,18 @@ class PromptFeeder:
         return len(self.dataset)
 
     def feed_validation(self, round_index: int) -> list[str]:
-        """Put every validation prompt as one group (``val.n`` rows, + 1 greedy row last with ``val.greedy``)
-        into the validation partition; returns their uids ``v<round_index>.p<position>``. Their ``seed_key``
-        tag ``val.p<position>`` makes every round draw the same sampling seeds, so rounds differ by weights,
-        not by sampling noise. Raises
-        RuntimeError when the run has no validation set."""
+        """Put every validation prompt as one prompt row into the validation partition; returns their uids
+        ``v<round_index>.p<position>``. Their ``seed_key`` tag ``val.p<position>`` makes every round draw the
+        same sampling seeds, so rounds differ by weights, not by sampling noise. Raises RuntimeError when the
+        run has no validation set."""
         if self.val_dataset is None or not self.val_partition:
             raise RuntimeError("feed_validation without data.val_size (no validation set)")
         prompts = self.val_dataset.prompts
         uids = [f"v{round_index}.p{pos}" for pos in range(len(prompts))]
-        data, tags = prompt_fields(prompts, self.val_group_size, self.pad_token_id, uids, self.with_text)
+        data, tags = prompt_fields(prompts, self.pad_token_id, uids)
         for j, tag in enumerate(tags):  # every round samples prompt p with the same seeds (common random numbers)
-            tag[schema.SEED_KEY] = f"val.p{j // self.val_group_size}"
+            tag[schema.SEED_KEY] = f"val.p{j}"
+        schema.check_batch(schema.FEEDER, data, tags)
         self.client.put(data, self.val_partition, tags=tags)
         return uids
 
@@ -91,22 +91,31 @@ class PromptFeeder:
         """The decoded samples of ``meta`` (a BatchMeta of finished samples) as JSON-able rows: ``uid``,
         ``prompt``, ``response``, ``ground_truth``, ``reward``, ``greedy``, ``min_weight_version``,
         ``max_weight_version``, ``finish_reason``, ``response_length`` (tokens). Needs
-        ``metrics.dump_every`` > 0 (the text fields are put only then)."""
-        from common.ground_truth import decode_ground_truth
-
-        batch = self.client.get_data(meta, [schema.PROMPT_TEXT, schema.RESPONSE_TEXT, schema.GROUND_TRUTH])
+        ``metrics.dump_every`` > 0 (the rollers put ``response_text`` only then); the prompt (the user message
+        before the chat template) and ground truth are this feeder's own, found by ``uid``."""
+        batch = self.client.get_data(meta, list(schema.GENERATION_DUMP.read_fields()))
         rows = []
         for i, tag in enumerate(meta.tags):
+            prompt = self._prompt_of(str(tag[schema.UID]))
             rows.append({
                 "uid": tag[schema.UID],
-                "prompt": batch[schema.PROMPT_TEXT][i],
+                "prompt": prompt.text,
                 "response": batch[schema.RESPONSE_TEXT][i],
-                "ground_truth": decode_ground_truth(batch[schema.GROUND_TRUTH][i]),
+                "ground_truth": prompt.ground_truth,
                 "reward": float(tag[schema.REWARD]),
-                **{k: tag.get(k) for k in (schema.GREEDY, schema.MIN_WEIGHT_VERSION, schema.MAX_WEIGHT_VERSION,
-                                           schema.FINISH_REASON, schema.RESPONSE_LENGTH)},
+                **{k: tag.get(k) for k in schema.DUMP_TAGS if k not in (schema.UID, schema.REWARD)},
             })
         return rows
+
+    def _prompt_of(self, uid: str) -> Prompt:
+        """The prompt issued under ``uid``: validation ``v<round>.p<position>``, or training
+        ``s<step>.p<position>`` with any ``.r<k>`` re-issue suffix. ValueError for another uid."""
+        if uid.startswith("v") and self.val_dataset is not None:
+            try:
+                return self.val_dataset.prompts[int(uid.rsplit(".p", 1)[1])]
+            except (ValueError, IndexError) as exc:
+                raise ValueError(f"uid {uid!r} names no validation prompt (v<round>.p<position>)") from exc
+        return self._issued(uid.split(".r")[0])[1]
 
     def _next(self) -> tuple[str, int, Prompt] | None:
         if self._requeued:
@@ -195,8 +204,8 @@ class PromptFeeder:
             return []
         for uid, step, prompt in picked:
             self._by_uid.setdefault(uid, (step, prompt))
-        data, tags = prompt_fields([p for _, _, p in picked], self.n, self.pad_token_id, [u for u, _, _ in picked],
-                                   self.with_text)
+        data, tags = prompt_fields([p for _, _, p in picked], self.pad_token_id, [u for u, _, _ in picked])
+        schema.check_batch(schema.FEEDER, data, tags)
         self.client.put(data, self.partition, tags=tags)
         return [{"uid": uid, "global_step": step} for uid, step, _ in picked]
 

@@ -2,10 +2,11 @@
 of the validation round at that weight version — appended to ``RUN_DIR/generations.jsonl``.
 
 Decoding happens where the data lives: rollers already decode responses for the reward and, with
-``metrics.dump_every`` > 0, also put the text (``response_text``) beside the tensors; the feeder puts the
-user message (``prompt_text``) with the prompt. ``PromptFeeder.dump_rows(meta)`` reads those text fields
-from the TransferQueue and returns rows; the controller sends metadata (sample ids and tags) and gets
-strings back, never a tensor. One line per sample::
+``metrics.dump_every`` > 0, also put the text (``response_text``) beside the tensors; the feeder keeps the
+user message and ground truth of every prompt it issued. ``PromptFeeder.dump_rows(meta)`` reads the
+response text from the TransferQueue, adds its own prompt by ``uid`` and returns rows
+(``common.schema.GENERATION_DUMP``); the controller sends metadata (sample ids and tags) and gets strings
+back, never a tensor. One line per sample::
 
     {"kind": "train" | "validation", "step": 8, "weight_version": 7, "uid": "s7.p3", "prompt": "...",
      "response": "...", "ground_truth": {...}, "reward": 1.0, "greedy": 0, "min_weight_version": 7,

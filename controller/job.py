@@ -3,7 +3,7 @@
 Exit codes: 0 after exactly ``trainer.total_steps`` steps (the policy is then written as a Hugging Face
 model directory, ``RUN_DIR/model``); 1 when a pool fails (the original error is printed); 2 for a config
 or data error found at start (nothing was trained), an existing run directory included; 130 / 143 when
-stopped by SIGINT (Ctrl-C) / SIGTERM (one line, no traceback; pools stopped).
+stopped by SIGINT (Ctrl-C) / SIGTERM (one line, no traceback; pools stopped; ``controller/stop.py``).
 
 While it runs, ``RUN_DIR/prometheus_targets.json`` lists its metrics endpoint (and SGLang servers) for
 Prometheus' file-based service discovery (``controller.prometheus_sd``); emptied when it ends.
@@ -35,16 +35,15 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 from controller.config import HFlowConfig, to_dict, to_yaml
+from controller.stop import STOP, close_all, install_handlers, interrupted
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
-EXIT_SIGNAL_BASE = 128  # a stop by signal N exits 128 + N: 130 for SIGINT, 143 for SIGTERM (shell convention)
 GAUGE_PERIOD_S = 2.0
 MODEL_DIR = "model"  # RUN_DIR/model: the trained policy as a Hugging Face model directory
 
@@ -70,14 +69,14 @@ async def _gauges(stages) -> None:
 
 async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, resume_from: Path | None = None) -> None:
     """Run the schedule of ``cfg.mode`` (after restoring the job checkpoint ``resume_from``); fills ``counts``
-    with the run's counters however it ends (a stop signal cancels this task: see ``_Stop``; a job
+    with the run's counters however it ends (a stop signal cancels this task: see ``controller.stop``; a job
     checkpoint is written then, and at the end)."""
     from controller.admin import AdminServer
     from controller.report import group_reward_stats
     from controller.schedules import SCHEDULES, Stages
     from controller.trainer_restart import run_with_restarts
 
-    _STOP.attach(asyncio.current_task())
+    STOP.attach(asyncio.current_task())
     stages = Stages(cfg, rt, metrics, report)
     gauges = asyncio.ensure_future(_gauges(stages))
     stages.keeper.start()
@@ -92,7 +91,8 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             restored = True
         # the version the rollers hold, before the first step (val.before_train; on resume: if it is due)
         await stages.validator.maybe_start(stages.synced_weight_version)
-        await run_with_restarts(stages, SCHEDULES[cfg.mode], counts)  # a lost trainer rank: trainer alone restarts
+        # a dead TransferQueue server ends it (ServerLost); a lost trainer rank restarts the trainer alone
+        await rt.watch(run_with_restarts(stages, SCHEDULES[cfg.mode], counts))
         await stages.validator.wait()  # the round of the last version
         await stages.checkpointer.save(stages, "end of the run")
         await stages.refresh_gauges()
@@ -101,7 +101,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
         except Exception as exc:  # noqa: BLE001 - a benchmark aid must never fail a run that completed
             logger.warning("could not write timeline.json: %s", exc)
     except asyncio.CancelledError:
-        if _STOP.signum is not None and restored and stages.step > 0:
+        if STOP.signum is not None and restored and stages.step > 0:
             _save_on_stop(stages)
         raise
     finally:
@@ -117,31 +117,20 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             "num_rollers_lost": stages.keeper.num_lost,
             "num_roller_restarts": stages.keeper.num_restarts,
             "num_reissued_groups": stages.keeper.num_reissued_groups,
+            "roller_joins": stages.keeper.joins,  # the same list: keeper.stop() below completes its last rows
             **group_reward_stats(stages.rewards_by_uid),
         })
-        _STOP.attach(None)
+        STOP.attach(None)
         # Last: a stop signal re-cancels this task each second, and an await here may take that cancellation:
         # every closer still runs, and the cancellation is raised after them.
-        await _close_all(stages.validator.close(), asyncio.gather(gauges, return_exceptions=True),
+        await close_all(stages.validator.close(), asyncio.gather(gauges, return_exceptions=True),
                          stages.keeper.stop(), admin.close())
-
-
-async def _close_all(*closers) -> None:
-    """Await every closer in turn, even when one is cancelled; then re-raise the cancellation."""
-    cancelled = None
-    for closer in closers:
-        try:
-            await closer
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    if cancelled is not None:
-        raise cancelled
 
 
 def _save_on_stop(stages) -> None:
     """A job checkpoint once a stop signal has unwound every stage (blocking: no stage runs meanwhile)."""
     try:
-        stages.checkpointer.save_now(stages, f"stopped by {signal.Signals(_STOP.signum).name}")
+        stages.checkpointer.save_now(stages, f"stopped by {signal.Signals(STOP.signum).name}")
     except Exception as exc:  # noqa: BLE001 - the previous checkpoint stays whole; the stop goes on
         print(f"hflow-async: could not write a job checkpoint at the stop: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)
@@ -261,77 +250,6 @@ def check_run_dir(run_dir: Path) -> None:
             "one (or continue it: hflow-async --resume RUN_DIR)")
 
 
-class _Stop:
-    """How SIGINT and SIGTERM stop a job (handlers installed by ``_stop_on_sigterm``, main thread only).
-
-    The first signal during the schedule cancels the schedule's task: every stage unwinds through its
-    ``finally`` (no task is left holding a KeyboardInterrupt, so nothing prints a traceback). Outside the
-    schedule (start-up, export), and for a second signal, it raises KeyboardInterrupt where the main thread
-    is. Once the run tears down (``tear_down``: summary, pools, Ray; every wait there is bounded) further
-    signals are noted and ignored, so a second Ctrl-C cannot leave a half-written summary or a traceback.
-    ``signum``: the first stop signal of this run, or None.
-    """
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._task: asyncio.Task | None = None
-        self._tearing_down = False
-
-    def reset(self) -> None:
-        self.signum, self._task, self._tearing_down = None, None, False
-
-    def tear_down(self) -> None:
-        self._tearing_down = True
-
-    def attach(self, task: asyncio.Task | None) -> None:
-        """The schedule's task (None: detach). Only a job on the main thread receives signals."""
-        if threading.current_thread() is threading.main_thread():
-            self._task = task
-
-    def _recancel(self, task: asyncio.Task) -> None:
-        if not task.done():
-            task.get_loop().call_later(1.0, self._cancel_again, task)
-
-    def _cancel_again(self, task: asyncio.Task) -> None:
-        if not task.done():
-            task.cancel()
-            self._recancel(task)
-
-    def handle(self, signum, frame) -> None:
-        first = self.signum is None
-        self.signum = self.signum or signum
-        if self._tearing_down:
-            print(f"hflow-async: {signal.Signals(signum).name} while stopping: still shutting the pools down",
-                  file=sys.stderr, flush=True)
-            return
-        task = self._task
-        if first and task is not None and not task.done():
-            task.cancel()
-            # Cancel again each second until the task ends: an await may swallow one cancellation (Python
-            # 3.11's wait_for when its inner future completes at the same moment; libraries' awaitables).
-            task.get_loop().call_soon_threadsafe(self._recancel, task)  # also wakes the loop
-            return
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-_STOP = _Stop()
-
-
-def _stop_on_sigterm() -> dict:
-    """Install ``_STOP``'s handler for SIGINT and SIGTERM (Ctrl-C and SIGTERM stop the job alike). Main
-    thread only; returns the previous handlers to restore (empty elsewhere)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, _STOP.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _interrupted(summary: dict) -> int:
-    """Note a stop by signal in ``summary``; its exit code, 128 + the signal (SIGINT without a handler)."""
-    signum = _STOP.signum or signal.SIGINT
-    summary.update(status="interrupted", error=f"stopped by {signal.Signals(signum).name}")
-    return EXIT_SIGNAL_BASE + signum
-
-
 def _failed(summary: dict, exc: BaseException) -> int:
     """Print the original error of a failed run and note it in ``summary``; EXIT_FAILED."""
     cause = _unwrap(exc)
@@ -339,6 +257,18 @@ def _failed(summary: dict, exc: BaseException) -> int:
     logger.debug("failure", exc_info=True)
     summary.update(status="failed", error=f"{type(cause).__name__}: {cause}")
     return EXIT_FAILED
+
+
+def _open_report(cfg: HFlowConfig, run_dir: Path, kept_rows: list[dict]):
+    """The run's ``controller.report.RunReport`` (with its trackers), holding the ``metrics.jsonl`` rows
+    kept from before a resume or a restart (``kept_rows``; empty for a new run)."""
+    from controller.report import RunReport
+    from controller.trackers import Trackers
+
+    report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress,
+                       trackers=Trackers(cfg.metrics, run_dir, to_dict(cfg)))
+    report.steps.extend(kept_rows)
+    return report
 
 
 def _write_summary(report, summary: dict) -> None:
@@ -419,8 +349,6 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
 
     from controller.job_checkpoint import truncate_metrics
     from controller.metrics import JobMetrics
-    from controller.report import RunReport
-    from controller.trackers import Trackers
     from trainers.group import TrainerRankLost
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -432,8 +360,8 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
     failed_run = False  # a pool or the algorithm raised: the Ray logs of a cluster this job started are kept
     summary = {"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task}
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
-    _STOP.reset()
-    previous_handlers = _stop_on_sigterm()
+    STOP.reset()
+    previous_handlers = install_handlers()
     resume_from, kept_rows = None, []
     try:
         if resume:
@@ -452,9 +380,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
                 raise StartError(f"cannot serve metrics on metrics.host={cfg.metrics.host!r} "
                                  f"metrics.port={cfg.metrics.port}: {exc}") from exc
         run_dir.mkdir(parents=True, exist_ok=True)
-        report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress,
-                           trackers=Trackers(cfg.metrics, run_dir, to_dict(cfg)))
-        report.steps.extend(kept_rows)
+        report = _open_report(cfg, run_dir, kept_rows)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.metrics.enabled:
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
@@ -462,7 +388,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
             targets = _scrape_targets(cfg, run_dir, port)
         ray_start = time.monotonic()
         session_dir = _start_ray(cfg, owns_ray)
-        _stop_on_sigterm()  # again: ray.init installs its own SIGTERM handler
+        install_handlers()  # again: ray.init installs its own SIGTERM handler
         t0 = time.monotonic()
         breakdown = {"checks_s": ray_start - started, "ray_s": t0 - ray_start}
         rt = _start_runtime(cfg)
@@ -484,9 +410,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
                 rt = None
                 report.close()
                 kept_rows = truncate_metrics(run_dir, int(resume_from.name.removeprefix("step_")))
-                report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress,
-                                   trackers=Trackers(cfg.metrics, run_dir, to_dict(cfg)))
-                report.steps.extend(kept_rows)
+                report = _open_report(cfg, run_dir, kept_rows)
                 rt = _start_runtime(cfg)
                 _add_sglang_targets(targets, cfg, rt)
         rt.trainer.export_model(str(run_dir / MODEL_DIR))
@@ -499,15 +423,15 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
         summary.update(status="failed", error=f"cannot start: {exc}")
         code = EXIT_CONFIG
     except KeyboardInterrupt:
-        code = _interrupted(summary)
+        code = interrupted(summary)
     except asyncio.CancelledError as exc:  # the schedule's task, cancelled by a stop signal (else a bug)
-        failed_run = _STOP.signum is None
-        code = _failed(summary, exc) if failed_run else _interrupted(summary)
+        failed_run = STOP.signum is None
+        code = _failed(summary, exc) if failed_run else interrupted(summary)
     except BaseException as exc:  # noqa: BLE001 - report the original error, exit non-zero
         failed_run = True
         code = _failed(summary, exc)
     finally:
-        _STOP.tear_down()  # from here on a stop signal is noted, not raised
+        STOP.tear_down()  # from here on a stop signal is noted, not raised
         if report is not None:  # this run created its directory: a summary, whatever the outcome
             _write_summary(report, {**summary, "wall_s": time.monotonic() - started, "config": to_dict(cfg)})
         stopping = time.monotonic()

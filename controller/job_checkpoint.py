@@ -18,7 +18,7 @@ bounds how many ``step_N`` are kept (0 = all). The snapshot is consistent: it is
 position, the TransferQueue's contents and the admission counters describe the same moment.
 
 Resume (``restore``): the trainer loads its part; the buffered samples are put back with their own weight
-versions (without ``ground_truth``, so no roller takes them again); the feeder continues the stream from
+versions (into the sample partition: rollers take only prompt rows); the feeder continues the stream from
 its position; every roller gets the trainer's weights; the groups in flight are re-issued (fresh ``.r<k>``
 uids, the same prompts) under the restored admission counters. So every prompt is trained exactly once per
 epoch across stops and resumes, and the staleness bound holds: the counters are those of the run.
@@ -236,11 +236,12 @@ class JobCheckpointer:
         return self.enabled and step % self.cfg.trainer.save_every == 0
 
     def train_fields(self) -> list[str]:
-        """The fields the trainer reads of a sample (what a restored sample is put back with)."""
-        from controller.schedules import TRAIN_FIELDS
+        """The fields the trainer reads of a sample (``common.schema.CHECKPOINT``: what a restored sample is
+        put back with), with the advantage estimator's roller extras."""
         from trainers.advantages import ADV_ESTIMATORS
 
-        return list(TRAIN_FIELDS) + list(ADV_ESTIMATORS.get(self.cfg.algorithm.adv_estimator).roller_extras)
+        extras = ADV_ESTIMATORS.get(self.cfg.algorithm.adv_estimator).roller_extras
+        return list(schema.CHECKPOINT.read_fields()) + list(extras)
 
     async def save(self, st, reason: str) -> Path | None:
         """Write a job checkpoint of ``st`` (``controller.schedules.Stages``) at its step, holding the
@@ -304,24 +305,18 @@ class JobCheckpointer:
             time.sleep(float(pause_s))
 
     def _saved_fields(self, buffered) -> list[str]:
-        return sorted(set(self.train_fields()) | {schema.GROUND_TRUTH}) if buffered.sample_ids else []
+        return sorted(self.train_fields()) if buffered.sample_ids else []
 
     def _snapshot(self, st):
-        """(BatchMeta of the whole generated groups in the TransferQueue, uids of the other groups there).
-        Metadata only (``TQClient.sample_info``)."""
-        from controller.runtime import PARTITION
-        from transferqueue.records import BatchMeta, RemoteError
+        """(BatchMeta of the whole generated groups in the TransferQueue, uids of the groups in flight: a
+        prompt row not yet turned into samples, or an incomplete group). Metadata only
+        (``TQClient.sample_info``). The prompt rows are read first: a roller puts a group's samples before it
+        clears the prompt row, so a group finishing meanwhile is seen in one of the two (or both: buffered)."""
+        from controller.runtime import PARTITION, PROMPT_PARTITION
+        from transferqueue.records import BatchMeta
 
-        limit = self.cfg.transferqueue.max_request_ids
-        try:
-            infos = st.rt.tq.sample_info(PARTITION, limit=limit)
-        except RemoteError as exc:
-            if "unknown partition" not in str(exc):
-                raise
-            infos = []  # nothing was ever put
-        if len(infos) >= limit:
-            raise RuntimeError(f"the TransferQueue holds {limit} or more samples (transferqueue.max_request_ids): "
-                               "too many to checkpoint in one request")
+        prompts = {str(info["tags"][schema.UID]) for info in self._infos(st, PROMPT_PARTITION)}
+        infos = self._infos(st, PARTITION)
         by_uid: dict[str, list[dict]] = {}
         for info in infos:
             by_uid.setdefault(str(info["tags"][schema.UID]), []).append(info)
@@ -333,7 +328,25 @@ class JobCheckpointer:
                 tags += [s["tags"] for s in samples]
             else:
                 in_flight.append(uid)
-        return BatchMeta(PARTITION, ids, [], tags), sorted(in_flight)
+        buffered = {str(t[schema.UID]) for t in tags}
+        return BatchMeta(PARTITION, ids, [], tags), sorted(set(in_flight) | (prompts - buffered))
+
+    def _infos(self, st, partition: str) -> list[dict]:
+        """``sample_info`` of every row of ``partition`` ([] while nothing was ever put there); RuntimeError
+        when it holds ``transferqueue.max_request_ids`` rows or more."""
+        from transferqueue.records import RemoteError
+
+        limit = self.cfg.transferqueue.max_request_ids
+        try:
+            infos = st.rt.tq.sample_info(partition, limit=limit)
+        except RemoteError as exc:
+            if "unknown partition" not in str(exc):
+                raise
+            return []
+        if len(infos) >= limit:
+            raise RuntimeError(f"the TransferQueue holds {limit} or more rows in {partition!r} "
+                               "(transferqueue.max_request_ids): too many to checkpoint in one request")
+        return infos
 
     def _prune(self) -> None:
         keep = self.cfg.trainer.keep_checkpoints
@@ -352,10 +365,10 @@ class JobCheckpointer:
 
         state = JobState.read(path)
         await asyncio.to_thread(st.rt.trainer.load_checkpoint, str(path))
-        version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
-        if version != state.weight_version:
-            raise ValueError(f"{path}: the trainer checkpoint has weight_version {version}, {JOB_FILE} says "
-                             f"{state.weight_version}")
+        trainer_weight_version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
+        if trainer_weight_version != state.weight_version:
+            raise ValueError(f"{path}: the trainer checkpoint has weight_version {trainer_weight_version}, "
+                             f"{JOB_FILE} says {state.weight_version}")
         uids = (await asyncio.to_thread(st.rt.trainer.execute, restore_samples, str(path / SAMPLES_DIR),
                                         PARTITION, self.train_fields()))[0]
         await st.rt.feeder.restore.remote(state.feeder)

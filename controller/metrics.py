@@ -152,6 +152,30 @@ class JobMetrics:
             self.produced.inc(at_least - self._num_produced)
             self._num_produced = at_least
 
+    def observe_queue_depth(self, status, samples_per_row: dict[str, int]) -> dict[str, int]:
+        """Set ``hflow_queue_depth{task}`` from the index's ``IndexStats`` (samples ready per task, summed over
+        partitions and field sets; a row of partition ``p`` counts ``samples_per_row.get(p, 1)`` samples: a
+        prompt row stands for its group's samples); returns it."""
+        depth: dict[str, int] = {}
+        for partition, counts in status.ready.items():
+            for key, value in counts.items():
+                task = key.split("|", 1)[0]
+                depth[task] = depth.get(task, 0) + value * samples_per_row.get(partition, 1)
+        for task, value in depth.items():
+            self.queue_depth.labels(task=task).set(value)
+        return depth
+
+    async def observe_pool(self, pool) -> int:
+        """Set the roller gauges (throughput, busy ratio, pool size, samples produced) from ``pool``
+        (``controller.pool.RollerPool``); returns the groups it generated or failed so far."""
+        stats = await pool.stats()
+        self.count_produced(pool.totals("num_samples"))
+        self.tokens_per_s.set(sum(s.get("tokens_per_s", 0.0) for s in stats.values()))
+        self.pool_size.set(pool.size())
+        for name, s in stats.items():
+            self.roller_busy.labels(roller=name).set(s.get("busy_ratio", 0.0))
+        return int(pool.totals("num_groups") + pool.totals("num_failed_groups"))
+
     def observe_validation(self, record: dict) -> None:
         """Set the ``hflow_val_*`` gauges from a validation record (``controller.validation``)."""
         self.val_weight_version.set(record["weight_version"])

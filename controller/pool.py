@@ -14,7 +14,7 @@ weight sync targets exactly the members that lack the version.
 
 Every call to a roller has a timeout (``rollers.health_timeout_s``; the start of a joining roller,
 ``JOIN_TIMEOUT_S`` plus an SGLang server's start-up). The groups a lost roller held are found in the data
-plane (taken by the ``rollout`` task, no responses, claimed by no live roller: ``find_orphans``) and
+plane (prompt rows taken by the ``rollout`` task and claimed by no live roller: ``find_orphans``) and
 re-issued by the schedule's ``Stages.reissue``; ``PoolKeeper`` (``controller.pool_keeper``) drives all of
 it while a schedule runs.
 """
@@ -249,9 +249,9 @@ class RollerPool:
         async with trainer_lock:
             await self._flush_sender_removals()
             await asyncio.to_thread(self.trainer.execute, add_roller, name)
-            version = weight_version()
-            if version > member.weight_version:
-                lost, error = await self._push(version, [member], self.cfg.checkpointengine.pause_mode)
+            current = weight_version()
+            if current > member.weight_version:
+                lost, error = await self._push(current, [member], self.cfg.checkpointengine.pause_mode)
                 if lost:
                     raise lost[0]
                 if error is not None:
@@ -260,8 +260,8 @@ class RollerPool:
             member.state = ACTIVE
         return member
 
-    async def push_weights(self, version: int, pause_mode: str) -> tuple[dict, list[RollerLost]]:
-        """Bring every live member to ``version`` (caller holds the trainer lock: the policy is at it).
+    async def push_weights(self, weight_version: int, pause_mode: str) -> tuple[dict, list[RollerLost]]:
+        """Bring every live member to ``weight_version`` (caller holds the trainer lock: the policy is at it).
 
         A member that dies, or does not acknowledge within ``rollers.health_timeout_s`` after the sender
         finished or gave up (``checkpointengine.timeout_s``), is returned as lost (not yet retired); the
@@ -273,30 +273,30 @@ class RollerPool:
         report: dict = {}
         for _ in range(MAX_SYNC_ATTEMPTS):
             gone = {x.name for x in lost}
-            targets = [m for m in self.live() if m.weight_version < version and m.name not in gone]
+            targets = [m for m in self.live() if m.weight_version < weight_version and m.name not in gone]
             if not targets:
                 break
-            new_lost, error = await self._push(version, targets, pause_mode, report)
+            new_lost, error = await self._push(weight_version, targets, pause_mode, report)
             lost += new_lost
             if error is not None and not new_lost:
                 raise error
             if error is None:
                 break
         else:
-            raise RuntimeError(f"weight_version {version}: still not on every roller after {MAX_SYNC_ATTEMPTS} "
+            raise RuntimeError(f"weight_version {weight_version}: still not on every roller after {MAX_SYNC_ATTEMPTS} "
                                f"attempts (lost on the way: {[x.name for x in lost]})")
         return report, lost
 
-    async def _push(self, version: int, targets: list[Member], pause_mode: str, report: dict | None = None
+    async def _push(self, weight_version: int, targets: list[Member], pause_mode: str, report: dict | None = None
                     ) -> tuple[list[RollerLost], BaseException | None]:
-        """One send of ``version`` to ``targets``; (members lost, the sender's error or None)."""
+        """One send of ``weight_version`` to ``targets``; (members lost, the sender's error or None)."""
         from trainers.weight_sync import send_weights
 
         names = [m.name for m in targets]
         for m in targets:
             m.in_push = True
-        send = asyncio.ensure_future(asyncio.to_thread(self.trainer.execute, send_weights, version, names))
-        receives = {m.name: asyncio.ensure_future(self._remote(m, "update_weights", version, pause_mode))
+        send = asyncio.ensure_future(asyncio.to_thread(self.trainer.execute, send_weights, weight_version, names))
+        receives = {m.name: asyncio.ensure_future(self._remote(m, "update_weights", weight_version, pause_mode))
                     for m in targets}  # bounded below: the sender's deadlines, then rollers.health_timeout_s
         error = None
         try:
@@ -318,14 +318,14 @@ class RollerPool:
             fut = receives[m.name]
             if not fut.done():
                 fut.cancel()
-                lost.append(RollerLost(m.name, "weight_sync", f"did not acknowledge weight_version {version} "
+                lost.append(RollerLost(m.name, "weight_sync", f"did not acknowledge weight_version {weight_version} "
                                        f"within {self.timeout_s:.1f} s of the sender's end"))
             elif isinstance(fut.exception(), RollerLost):
                 lost.append(fut.exception())
             elif fut.exception() is None:
-                m.weight_version = version
+                m.weight_version = weight_version
             else:
-                logger.warning("roller %s: weight_version %d not applied: %s", m.name, version, fut.exception())
+                logger.warning("roller %s: weight_version %d not applied: %s", m.name, weight_version, fut.exception())
         return lost, error
 
     async def drain(self, name: str, timeout_s: float) -> list[str]:
@@ -352,30 +352,45 @@ class RollerPool:
                 ray.kill(m.actor, no_restart=True)
 
 
-async def find_orphans(tq, partition: str, limit: int, held_by_live: Callable, grace_s: float = 1.0
-                       ) -> dict[str, list[int]]:
-    """Groups no live roller will finish: every sample taken by the ``rollout`` task, not every one with
-    responses, and claimed by no live roller (``held_by_live()``, awaited) in two looks ``grace_s`` apart (a
-    group whose take is still in flight to a live roller is claimed by the second look). Returns uid →
-    sample ids (metadata only). ``limit``: at most this many samples are looked at (the TransferQueue's
-    ``max_request_ids``)."""
+async def find_orphans(tq, prompt_partition: str, partition: str, limit: int, held_by_live: Callable,
+                       grace_s: float = 1.0) -> dict[str, list[int]]:
+    """Groups no live roller will finish: prompt rows of ``prompt_partition`` taken by the ``rollout`` task
+    and claimed by no live roller (``held_by_live()``, awaited) in two looks ``grace_s`` apart (a group
+    whose take is still in flight to a live roller is claimed by the second look). Returns uid → prompt
+    row ids (metadata only). A prompt row whose group already has samples in ``partition`` (its roller
+    left between putting them and clearing the row) is cleared here, not returned. ``limit``: at most this
+    many rows of each partition are looked at (the TransferQueue's ``max_request_ids``)."""
     from common import schema
 
     async def look() -> dict[str, list[int]]:
-        samples = await tq.asample_info(partition, None, limit=limit)  # the partition: a few steps' groups
-        by_uid: dict[str, list[dict]] = {}
-        for s in samples:
-            by_uid.setdefault(s["tags"].get(schema.UID), []).append(s)
+        rows = await _rows(tq, prompt_partition, limit)  # the groups in flight: a few steps' at most
         held = await held_by_live()
-        return {uid: [s["id"] for s in group] for uid, group in by_uid.items()
-                if uid is not None and uid not in held
-                and all("rollout" in s["consumed_by"] for s in group)
-                and not all(schema.RESPONSES in s["fields"] for s in group)}
+        by_uid: dict[str, list[int]] = {}
+        for r in rows:
+            uid = r["tags"].get(schema.UID)
+            if uid is not None and uid not in held and "rollout" in r["consumed_by"]:
+                by_uid.setdefault(uid, []).append(r["id"])
+        return by_uid
 
     first = await look()
     if not first:
         return {}
     await asyncio.sleep(grace_s)
-    second = await look()
-    return {uid: ids for uid, ids in second.items() if uid in first}
+    second = {uid: ids for uid, ids in (await look()).items() if uid in first}
+    done = {s["tags"].get(schema.UID) for s in await _rows(tq, partition, limit)} if second else set()
+    leftover = [i for uid, ids in second.items() if uid in done for i in ids]
+    if leftover:
+        await tq.aclear(prompt_partition, leftover)
+    return {uid: ids for uid, ids in second.items() if uid not in done}
 
+
+async def _rows(tq, partition: str, limit: int) -> list[dict]:
+    """``tq.asample_info`` of ``partition``; [] while nothing was ever put there."""
+    from transferqueue.records import RemoteError
+
+    try:
+        return await tq.asample_info(partition, None, limit=limit)
+    except RemoteError as exc:
+        if "unknown partition" not in str(exc):
+            raise
+        return []

@@ -12,6 +12,12 @@
 
 Each change is a scale event (direction, reason, roller, pool size): logged, counted in
 ``hflow_roller_scale_events_total{reason}``, and written with the next step's record of ``metrics.jsonl``.
+Each roller that joins (scale-up, autoscale, replacement) gets a row of ``joins``: seconds from the request
+to active (``join_to_active_s``: it holds the current weights and takes work) and to the end of the first
+trainer step that trained a group it generated (``join_to_first_trained_s``). Samples do not name their
+roller: the keeper asks the new roller which groups it put (``recent_put_uids``, each health period) and
+matches them with the uids of the steps trained since it joined (``note_trained``, called by the schedule).
+The rows go to the next step's record (``roller_joins``) once complete, and all of them to the summary.
 """
 
 from __future__ import annotations
@@ -19,15 +25,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from controller.metrics import SCALE_REASONS
 from controller.pool import RollerLost, find_orphans
-from controller.runtime import PARTITION
+from controller.runtime import PARTITION, PROMPT_PARTITION
 
 logger = logging.getLogger(__name__)
 
 HEALTH_PERIOD_S = 1.0
 DRAIN_TIMEOUT_S = 60.0  # a draining roller's held groups finish within this, else they are handed back
+MAX_TRAINED_STEPS_KEPT = 1000  # steps remembered while a joined roller waits for its first trained group
+FINAL_CREDIT_TIMEOUT_S = 5.0  # the last look for first trained groups when the schedule ends
 
 
 class NoRollerLeft(RuntimeError):
@@ -47,6 +58,14 @@ class PoolKeeper:
         self.num_weight_sync_timeouts = 0
         self.num_reissued_groups = 0
         self.events: list[dict] = []        # since the last step record (Stages._record takes them)
+        # Rollers that joined while the schedule ran, one row each (the summary's roller_joins; rows completed
+        # in place), and the rows whose first trained group became known since the last step record.
+        self.joins: list[dict] = []
+        self.first_trained: list[dict] = []
+        self._waiting: dict[str, _Join] = {}  # joined rollers whose first trained group is not known yet
+        # (end time, uids) of each step trained while a join waits: its first trained group may be learnt later
+        self._trained: deque[tuple[float, frozenset[str]]] = deque(maxlen=MAX_TRAINED_STEPS_KEPT)
+        self._asked: dict[str, float] = {}    # roller joining -> time.monotonic() it was asked for
         self._changing = asyncio.Lock()      # one recovery at a time
         self._scaling = asyncio.Lock()       # one scale request at a time
         self._reissuing = asyncio.Lock()     # one look for orphans (and their re-issue) at a time
@@ -67,11 +86,18 @@ class PoolKeeper:
         self._task = asyncio.ensure_future(self.run())
 
     async def stop(self) -> None:
-        """Cancel the keeper and any join in flight, and wait for them (the pools are closed after)."""
+        """Cancel the keeper and any join in flight, and wait for them (the pools are closed after); then
+        look once more for the first trained group of the rollers that still wait (the last steps may have
+        trained it), for at most ``FINAL_CREDIT_TIMEOUT_S``."""
         tasks = [t for t in (self._task, self._autoscaling, *self._joins) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._waiting:
+            try:
+                await asyncio.wait_for(self.credit_joins(), FINAL_CREDIT_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a measurement must never fail the run's end
+                logger.debug("last look for first trained groups: %s", exc)
 
     def raise_error(self) -> None:
         if self._task is not None and self._task.done() and not self._task.cancelled():
@@ -86,6 +112,8 @@ class PoolKeeper:
             self._check_alive()
             if self.autoscaler is not None:
                 self._autoscale()
+            if self._waiting:
+                await self.credit_joins()
 
     def _autoscale(self) -> None:
         """Sample the autoscaler's signals; start its decision, if any, in the background."""
@@ -151,13 +179,13 @@ class PoolKeeper:
         async with self._reissuing:
             if self.st.outstanding <= 0:  # nothing admitted and untrained: nothing can be held
                 return
-            orphans = await find_orphans(self.st.rt.tq, PARTITION, self.cfg.transferqueue.max_request_ids,
-                                         self.pool.held_by_live)
+            orphans = await find_orphans(self.st.rt.tq, PROMPT_PARTITION, PARTITION,
+                                         self.cfg.transferqueue.max_request_ids, self.pool.held_by_live)
             for uid, sample_ids in orphans.items():
                 await self.reissue(uid, sample_ids)
 
     async def reissue(self, uid: str, sample_ids: list[int]) -> None:
-        await self.st.reissue(uid, sample_ids, "its roller left the pool")
+        await self.st.reissue(uid, sample_ids, "its roller left the pool", partition=PROMPT_PARTITION)
         self.num_reissued_groups += 1
         self.metrics.reissued_groups.inc()
 
@@ -175,12 +203,13 @@ class PoolKeeper:
         idempotent (a request for the current size changes nothing). Scale-down removes the oldest rollers
         (those the job started with included): each takes no new group, finishes what it holds within
         ``DRAIN_TIMEOUT_S`` and hands back the rest, which is re-issued."""
+        asked_at = time.monotonic()
         self.check_target(num_rollers)
         async with self._scaling:
             await asyncio.gather(*self._joins, return_exceptions=True)  # joins in flight count as done
             current = self.pool.size()
             if num_rollers > current:
-                names = [self.spawn(up) for _ in range(num_rollers - current)]
+                names = [self.spawn(up, asked_at) for _ in range(num_rollers - current)]
                 await asyncio.gather(*[t for t in self._joins if t.get_name() in names], return_exceptions=True)
             elif num_rollers < current:
                 victims = [m.name for m in self.pool.live() if m.state == "active"][: current - num_rollers]
@@ -193,9 +222,11 @@ class PoolKeeper:
                 await self.reissue_orphans()  # the groups the drained rollers handed back
             self._check_alive(changing=False)
 
-    def spawn(self, reason: str) -> str:
-        """Start a roller joining in the background (``RollerPool.join``); returns its name."""
+    def spawn(self, reason: str, asked_at: float | None = None) -> str:
+        """Start a roller joining in the background (``RollerPool.join``); returns its name. ``asked_at``:
+        the ``time.monotonic()`` of the request it answers (default: now), where its join times start."""
         name = self.pool.next_name()
+        self._asked[name] = time.monotonic() if asked_at is None else asked_at
         task = asyncio.ensure_future(self._join(name, reason))
         task.set_name(name)
         self._joins.add(task)
@@ -210,8 +241,59 @@ class PoolKeeper:
         except Exception as exc:  # noqa: BLE001 - a roller that cannot join is retired; the pool goes on
             logger.error("roller %s could not join the pool: %s: %s", name, type(exc).__name__, exc)
             self.pool.retire(name)
+            self._asked.pop(name, None)
             return
         self.event("up", reason, name)
+        asked_at = self._asked.pop(name)
+        row = {"roller": name, "reason": reason, "join_to_active_s": time.monotonic() - asked_at,
+               "join_to_first_trained_s": None}
+        self.joins.append(row)
+        self._waiting[name] = _Join(row, asked_at)
+
+    # ------------------------------------------------------------------------------ first trained group
+
+    def note_trained(self, uids: Iterable[str]) -> None:
+        """The schedule trained the groups ``uids`` just now (``Stages._record``, at the end of the step)."""
+        if self._waiting:
+            self._trained.append((time.monotonic(), frozenset(uids)))
+
+    async def credit_joins(self) -> None:
+        """For each joined roller still waiting: learn the groups it put (``recent_put_uids``) and find the
+        first step that trained one; its end gives ``join_to_first_trained_s`` (from the request). A roller
+        that does not answer now is asked again next time; one that left before any of its groups was
+        trained keeps None."""
+        for name, join in list(self._waiting.items()):
+            member = self.pool.members.get(name)
+            if member is None:
+                del self._waiting[name]
+                continue
+            if member.in_push:  # its event loop is busy with weights: next time
+                continue
+            try:
+                join.put_uids.update(await self.pool.call(member, "recent_put_uids", timeout_s=2 * HEALTH_PERIOD_S))
+            except Exception as exc:  # noqa: BLE001 - a lost roller is the health check's business
+                logger.debug("recent_put_uids of %s: %s", name, exc)
+                continue
+            trained_at = next((t for t, uids in self._trained if not uids.isdisjoint(join.put_uids)), None)
+            if trained_at is None or name not in self._waiting:
+                continue
+            del self._waiting[name]
+            join.row["join_to_first_trained_s"] = trained_at - join.asked_at
+            self.first_trained.append(dict(join.row))
+            logger.info("roller %s (%s): active %.1f s and its first group trained %.1f s after it was asked for",
+                        name, join.row["reason"], join.row["join_to_active_s"], join.row["join_to_first_trained_s"])
+        if not self._waiting:
+            self._trained.clear()
+
+
+@dataclass
+class _Join:
+    """A roller waiting for its first trained group: its row of ``PoolKeeper.joins``, when it was asked for
+    (``time.monotonic()``) and the uids of the groups it put, as learnt so far."""
+
+    row: dict
+    asked_at: float
+    put_uids: set[str] = field(default_factory=set)
 
 
 class Autoscaler:

@@ -18,11 +18,14 @@ REQUIRED_STEP_KEYS = ("step", "reward_mean", "weight_version", "staleness_mean",
 
 
 # Run-level keys every summary.json carries, whatever the outcome (null where unknown): what the run is,
-# how it ended, and the schedule's counters (``controller/job.py``).
+# how it ended, and the schedule's counters (``controller/job.py``). ``roller_joins``: one row per roller
+# that joined while the run went on (``controller.pool_keeper``: roller, reason, join_to_active_s,
+# join_to_first_trained_s).
 ABOUT_KEYS = ("status", "error", "mode", "model", "task", "model_dir", "threads")
 COUNT_KEYS = ("num_syncs", "num_groups_admitted", "num_groups_generated", "num_failed_groups",
               "num_dropped_groups", "num_zero_variance_groups", "weight_version", "frac_groups_reward_variance",
-              "frac_groups_any_correct", "num_rollers_lost", "num_roller_restarts", "num_reissued_groups")
+              "frac_groups_any_correct", "num_rollers_lost", "num_roller_restarts", "num_reissued_groups",
+              "roller_joins")
 STEP_SUMMARY_KEYS = ("num_steps", "wall_s", "reward_first", "reward_last", "reward_mean", "staleness_max")
 # Seconds from the job's start until its pools were up, and stopping pools and Ray after the last step (the
 # job writes the summary, then shuts down, then adds shutdown_s and the final wall_s: ``RunReport.amend``).
@@ -62,6 +65,72 @@ def group_reward_stats(rewards_by_uid: dict[str, list[float]]) -> dict[str, floa
     varied = sum(1 for g in groups if max(g) != min(g))
     correct = sum(1 for g in groups if max(g) > 0)
     return {"frac_groups_reward_variance": varied / len(groups), "frac_groups_any_correct": correct / len(groups)}
+
+
+CORRECT = 0.999  # a sample counts as correct when its reward reaches this (rewards are in [0, 1])
+
+
+def step_record(tags: list[dict], step: int, weight_version: int, wall_s: float, step_s: float, wait_s: float
+                ) -> tuple[dict[str, Any], dict[str, list[float]], list[int], list[int]]:
+    """The record of trainer step ``step`` (its update made ``weight_version``) from its samples' tags
+    (``common.schema.CONTROLLER``): ``(record, rewards by uid, staleness per sample, response length per
+    sample)``. Staleness is ``weight_version - 1`` minus the sample's ``min_weight_version``; ``wall_s``:
+    seconds since the previous step ended; ``step_s``/``wait_s``: the update's and the wait for data."""
+    from common import schema
+    from controller.admission import staleness
+
+    trained_at = weight_version - 1
+    stalenesses = [staleness(trained_at, t[schema.MIN_WEIGHT_VERSION]) for t in tags]
+    rewards = [float(t[schema.REWARD]) for t in tags]
+    lengths = [int(t[schema.RESPONSE_LENGTH]) for t in tags]
+    by_uid: dict[str, list[float]] = {}
+    for t, r in zip(tags, rewards, strict=True):
+        by_uid.setdefault(t[schema.UID], []).append(r)
+    record = {
+        "step": step,
+        "weight_version": weight_version,
+        "reward_mean": sum(rewards) / len(rewards),
+        "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards),
+        "staleness_mean": sum(stalenesses) / len(stalenesses),
+        "staleness_max": max(stalenesses),
+        "samples_per_s": len(tags) / wall_s,
+        "step_s": step_s,
+        "wait_s": wait_s,
+        "num_samples": len(tags),
+        "num_groups": len(by_uid),
+        "multi_version_samples": sum(t[schema.MIN_WEIGHT_VERSION] != t[schema.MAX_WEIGHT_VERSION] for t in tags),
+        "response_length_mean": sum(lengths) / len(lengths),
+        "response_clip_ratio": sum(t[schema.FINISH_REASON] == "length" for t in tags) / len(tags),
+        "response_lengths": lengths,
+        "uids": sorted(by_uid),
+        "responses_digest": responses_digest(tags),
+        **group_reward_stats(by_uid),
+    }
+    return record, by_uid, stalenesses, lengths
+
+
+def responses_digest(tags: list[dict]) -> str:
+    """One digest of a step's responses, independent of sample order (for run-to-run parity)."""
+    import hashlib
+
+    from common import schema
+
+    items = sorted(f"{t[schema.UID]}:{t.get(schema.RESPONSE_DIGEST, '')}" for t in tags)
+    return hashlib.blake2b("|".join(items).encode(), digest_size=8).hexdigest()
+
+
+async def write_timeline(run_dir: Path, timeline: dict[str, list], pool) -> dict:
+    """Write ``RUN_DIR/timeline.json`` and return it: ``timeline``'s ``update`` and ``sync`` (the trainer's
+    updates and the weight syncs) and ``rollers`` (name → the busy intervals of each live roller of ``pool``,
+    >= 1 request in flight), each a list of ``[start, end]`` wall-clock seconds (``time.time()``).
+    ``bench/modes_bench.py`` reads it for idle shares and its timeline plot."""
+    import asyncio
+
+    members = pool.live()
+    intervals = await asyncio.gather(*(pool.call(m, "busy_intervals") for m in members))
+    out = {**timeline, "rollers": {m.name: iv for m, iv in zip(members, intervals, strict=True)}}
+    (run_dir / "timeline.json").write_text(json.dumps(out) + "\n")
+    return out
 
 
 class RunReport:

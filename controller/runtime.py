@@ -5,25 +5,27 @@ roller pool, the trainer group, and the weight-sync wiring between trainers and 
 
     controller ── TQClient (metadata only: get_meta / status / clear) ──┐
         │                                                              │
-        ├── PromptFeeder (Ray actor) ──put prompt groups──> TransferQueue servers (index + storage units)
-        ├── RollerPool (controller.pool): N RollerActors, elastic ──take group / put responses──┘   ▲
+        ├── PromptFeeder (Ray actor) ──put prompt rows──> TransferQueue servers (index + storage units)
+        ├── RollerPool (controller.pool): N RollerActors, elastic ──take prompt / put samples──┘    ▲
         ├── TrainerGroup: M FSDP2 ranks (placement group) ──get_data(meta slice)──────────┘
         └── weight sync: trainer rank(s) ──checkpoint engine (versioned buckets)──> every roller
 
 Every handle that crosses a process boundary is a small dict (addresses, keys); no tensor passes
-through the controller.
+through the controller. While a schedule runs (``Runtime.watch``), a TransferQueue server process that dies
+ends the run at once with ``ServerLost`` naming it, how it ended and the run's last job checkpoint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from controller.config import HFlowConfig
 
@@ -35,7 +37,9 @@ logger = logging.getLogger(__name__)
 # The TransferQueue partition holding a run's samples. Not "train": that is the trainer's consumer task
 # (``controller.schedules.TRAIN_TASK``; the rollers' is "rollout"), the label of hflow_queue_depth{task}.
 PARTITION = "samples"
+PROMPT_PARTITION = "prompts"  # the feeder's prompt rows (one per group), taken by the rollers' "rollout" task
 _POLL_S = 0.05  # how often start-up looks at the pools that are not ready yet
+WATCH_PERIOD_S = 0.5  # how often a running schedule's TransferQueue server processes are checked (Runtime.watch)
 
 
 class Runtime:
@@ -71,7 +75,7 @@ class Runtime:
         from controller.feeder import PromptFeeder
         from controller.pool import RollerPool
         from controller.tasks import resolve_reward
-        from controller.validation import VAL_PARTITION
+        from controller.validation import VAL_PARTITION, VAL_PROMPT_PARTITION
         from rollers.actor import remote_roller
         from rollers.tq_channel import GroupSource, TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
@@ -90,15 +94,15 @@ class Runtime:
         # Launch the feeder and the rollers (actor creation does not block), then build the trainer
         # meanwhile: their processes start and load models concurrently.
         on_stage(f"starting the prompt feeder (task {cfg.data.task})")
-        self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PARTITION, num_batches,
-                                                                    VAL_PARTITION)
+        self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PROMPT_PARTITION, num_batches,
+                                                                    VAL_PROMPT_PARTITION)
         on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine) and "
                  f"{n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path}) at once")
         roller_cls = remote_roller(num_cpus=0.5, resources=cfg.rollers.resources)
         roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
-        validation = (GroupSource(VAL_PARTITION, cfg.val.n + int(cfg.val.greedy), int(cfg.val.greedy))
-                      if cfg.data.val_size else None)
-        channel = functools.partial(TQGroupChannel.from_handle, handle, PARTITION, cfg.rollout.n,
+        validation = (GroupSource(VAL_PROMPT_PARTITION, VAL_PARTITION, cfg.val.n + int(cfg.val.greedy),
+                                  int(cfg.val.greedy)) if cfg.data.val_size else None)
+        channel = functools.partial(TQGroupChannel.from_handle, handle, PROMPT_PARTITION, PARTITION, cfg.rollout.n,
                                     validation=validation, put_text=cfg.metrics.dump_every > 0)
         reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
         rollers_cfg = dataclasses.replace(cfg.rollers, num_threads=self.threads.roller_threads)
@@ -169,6 +173,50 @@ class Runtime:
             trainer.result()
             clock.done("trainer_s", restart=False)
 
+    async def watch(self, schedule: Coroutine) -> Any:
+        """Run ``schedule`` (a coroutine) while checking the TransferQueue server processes every
+        ``WATCH_PERIOD_S`` (``TQServers.check``: one ``waitpid`` each). When one has died, the schedule is
+        cancelled and awaited while it unwinds, and ServerLost is raised naming the server, how it ended and
+        the run's last job checkpoint: the samples it held are gone, so the run cannot go on (never a hang
+        until a request timeout). A schedule that fails while a server is dead raises that ServerLost too
+        (the schedule's own error chained: often a client's ServerLost, which cannot know the cause). A
+        cancellation of the caller (a stop signal) is passed on to the schedule, which is awaited to its end."""
+        task = asyncio.ensure_future(schedule)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=WATCH_PERIOD_S)
+                lost = None if task.done() else self._lost_server()
+                if lost is not None:
+                    logger.error("%s: stopping the run", lost)
+                    task.cancel()
+                    await _wait_out(task)
+                    raise lost from _error_of(task)
+        except asyncio.CancelledError:
+            task.cancel()
+            await _wait_out(task)
+            raise
+        error = _error_of(task)
+        if error is not None and not isinstance(error, asyncio.CancelledError):
+            lost = self._lost_server()
+            if lost is not None:
+                raise lost from error
+        return task.result()
+
+    def _lost_server(self) -> Exception | None:
+        """ServerLost for a TransferQueue server process that exited (with the run's resume point), or None."""
+        from controller.job_checkpoint import list_checkpoints
+        from transferqueue.records import ServerLost
+
+        try:
+            if self.tq_servers is not None:
+                self.tq_servers.check()
+        except ServerLost as lost:
+            found = list_checkpoints(self.cfg.run_dir)
+            resume = (f"hflow-async --resume {self.cfg.run_dir} continues it from its job checkpoint of step "
+                      f"{max(found)}" if found else "no job checkpoint was written yet (trainer.save_every)")
+            return ServerLost(lost.server, f"{lost}; what it held is lost, so the run stops: {resume}")
+        return None
+
     def close(self) -> None:
         """Stop rollers, trainers, feeder and the TransferQueue servers (each at most once)."""
         import ray
@@ -201,3 +249,18 @@ class _StageClock:
         self.out[name] = now - self.t0
         if restart:
             self.t0 = now
+
+
+def _error_of(task: asyncio.Task) -> BaseException | None:
+    """The exception ``task`` ended with (CancelledError when it was cancelled), None for a result."""
+    return asyncio.CancelledError() if task.cancelled() else task.exception()
+
+
+async def _wait_out(task: asyncio.Task) -> None:
+    """Await ``task`` to its end. A cancellation arriving meanwhile (a stop signal is repeated each second)
+    is passed on to ``task`` and does not end the wait: the caller goes on only once every stage unwound."""
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()

@@ -51,20 +51,18 @@ from controller.generations import GenerationDump
 from controller.job_checkpoint import JobCheckpointer
 from controller.metrics import JobMetrics
 from controller.pool_keeper import PoolKeeper
-from controller.report import RunReport, group_reward_stats
-from controller.runtime import PARTITION, Runtime
-from controller.validation import VAL_PARTITION, Validator
+from controller.report import RunReport, step_record, write_timeline
+from controller.runtime import PARTITION, PROMPT_PARTITION, Runtime
+from controller.validation import VAL_PARTITION, VAL_PROMPT_PARTITION, Validator
 from trainers.dapo import filter_zero_variance_groups
 from transferqueue.records import BatchMeta
 
 logger = logging.getLogger(__name__)
 
-TRAIN_FIELDS = [schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES, schema.RESPONSE_MASK,
-                schema.ROLLOUT_LOG_PROBS, schema.TOKEN_LEVEL_SCORES]
-REWARD_TAG = "reward"
+TRAIN_FIELDS = list(schema.CONTROLLER.read_fields())  # a group is ready for training when these are (the trainer's)
+REWARD_TAG = schema.REWARD
 TRAIN_TASK = "train"  # the trainer's consumer task in the TransferQueue (the rollers' is "rollout")
 POLL_S = 0.5
-CORRECT = 0.999  # a sample counts as correct when its reward reaches this (rewards are in [0, 1])
 
 
 class RolloutFailure(RuntimeError):
@@ -288,7 +286,7 @@ class Stages:
         if self.cfg.rollers.on_failed_group == "skip":  # validation groups: their round completes without them
             for f in [f for f in failures if f.partition == VAL_PARTITION]:
                 logger.warning("validation group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
-                await self.rt.tq.aclear(VAL_PARTITION, list(f.sample_ids))
+                await self.rt.tq.aclear(VAL_PROMPT_PARTITION, [f.prompt_id])
                 self.validator.on_failed(f.uid)
             failures = [f for f in failures if f.partition != VAL_PARTITION]
         self.num_failed_groups += len(failures)  # counted whatever follows: the summary of a failed run too
@@ -296,7 +294,7 @@ class Stages:
             raise RolloutFailure(f"group {first.uid} failed in {first.stage}: {'; '.join(first.errors)}")
         for f in failures:
             logger.warning("group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
-            await self.rt.tq.aclear(PARTITION, list(f.sample_ids))
+            await self.rt.tq.aclear(PROMPT_PARTITION, [f.prompt_id])
         self.outstanding -= len(failures)
         self.num_unclaimed_skips += len(failures)
         return len(failures)
@@ -314,17 +312,19 @@ class Stages:
         await self.reissue(meta.tags[0][schema.UID], meta.sample_ids,
                            f"staleness {group_staleness} > {self.cfg.algorithm.max_staleness}", dropped=len(meta))
 
-    async def reissue(self, uid: str, sample_ids: list[int], why: str, dropped: int = 0) -> None:
-        """Clear group ``uid`` (``sample_ids``) and put its prompt again under a fresh uid (``.r<k>``), in
-        its place within the admission bound: a group dropped as too stale (``dropped``: its samples,
-        counted as dropped), or held by a roller that left. Holds ``feeder_lock`` (a job checkpoint's
-        snapshot sees the group either before or after)."""
+    async def reissue(self, uid: str, sample_ids: list[int], why: str, dropped: int = 0,
+                      partition: str = PARTITION) -> None:
+        """Clear group ``uid`` (``sample_ids`` of ``partition``: its samples, or its prompt row in
+        ``PROMPT_PARTITION``) and put its prompt again under a fresh uid (``.r<k>``), in its place within the
+        admission bound: a group dropped as too stale (``dropped``: its samples, counted as dropped), or
+        held by a roller that left. Holds ``feeder_lock`` (a job checkpoint's snapshot sees the group either
+        before or after)."""
         async with self.feeder_lock:
             logger.info("re-issuing group %s (%s)", uid, why)
             if dropped:
                 self.num_dropped_groups += 1
                 self.metrics.dropped.inc(dropped)
-            await self.rt.tq.aclear(PARTITION, list(sample_ids))
+            await self.rt.tq.aclear(partition, list(sample_ids))
             self.admission.drop(1)
             self.admission.started += 1  # the re-issue takes the dropped group's place within the bound
             depth = self._forget(uid)
@@ -351,16 +351,9 @@ class Stages:
 
     def _record(self, meta, train_metrics: dict, step_s: float, wait_s: float) -> None:
         now = time.monotonic()
-        tags = meta.tags
-        trained_at = self.weight_version - 1
-        stalenesses = [staleness(trained_at, t[schema.MIN_WEIGHT_VERSION]) for t in tags]
-        rewards = [float(t[REWARD_TAG]) for t in tags]
-        lengths = [int(t[schema.RESPONSE_LENGTH]) for t in tags]
-        by_uid: dict[str, list[float]] = {}
-        for t, r in zip(tags, rewards, strict=True):
-            by_uid.setdefault(t[schema.UID], []).append(r)
+        record, by_uid, stalenesses, lengths = step_record(meta.tags, self.step, self.weight_version,
+                                                           max(now - self._last_step_end, 1e-9), step_s, wait_s)
         self.rewards_by_uid.update(by_uid)
-        wall = max(now - self._last_step_end, 1e-9)
         for uid, group in by_uid.items():
             age = now - self.admitted_at.pop(uid, now)
             for _ in group:  # one observation per sample, as hflow_sample_age_seconds says
@@ -369,30 +362,9 @@ class Stages:
             self.metrics.queue_lag.observe(value)  # hflow_queue_lag: the staleness of trained samples
         for length in lengths:
             self.metrics.response_length.observe(length)
-        record = {
-            "step": self.step,
-            "weight_version": self.weight_version,
-            "reward_mean": sum(rewards) / len(rewards),
-            "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards),
-            "staleness_mean": sum(stalenesses) / len(stalenesses),
-            "staleness_max": max(stalenesses),
-            "samples_per_s": len(tags) / wall,
-            "step_s": step_s,
-            "wait_s": wait_s,
-            "num_samples": len(tags),
-            "num_groups": len(by_uid),
-            "multi_version_samples": sum(t[schema.MIN_WEIGHT_VERSION] != t[schema.MAX_WEIGHT_VERSION] for t in tags),
-            "response_length_mean": sum(lengths) / len(lengths),
-            "response_clip_ratio": sum(t[schema.FINISH_REASON] == "length" for t in tags) / len(tags),
-            "response_lengths": lengths,
-            "uids": sorted(by_uid),
-            "responses_digest": _digest(tags),
-            **group_reward_stats(by_uid),
-            **self._dynamic_sampling_stats(by_uid),
-            **self._pool_stats(),
-            **{k: v for k, v in train_metrics.items() if isinstance(v, int | float)},
-        }
-        self.metrics.consumed.inc(len(tags))
+        record |= {**self._dynamic_sampling_stats(by_uid), **self._pool_stats(by_uid),
+                   **{k: v for k, v in train_metrics.items() if isinstance(v, int | float)}}
+        self.metrics.consumed.inc(len(meta.tags))
         self.metrics.reward_mean.set(record["reward_mean"])
         self.metrics.accuracy.set(record["accuracy"])
         self.metrics.response_clip_ratio.set(record["response_clip_ratio"])
@@ -405,13 +377,17 @@ class Stages:
         self.metrics.observe_validation(record)
         self.report.log_validation(record)
 
-    def _pool_stats(self) -> dict:
-        """The roller pool's counters for the step record, and the scale events since the last one."""
+    def _pool_stats(self, trained_uids) -> dict:
+        """The roller pool's counters for the step record, and the scale events and completed roller joins
+        (``PoolKeeper.joins``) since the last one; tells the keeper which groups this step trained."""
         k = self.keeper
+        k.note_trained(trained_uids)
         events, k.events = k.events, []
+        joins, k.first_trained = k.first_trained, []
         return {"roller_pool_size": self.rt.pool.size(), "num_roller_restarts": k.num_restarts,
                 "num_rollers_lost": k.num_lost, "num_reissued_groups": k.num_reissued_groups,
-                "num_weight_sync_timeouts": k.num_weight_sync_timeouts, "scale_events": events}
+                "num_weight_sync_timeouts": k.num_weight_sync_timeouts, "scale_events": events,
+                "roller_joins": joins}
 
     def _dynamic_sampling_stats(self, rewards_by_uid: dict[str, list[float]]) -> dict[str, int]:
         """Per-step DAPO counts (only with ``algorithm.dynamic_sampling``): a group admitted in refill
@@ -427,38 +403,13 @@ class Stages:
 
     async def refresh_gauges(self) -> None:
         """Queue depth per task from the index, and roller throughput/busy ratio (metadata only)."""
-        status = await self.rt.tq.astatus()
-        depth: dict[str, int] = {}
-        for counts in status.ready.values():
-            for key, value in counts.items():
-                task = key.split("|", 1)[0]
-                depth[task] = depth.get(task, 0) + value
-        self.queue_depth = depth
-        for task, value in depth.items():
-            self.metrics.queue_depth.labels(task=task).set(value)
-        pool = self.rt.pool
-        stats = await pool.stats()
-        self.num_groups_generated = int(pool.totals("num_groups") + pool.totals("num_failed_groups"))
-        self.metrics.count_produced(pool.totals("num_samples"))
-        self.metrics.tokens_per_s.set(sum(s.get("tokens_per_s", 0.0) for s in stats.values()))
-        self.metrics.pool_size.set(pool.size())
-        for name, s in stats.items():
-            self.metrics.roller_busy.labels(roller=name).set(s.get("busy_ratio", 0.0))
-
+        per_row = {PROMPT_PARTITION: self.n, VAL_PROMPT_PARTITION: self.validator.group_size}
+        self.queue_depth = self.metrics.observe_queue_depth(await self.rt.tq.astatus(), per_row)
+        self.num_groups_generated = await self.metrics.observe_pool(self.rt.pool)
 
     async def write_timeline(self) -> dict:
-        """Write ``RUN_DIR/timeline.json`` and return it: ``update`` and ``sync`` (the trainer's updates and
-        the weight syncs) and ``rollers`` (name → the roller's busy intervals, >= 1 request in flight), each
-        a list of ``[start, end]`` wall-clock seconds (``time.time()``). ``bench/modes_bench.py`` reads it
-        for idle shares and its timeline plot."""
-        import json
-
-        members = self.rt.pool.live()
-        intervals = await asyncio.gather(*(self.rt.pool.call(m, "busy_intervals") for m in members))
-        timeline = {**self.timeline, "rollers": {m.name: iv for m, iv in zip(members, intervals, strict=True)}}
-        path = Path(self.cfg.run_dir) / "timeline.json"
-        path.write_text(json.dumps(timeline) + "\n")
-        return timeline
+        """``controller.report.write_timeline`` of this run's updates, syncs and roller busy intervals."""
+        return await write_timeline(Path(self.cfg.run_dir), self.timeline, self.rt.pool)
 
 
 async def _finish_before_cancel(coro):
@@ -477,14 +428,6 @@ async def _finish_before_cancel(coro):
     if cancelled:
         raise asyncio.CancelledError
     return result
-
-
-def _digest(tags: list[dict]) -> str:
-    """One digest of a step's responses, independent of sample order (for run-to-run parity)."""
-    import hashlib
-
-    items = sorted(f"{t[schema.UID]}:{t.get(schema.RESPONSE_DIGEST, '')}" for t in tags)
-    return hashlib.blake2b("|".join(items).encode(), digest_size=8).hexdigest()
 
 
 # -------------------------------------------------------------------------------------------- schedules

@@ -2,9 +2,10 @@
 
 ::
 
-    sync_weights (v) ──> Validator.maybe_start(v): feeder.feed_validation(round) ──put──> partition "validation"
-                                                                                              │
-    rollers: take a validation group before any training group (its own partition, greedy row last) ─┘
+    sync_weights (v) ──> Validator.maybe_start(v): feeder.feed_validation(round) ──put──> "validation_prompts"
+                                                                                                  │
+    rollers: take a validation prompt row before any training one; put its samples (greedy last) ─┘
+             into partition "validation" ─────────────────────────────────────────────────────┐
                                                                                               │
     Validator's collector ──get_meta(task "validate", group_complete)── tags only ──> record ─┘
         └─> metrics.jsonl (``"validation": true``), Prometheus, trackers, summary (first/best/last), plot
@@ -37,8 +38,9 @@ from controller.config import HFlowConfig
 logger = logging.getLogger(__name__)
 
 VAL_PARTITION = "validation"  # the TransferQueue partition of validation samples
+VAL_PROMPT_PARTITION = "validation_prompts"  # their prompt rows (one per group), put by the feeder
 VAL_TASK = "validate"  # the consumer task that reads them (the trainer's is "train", on another partition)
-VAL_FIELDS = [schema.RESPONSES, schema.TOKEN_LEVEL_SCORES]
+VAL_FIELDS = list(schema.VALIDATION.read_fields())  # a group is ready when these are; the collector reads tags only
 CORRECT = 0.999  # as controller.schedules: a sample is correct when its reward reaches this
 POLL_S = 0.5
 

@@ -5,19 +5,23 @@ Engines: ``rollers.engine=torch`` builds the in-process ``TorchEngine``; ``sglan
 ``rollers.sglang_url``) an SGLang server and uses ``SGLangEngine``. Weight updates arrive through the
 checkpoint engine: ``attach_receiver(handle, name)`` once, then ``update_weights(weight_version, pause_mode)``
 per sync (pause → receive every bucket → load → commit → flush → resume, ``rollers.weight_update.apply_update``).
-The elastic pool (``controller.pool``) calls ``ping`` (health and held groups) and ``drain`` (leave);
+The elastic pool (``controller.pool``) calls ``ping`` (health and held groups), ``drain`` (leave) and
+``recent_put_uids`` (the groups it finished: a joining roller's first trained group);
 ``rollers.fault_injection`` faults (``rollers.faults``) fire in ``take_group`` and ``update_weights``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import torch
 
 from rollers.config import RolloutConfig
 from rollers.faults import FaultInjector, FaultSpec, FaultyChannel
-from rollers.roller import FailedGroup, Roller
+from rollers.roller import FailedGroup, GroupResult, PromptGroup, Roller
+
+PUT_LOG_SIZE = 256  # uids of the last groups put that a roller remembers (the pool reads them each second)
 
 
 class RollerActor:
@@ -44,6 +48,7 @@ class RollerActor:
         self.receiver = None
         self._updating = asyncio.Lock()  # one weight update at a time; a re-attach waits for it to end
         self._run_task: asyncio.Task | None = None
+        self.put_uids: deque[str] = deque(maxlen=PUT_LOG_SIZE)  # uids of the last groups put (recent_put_uids)
         self.faults = FaultInjector(roller_id, [FaultSpec.parse(f) for f in rollers_cfg.fault_injection])
         if rollers_cfg.engine == "torch":  # build now: a bad model fails the actor's construction
             self._set_engine(self._torch_engine())
@@ -59,7 +64,7 @@ class RollerActor:
 
     def _set_engine(self, engine) -> None:
         self.engine = engine
-        channel = self.channel_factory()
+        channel = _PutLog(self.channel_factory(), self.put_uids)
         self.roller = Roller(
             engine, self.tokenizer, self.reward_fn, self.rollout_cfg,
             FaultyChannel(channel, self.faults) if self.faults.specs else channel,
@@ -132,6 +137,11 @@ class RollerActor:
         """``Roller.busy_intervals``: (start, end) wall-clock seconds with >= 1 request in flight."""
         return self.roller.busy_intervals() if self.roller is not None else []
 
+    async def recent_put_uids(self) -> list[str]:
+        """The uids of the last ``PUT_LOG_SIZE`` groups this roller put (oldest first; validation groups
+        included): how the pool learns which trained groups a new roller generated (``PoolKeeper``)."""
+        return list(self.put_uids)
+
     async def drain_failures(self) -> list[FailedGroup]:
         return self.roller.drain_failures() if self.roller is not None else []
 
@@ -195,3 +205,23 @@ def remote_roller(num_cpus: float = 0.5, resources: dict[str, float] | None = No
     import ray
 
     return ray.remote(num_cpus=num_cpus, resources=dict(resources or {}))(RollerActor)
+
+
+class _PutLog:
+    """A ``GroupChannel`` that notes the uid of each group it puts into ``log`` (a bounded deque); any other
+    attribute is the wrapped channel's (e.g. its TransferQueue ``client``)."""
+
+    def __init__(self, channel, log: deque[str]):
+        self.channel, self.log = channel, log
+
+    def __getattr__(self, name: str):
+        if name == "channel":  # not set yet (e.g. a copy under construction): no recursion
+            raise AttributeError(name)
+        return getattr(self.channel, name)
+
+    async def take_group(self, timeout_s: float) -> PromptGroup | None:
+        return await self.channel.take_group(timeout_s)
+
+    async def put_group(self, result: GroupResult) -> None:
+        await self.channel.put_group(result)
+        self.log.append(result.uid)

@@ -119,11 +119,12 @@ class Trajectory(GenerationOutput):
     def max_weight_version(self) -> int | None:
         return max(self._model_versions(), default=None)
 
-    def append(self, ids: Sequence[int], log_probs: Sequence[float] | None, versions: Sequence[int] | None) -> None:
-        """Append model tokens (with their log-probs and versions) or, with ``None``, environment tokens."""
+    def append(self, ids: Sequence[int], log_probs: Sequence[float] | None,
+               weight_versions: Sequence[int] | None) -> None:
+        """Append model tokens (with their log-probs and weight versions) or, with ``None``, environment tokens."""
         self.output_ids += list(ids)
         self.output_log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
-        self.weight_versions += list(versions) if versions is not None else [-1] * len(ids)
+        self.weight_versions += list(weight_versions) if weight_versions is not None else [-1] * len(ids)
         self.response_mask += [1 if log_probs is not None else 0] * len(ids)
         self.token_scores += [0.0] * len(ids)
 

@@ -15,10 +15,12 @@
 (``controller.admission``), so the roller takes whatever is there, at most ``max_groups_in_flight`` groups
 generated at once (enough to fill the engine's batch slots).
 
-**Channel.** ``GroupChannel`` is the roller's only view of the data plane: ``take_group`` (one whole
-``uid`` group of the ``rollout`` task, or ``None`` on timeout) and ``put_group`` (response fields into
-the same sample ids). ``rollers.tq_channel.TQGroupChannel`` is the TransferQueue one (what runs use; tests
-also use in-process ones).
+**Channel.** ``GroupChannel`` is the roller's only view of the data plane: ``take_group`` (one prompt
+group, i.e. its prompt row, not yet taken by the ``rollout`` task, or ``None`` on timeout) and
+``put_group`` (the group's samples, one row each). ``rollers.tq_channel.TQGroupChannel`` is the
+TransferQueue one (what runs use; tests also use in-process ones). The fields on each side are the
+contract's (``common.schema.ROLLER``); ``build_response_fields`` and the per-sample seeds live in
+``rollers.response_fields``.
 
 **Truncation.** A response ends with ``finish_reason=length`` at ``rollout.max_response_length`` tokens
 or where prompt + response reach the engine's context length; both count in ``truncation_ratio``.
@@ -33,14 +35,13 @@ a data-plane error ends ``run`` with that error, so the controller sees it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +49,7 @@ import torch
 from common import schema
 from rollers.config import RolloutConfig
 from rollers.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
+from rollers.response_fields import build_response_fields, forced_response_length, sample_seed
 from rollers.rewards import RewardFn, RewardResult, score_responses
 
 logger = logging.getLogger(__name__)
@@ -62,48 +64,57 @@ _MAX_BUSY_INTERVALS_KEPT = 8192
 
 @dataclass(frozen=True)
 class PromptGroup:
-    """One prompt group as the roller receives it: ``rollout.n`` samples sharing ``uid``.
+    """One prompt group as the roller receives it: one prompt, to be answered by ``num_samples`` samples
+    sharing ``uid``.
 
-    ``sample_ids``: the data plane's ids of the samples (responses go back into them); ``input_ids``:
-    the prompt token ids (unpadded; the same for every sample); ``ground_truth``: the task's answer;
-    ``num_greedy``: its last ``num_greedy`` samples are greedy (temperature 0), put like the others;
-    ``validation``: a validation group (no ReMax baseline, no forced lengths); ``partition``: where its
-    responses go (empty: the channel's own); ``seed_key``: what its sampling seeds derive from (empty: the
-    uid).
+    ``prompt_id``: the data plane's id of the group's prompt row (stored once per group; the channel
+    clears it once the samples are put); ``num_samples``: samples to generate (``rollout.n``, or
+    ``val.n`` + greedy); ``input_ids``: the prompt token ids (unpadded); ``ground_truth``: the task's
+    answer; ``num_greedy``: its last ``num_greedy`` samples are greedy (temperature 0), put like the
+    others; ``validation``: a validation group (no ReMax baseline, no forced lengths); ``partition``: where
+    its responses go (empty: the channel's own); ``seed_key``: what its sampling seeds derive from (empty:
+    the uid); ``prompt_fields``: the prompt row's stored fields as read (``input_ids``, ``attention_mask``,
+    each ``(1, prompt_len)``), which the channel puts beside every sample (the trainer reads them per
+    sample).
     """
 
     uid: str
-    sample_ids: tuple[int, ...]
+    prompt_id: int
+    num_samples: int
     input_ids: tuple[int, ...]
     ground_truth: dict
     num_greedy: int = 0
     validation: bool = False
     partition: str = ""
     seed_key: str = ""
+    prompt_fields: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass
 class GroupResult:
-    """What is put back for a group: ``fields`` (``build_response_fields`` output) for ``sample_ids``;
-    ``greedy``: per sample, whether it was decoded greedily; ``texts``: the decoded responses;
-    ``partition``: the group's (``PromptGroup.partition``)."""
+    """What is put for ``group``: ``fields`` (``build_response_fields`` output, one row per sample);
+    ``rewards``: per sample; ``greedy``: per sample, whether it was decoded greedily; ``texts``: the
+    decoded responses."""
 
-    uid: str
-    sample_ids: tuple[int, ...]
+    group: PromptGroup
     fields: dict[str, Any]
     rewards: list[float]
     greedy: tuple[bool, ...] = ()
     texts: tuple[str, ...] = ()
-    partition: str = ""
+
+    @property
+    def uid(self) -> str:
+        return self.group.uid
 
 
 @dataclass(frozen=True)
 class FailedGroup:
-    """A group that was not put: ``stage`` is ``reward``, ``generate`` or ``environment`` (multi-turn);
-    ``errors`` one line per problem; ``partition``: the group's (empty: the channel's own, i.e. training)."""
+    """A group that was not put: ``prompt_id`` its prompt row (still in the data plane); ``stage`` is
+    ``reward``, ``generate`` or ``environment`` (multi-turn); ``errors`` one line per problem;
+    ``partition``: the group's (empty: the channel's own, i.e. training)."""
 
     uid: str
-    sample_ids: tuple[int, ...]
+    prompt_id: int
     stage: str
     errors: tuple[str, ...]
     partition: str = ""
@@ -114,92 +125,7 @@ class GroupChannel(Protocol):
         """One whole prompt group not yet taken by the ``rollout`` task, or None after ``timeout_s``."""
 
     async def put_group(self, result: GroupResult) -> None:
-        """Put the response fields of ``result`` into its sample ids."""
-
-
-# ------------------------------------------------------------------------------ outputs → schema
-
-
-def sample_seed(base_seed: int, uid: str, index: int, num_prefix_tokens: int = 0) -> int:
-    """The sampling seed of sample ``index`` of group ``uid`` (62 bits, from blake2b).
-
-    Depends only on (``rollout.seed``, uid, index) — not on batch composition or which roller runs it —
-    and on ``num_prefix_tokens`` for a continuation after an abort, so a resumed sample does not replay
-    the random stream of its first part.
-    """
-    digest = hashlib.blake2b(f"{base_seed}:{uid}:{index}:{num_prefix_tokens}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-def forced_response_length(rollout: RolloutConfig, uid: str, index: int) -> int | None:
-    """The response length (tokens) sample ``index`` of group ``uid`` is forced to decode, or None when
-    ``rollout.forced_response_lengths`` is empty. Drawn from that mixture (a bucket by weight, then uniform
-    in ``[min_tokens, max_tokens]``) with a generator seeded by (``rollout.seed``, uid, index) only."""
-    buckets = rollout.forced_response_lengths
-    if not buckets:
-        return None
-    digest = hashlib.blake2b(f"length:{rollout.seed}:{uid}:{index}".encode(), digest_size=8).digest()
-    rng = random.Random(int.from_bytes(digest, "little"))
-    _, low, high = rng.choices(buckets, weights=[b[0] for b in buckets])[0]
-    return rng.randint(low, high)
-
-
-def response_digest(fields: dict[str, Any], row: int) -> str:
-    """A short hex digest of sample ``row``'s valid response tokens (lets the controller compare runs
-    token for token without seeing tensors)."""
-    length = int(fields[schema.RESPONSE_LENGTH][row])
-    tokens = fields[schema.RESPONSES][row, :length].to(torch.int64).numpy().tobytes()
-    return hashlib.blake2b(tokens, digest_size=8).hexdigest()
-
-
-def build_response_fields(
-    outputs: Sequence[GenerationOutput], scores: Sequence[float], pad_token_id: int, pad_to: int | None = None
-) -> dict[str, Any]:
-    """The response fields of the sample schema (``common/schema.py``) for finished engine outputs.
-
-    ``outputs``: one per sample, each with >= 1 token and ``finish_reason`` set; ``scores``: one reward
-    per sample; ``pad_to``: response width (default: the longest output). Returns, with B samples and
-    L = width: ``responses`` (B, L) int64 right-padded with ``pad_token_id``; ``response_mask`` (B, L)
-    int64, 1 on the output's own tokens (through the stop token inclusive) and 0 on padding — positional,
-    so pads are excluded even when ``pad_token_id`` is an EOS id; ``rollout_log_probs`` (B, L) fp32,
-    0 on padding; ``token_level_scores`` (B, L) fp32, the reward on the last valid token;
-    ``min_weight_version``/``max_weight_version``/``response_length`` (B,) int64; ``finish_reason``
-    list of B str. Raises ValueError for mismatched lengths, empty or unfinished outputs, or an output
-    longer than ``pad_to``.
-    """
-    if len(outputs) != len(scores) or not outputs:
-        raise ValueError(f"need one score per output and at least one output: {len(outputs)} vs {len(scores)}")
-    lengths = [len(o.output_ids) for o in outputs]
-    width = max(lengths) if pad_to is None else pad_to
-    for out, length in zip(outputs, lengths, strict=True):
-        if length == 0 or out.finish_reason not in schema.FINISH_REASONS:
-            raise ValueError(f"output {out.request_id!r}: {length} tokens, finish_reason={out.finish_reason!r}; "
-                             f"need >= 1 token and one of {list(schema.FINISH_REASONS)}")
-        if not length == len(out.output_log_probs) == len(out.weight_versions):
-            raise ValueError(f"output {out.request_id!r}: {length} tokens but {len(out.output_log_probs)} "
-                             f"log-probs and {len(out.weight_versions)} weight versions")
-        if length > width:
-            raise ValueError(f"output {out.request_id!r} has {length} tokens, more than pad_to={width}")
-    batch = len(outputs)
-    responses = torch.full((batch, width), pad_token_id, dtype=torch.int64)
-    mask = torch.zeros((batch, width), dtype=torch.int64)
-    log_probs = torch.zeros((batch, width), dtype=torch.float32)
-    token_scores = torch.zeros((batch, width), dtype=torch.float32)
-    for row, (out, length, score) in enumerate(zip(outputs, lengths, scores, strict=True)):
-        responses[row, :length] = torch.tensor(out.output_ids, dtype=torch.int64)
-        mask[row, :length] = 1
-        log_probs[row, :length] = torch.tensor(out.output_log_probs, dtype=torch.float32)
-        token_scores[row, length - 1] = float(score)
-    return {
-        schema.RESPONSES: responses,
-        schema.RESPONSE_MASK: mask,
-        schema.ROLLOUT_LOG_PROBS: log_probs,
-        schema.TOKEN_LEVEL_SCORES: token_scores,
-        schema.MIN_WEIGHT_VERSION: torch.tensor([o.min_weight_version for o in outputs], dtype=torch.int64),
-        schema.MAX_WEIGHT_VERSION: torch.tensor([o.max_weight_version for o in outputs], dtype=torch.int64),
-        schema.RESPONSE_LENGTH: torch.tensor(lengths, dtype=torch.int64),
-        schema.FINISH_REASON: [o.finish_reason for o in outputs],
-    }
+        """Put the samples of ``result`` (one row each, beside its group's prompt fields)."""
 
 
 # ----------------------------------------------------------------------------------------- the roller
@@ -275,7 +201,7 @@ class Roller:
         self._counters = _Counters()
         self._failures: deque[FailedGroup] = deque(maxlen=_MAX_FAILURES_KEPT)
         self._stopping = asyncio.Event()
-        self._held: dict[str, tuple[int, ...]] = {}  # uid -> sample ids of the groups taken and not yet done
+        self._held: dict[str, int] = {}  # uid -> prompt id of the groups taken and not yet done
         self._reward_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{roller_id}-reward")
 
     # ------------------------------------------------------------------------------ control
@@ -327,7 +253,7 @@ class Roller:
                 if first is None:
                     slots.release()
                     continue
-                self._held[first.uid] = first.sample_ids  # held from the take on (the pool's orphan check)
+                self._held[first.uid] = first.prompt_id  # held from the take on (the pool's orphan check)
                 room = None if max_groups is None else max_groups - started - 1
                 for group in [first, *await self._take_waiting(slots, room)]:
                     task = asyncio.create_task(self.process_group(group), name=f"{self.roller_id}-{group.uid}")
@@ -357,7 +283,7 @@ class Roller:
             if group is None:
                 slots.release()
                 break
-            self._held[group.uid] = group.sample_ids
+            self._held[group.uid] = group.prompt_id
             groups.append(group)
         return groups
 
@@ -365,7 +291,7 @@ class Roller:
 
     async def process_group(self, group: PromptGroup) -> GroupResult | FailedGroup:
         """Generate, score and put one group; returns what was put or the recorded failure."""
-        n = len(group.sample_ids)
+        n = group.num_samples
         greedy = tuple(i >= n - group.num_greedy for i in range(n))
         try:
             async with asyncio.TaskGroup() as samples:  # one failing sample cancels its siblings
@@ -413,8 +339,7 @@ class Roller:
         fields = build(outputs, scores[: len(outputs)], self.pad_token_id, pad_to)
         if self.remax_baseline:
             fields[REWARD_BASELINES] = torch.full((len(outputs),), scores[-1], dtype=torch.float32)
-        result = GroupResult(group.uid, group.sample_ids, fields, scores[: len(outputs)], greedy, texts,
-                             group.partition)
+        result = GroupResult(group, fields, scores[: len(outputs)], greedy, texts)
         await self.channel.put_group(result)
         c = self._counters
         if group.validation:  # validation groups are counted apart: the training counts stay the schedule's
@@ -428,7 +353,7 @@ class Roller:
         return result
 
     def _fail(self, group: PromptGroup, stage: str, errors: list[str]) -> FailedGroup:
-        failure = FailedGroup(group.uid, group.sample_ids, stage, tuple(errors),
+        failure = FailedGroup(group.uid, group.prompt_id, stage, tuple(errors),
                               group.partition if group.validation else "")
         self._counters.num_failed_groups += 1
         self._failures.append(failure)

@@ -224,10 +224,10 @@ def parse_generate_body(body: Any, vocab_size: int, default_rid: str,
 # ------------------------------------------------------------------------------------------ responses
 
 
-def weight_version_spans(versions: list[int]) -> list[dict[str, Any]]:
-    """SGLang's ``meta_info.weight_versions``: runs of equal versions as ``{version, start, end}``."""
+def weight_version_spans(weight_versions: list[int]) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions``: runs of equal weight versions as ``{version, start, end}``."""
     spans: list[dict[str, Any]] = []
-    for i, v in enumerate(versions):
+    for i, v in enumerate(weight_versions):
         if spans and spans[-1]["version"] == str(v):
             spans[-1]["end"] = i + 1
         else:
@@ -291,17 +291,17 @@ def parse_weight_version(value: Any, where: str = "weight_version") -> int:
 
 
 def _meta_versions(meta: dict, num_tokens: int, start: int, previous: list[int]) -> list[int]:
-    """Per-token versions of the output: from spans when the server sends them, else the event's
+    """Per-token weight versions of the output: from spans when the server sends them, else the event's
     ``weight_version`` for the tokens new in this event (``start`` onwards)."""
     if "weight_versions" in meta:
-        versions = [0] * num_tokens
+        weight_versions = [0] * num_tokens
         for span in _typed(meta["weight_versions"], list, "meta_info.weight_versions"):
             v = parse_weight_version(span["version"], "meta_info.weight_versions[].version")
             for i in range(int(span["start"]), min(int(span["end"]), num_tokens)):
-                versions[i] = v
-        return versions
-    version = parse_weight_version(meta["weight_version"], "meta_info.weight_version")
-    return previous[:start] + [version] * (num_tokens - start)
+                weight_versions[i] = v
+        return weight_versions
+    weight_version = parse_weight_version(meta["weight_version"], "meta_info.weight_version")
+    return previous[:start] + [weight_version] * (num_tokens - start)
 
 
 def parse_generate_output(payload: Any, request_id: str, previous: GenerationOutput | None) -> GenerationOutput:

@@ -1,7 +1,7 @@
 """Driving an engine through one weight update: the rollers' side of the weight plane.
 
 ``apply_update``: pause(``pause_mode``) → receive every bucket (``checkpointengine.WeightReceiver``, in a
-worker thread) → ``load_weights`` (atomic: the engine commits the version or keeps the old one) →
+worker thread) → ``load_weights`` (atomic: the engine commits the weight_version or keeps the old one) →
 flush the prefix cache → resume → ack. ``RollerActor.update_weights`` calls it; the trainer side sends
 meanwhile (``trainers.weight_sync.send_weights``).
 """
@@ -20,18 +20,18 @@ logger = logging.getLogger(__name__)
 
 
 class WeightUpdateError(RuntimeError):
-    """A roller's update failed; it keeps ``kept_version``. The cause is chained."""
+    """A roller's update failed; it keeps ``kept_weight_version``. The cause is chained."""
 
-    def __init__(self, roller: str, version: int, kept_version: int, cause: BaseException):
-        self.roller, self.version, self.kept_version = roller, version, kept_version
-        super().__init__(f"roller {roller!r}: update to weight_version {version} failed, keeping "
-                         f"{kept_version}: {type(cause).__name__}: {cause}")
+    def __init__(self, roller: str, weight_version: int, kept_weight_version: int, cause: BaseException):
+        self.roller, self.weight_version, self.kept_weight_version = roller, weight_version, kept_weight_version
+        super().__init__(f"roller {roller!r}: update to weight_version {weight_version} failed, keeping "
+                         f"{kept_weight_version}: {type(cause).__name__}: {cause}")
 
 
 @dataclass
 class UpdateResult:
     roller: str
-    version: int
+    weight_version: int
     duration_s: float
     num_bytes: int
 
@@ -48,29 +48,30 @@ async def _flush(engine: Engine, pause_mode: str) -> None:
         logger.warning("prefix cache not flushed after a %s pause: %s", pause_mode, exc)
 
 
-async def apply_update(engine: Engine, receiver: WeightReceiver, version: int, pause_mode: str = "retract"
+async def apply_update(engine: Engine, receiver: WeightReceiver, weight_version: int, pause_mode: str = "retract"
                        ) -> UpdateResult:
-    """Update ``engine`` to ``version`` through ``receiver`` (a ``checkpointengine.WeightReceiver``): pause(``pause_mode``) → receive
-    and load every bucket → commit the version → flush the prefix cache → resume → ack.
+    """Update ``engine`` to ``weight_version`` through ``receiver`` (a ``checkpointengine.WeightReceiver``):
+    pause(``pause_mode``) → receive and load every bucket → commit the weight_version → flush the prefix
+    cache → resume → ack.
 
     The receive runs in a worker thread (it blocks on the socket) so the engine's event loop keeps
-    serving. On any failure the engine keeps its old weights and version (``load_weights`` is atomic),
-    is resumed, the error is reported to the sender, and WeightUpdateError is raised.
+    serving. On any failure the engine keeps its old weights and weight_version (``load_weights`` is
+    atomic), is resumed, the error is reported to the sender, and WeightUpdateError is raised.
     """
     start = time.perf_counter()
     try:
         await engine.pause(pause_mode)
-        tensors = await asyncio.to_thread(lambda: list(receiver.receive(version)))
-        await engine.load_weights(tensors, version)
+        tensors = await asyncio.to_thread(lambda: list(receiver.receive(weight_version)))
+        await engine.load_weights(tensors, weight_version)
         await _flush(engine, pause_mode)
     except BaseException as exc:
-        receiver.fail(version, f"{type(exc).__name__}: {exc}")
+        receiver.fail(weight_version, f"{type(exc).__name__}: {exc}")
         try:
             await engine.resume()
         except Exception as resume_exc:  # the engine itself is broken; the update error is the news
             logger.error("roller %s: resume after a failed update failed: %s", receiver.roller, resume_exc)
-        raise WeightUpdateError(receiver.roller, version, receiver.version, exc) from exc
+        raise WeightUpdateError(receiver.roller, weight_version, receiver.weight_version, exc) from exc
     await engine.resume()
     duration = time.perf_counter() - start
-    receiver.ack(version, duration)
-    return UpdateResult(receiver.roller, version, duration, receiver.stats()["last_bytes"])
+    receiver.ack(weight_version, duration)
+    return UpdateResult(receiver.roller, weight_version, duration, receiver.stats()["last_bytes"])

@@ -42,3 +42,32 @@ def test_public_names_say_weight_version():
     for fn in (Admission.limit, Admission.num_admissible, Admission.start, RollerActor.update_weights):
         params = inspect.signature(fn).parameters
         assert "weight_version" in params and "version" not in params, fn.__qualname__
+
+
+def test_the_weight_plane_says_weight_version():
+    """Calls, records and wire messages of the checkpoint engine and its two sides (issue 19: bare
+    ``version`` for ``weight_version``)."""
+    import dataclasses
+
+    from checkpointengine import protocol
+    from checkpointengine.control import Round
+    from checkpointengine.receiver import WeightReceiver
+    from checkpointengine.sender import SyncReport, WeightSender
+    from checkpointengine.storage import DiskVersions
+    from controller.pool import RollerPool
+    from rollers.weight_update import UpdateResult, WeightUpdateError, apply_update
+    from trainers.weight_sync import send_weights
+
+    calls = (WeightSender.send, WeightSender.send_shards, WeightReceiver.receive, WeightReceiver.ack,
+             WeightReceiver.fail, DiskVersions.begin, DiskVersions.write_bucket, DiskVersions.finish,
+             DiskVersions.weight_version_dir, protocol.WeightSyncError, apply_update, WeightUpdateError,
+             send_weights, RollerPool.push_weights)
+    for fn in calls:
+        params = inspect.signature(fn).parameters
+        assert "weight_version" in params and "version" not in params, fn.__qualname__
+    records = [cls for cls in protocol.MESSAGES.values() if cls is not protocol.GroupInit]
+    for cls in (*records, Round, SyncReport, UpdateResult):
+        names = [f.name for f in dataclasses.fields(cls)]
+        assert "weight_version" in names and "version" not in names, cls.__qualname__
+    assert "initial_weight_version" in inspect.signature(WeightReceiver).parameters
+    assert isinstance(WeightSender.weight_version, property) and not hasattr(WeightSender, "version")

@@ -15,9 +15,10 @@ exactly 0 (no relative information; never NaN). verl instead uses a baseline of 
 
 Registry: each estimator is an :class:`AdvantageEstimator` plug-in in ``ADV_ESTIMATORS`` (the names of
 ``algorithm.adv_estimator``), carrying its wiring: ``needs_critic`` (the trainer builds a critic),
-``input_fields`` (batch fields it reads besides the rewards and mask) and ``roller_extras`` (per-sample
-fields the rollers must add). Add one with ``@register_adv_estimator("name", input_fields=(...))`` in any
-module; a module outside the package is selected as ``algorithm.adv_estimator=module:name``
+``input_fields`` (batch fields it reads besides the rewards and mask), ``roller_extras`` (per-sample
+fields the rollers must add) and ``group_local`` (a sample's advantage depends only on its own ``uid`` group:
+the trainer then computes it on each rank's own rows, ``trainers/advantage_stage.py``). Add one with
+``@register_adv_estimator("name", input_fields=(...))`` in any module; a module outside the package is selected as ``algorithm.adv_estimator=module:name``
 (``common/registry.py``). :func:`compute_advantages` dispatches.
 """
 
@@ -66,7 +67,10 @@ class AdvantageEstimator:
     ``needs_critic``: the trainer builds a critic and computes ``values`` (include ``values`` in
     ``input_fields``). ``input_fields``: sample-schema fields the estimator reads (``uid``, ``values``,
     ``remax_baseline``...), required non-None. ``roller_extras``: per-sample fields the rollers must put
-    (and the trainer fetch) for it, e.g. ReMax's ``remax_baseline``.
+    (and the trainer fetch) for it, e.g. ReMax's ``remax_baseline``. ``group_local``: a sample's advantage
+    depends only on the samples of its own ``uid`` group (no batch-wide statistic such as whitening or a
+    batch count), so a trainer rank holding whole groups computes it on its own rows without gathering
+    the batch; False (the safe default) makes every rank gather the global batch.
     """
 
     name: str
@@ -74,15 +78,18 @@ class AdvantageEstimator:
     needs_critic: bool = False
     input_fields: tuple[str, ...] = ()
     roller_extras: tuple[str, ...] = ()
+    group_local: bool = False
 
 
 ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.adv_estimator")
 
 
 def register_adv_estimator(name: str, *, needs_critic: bool = False, input_fields: tuple[str, ...] = (),
-                           roller_extras: tuple[str, ...] = ()) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator registering ``fn`` as the :class:`AdvantageEstimator` ``name`` (returns ``fn`` unchanged).
-    Raises ValueError on a duplicate name or an input field the function does not take."""
+                           roller_extras: tuple[str, ...] = (),
+                           group_local: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering ``fn`` as the :class:`AdvantageEstimator` ``name`` (returns ``fn`` unchanged;
+    the keywords are its fields). Raises ValueError on a duplicate name or an input field the function
+    does not take."""
 
     def wrap(fn: AdvantageFn) -> AdvantageFn:
         params = inspect.signature(fn).parameters
@@ -90,7 +97,7 @@ def register_adv_estimator(name: str, *, needs_critic: bool = False, input_field
         if missing:
             raise ValueError(f"advantage estimator {name!r} declares input_fields {missing} it does not take")
         ADV_ESTIMATORS.register(name, AdvantageEstimator(name, fn, needs_critic, tuple(input_fields),
-                                                         tuple(roller_extras)))
+                                                         tuple(roller_extras), group_local))
         return fn
 
     return wrap
@@ -230,7 +237,7 @@ def gae_advantages(
     return advantages, returns
 
 
-@register_adv_estimator("grpo", input_fields=(schema.UID,))
+@register_adv_estimator("grpo", input_fields=(schema.UID,), group_local=True)
 def grpo_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -255,7 +262,7 @@ def grpo_advantages(
     return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
-@register_adv_estimator("drgrpo", input_fields=(schema.UID,))
+@register_adv_estimator("drgrpo", input_fields=(schema.UID,), group_local=True)
 def drgrpo_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +272,7 @@ def drgrpo_advantages(
     return grpo_advantages(token_level_rewards, response_mask, uid, norm_adv_by_std=False)
 
 
-@register_adv_estimator("rloo", input_fields=(schema.UID,))
+@register_adv_estimator("rloo", input_fields=(schema.UID,), group_local=True)
 def rloo_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +317,8 @@ def reinforce_plus_plus_baseline_advantages(
     return advantages, advantages.clone()
 
 
-@register_adv_estimator("remax", input_fields=(schema.REMAX_BASELINE,), roller_extras=(schema.REMAX_BASELINE,))
+@register_adv_estimator("remax", input_fields=(schema.REMAX_BASELINE,), roller_extras=(schema.REMAX_BASELINE,),
+                        group_local=True)  # per sample: return-to-go minus its own baseline
 def remax_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, remax_baseline: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +337,7 @@ def remax_advantages(
     return advantages, returns
 
 
-@register_adv_estimator("grpo_passk", input_fields=(schema.UID,))
+@register_adv_estimator("grpo_passk", input_fields=(schema.UID,), group_local=True)
 def grpo_passk_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -359,7 +367,7 @@ def grpo_passk_advantages(
     return _outcome(adv, response_mask, token_level_rewards.dtype)
 
 
-@register_adv_estimator("opo", input_fields=(schema.UID,))
+@register_adv_estimator("opo", input_fields=(schema.UID,), group_local=True)
 def opo_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@ How one training batch of ``G`` prompt groups is cut (``m = trainer.ppo_mini_bat
 
 Each rank's slice is its share of every global mini-batch, concatenated, together with the number of its
 samples in each mini-batch (``mini_batch_sizes``), so every rank steps the optimizer on the same global
-mini-batch. Groups are never split. When ``m`` is not a multiple of ``M`` (or a mini-batch has fewer than
+mini-batch. Groups are never split (so a group-local advantage estimator runs on each rank's own rows,
+without gathering the batch: ``trainers/advantage_stage.py``). When ``m`` is not a multiple of ``M`` (or a mini-batch has fewer than
 ``M`` groups) ranks get unequal shares; the worker then pads with fully masked micro-batches so every rank
 runs the same number of forward/backward passes (collectives must match), and the loss — normalised by the
 global token count — is unchanged. A rank whose share of a mini-batch is empty contributes zero gradient.

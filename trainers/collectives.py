@@ -6,6 +6,7 @@ No Python objects are pickled: strings travel as padded UTF-8 byte tensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 
@@ -48,6 +49,20 @@ def all_gather_strings(items: Sequence[str]) -> list[str]:
         table[i, 1 : 1 + len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else 0
     gathered = all_gather_rows(table)
     return [bytes(row[1:].tolist()).rstrip(b"\x00").decode("utf-8") for row in gathered]
+
+
+def uid_groups_rank_local(uid: Sequence[str]) -> bool:
+    """Whether every ``uid`` group lies on one rank (no uid on two ranks); the same answer on every rank.
+
+    Gathers one 8-byte BLAKE2b hash per distinct uid of each rank (not the uids, nor any sample): a hash
+    collision of two different uids on two ranks can only answer False, the safe answer. One rank: True
+    without communication."""
+    if dist.get_world_size() == 1:
+        return True
+    hashes = [int.from_bytes(hashlib.blake2b(u.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+              for u in sorted({str(u) for u in uid})]
+    every = all_gather_rows(torch.tensor(hashes, dtype=torch.int64))
+    return every.unique().numel() == every.numel()
 
 
 def global_masked_stats(x: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict[str, float]:

@@ -6,7 +6,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from common.env import AUTO_THREADS, check_num_threads, check_ray_resources
+from common.env import AUTO_THREADS, LOOPBACK, check_num_threads, check_ray_resources
+from common.net import check_bind_host
 from trainers.advantages import ADV_ESTIMATORS
 from trainers.kl import KL_ESTIMATORS
 from trainers.losses import LOSS_AGG_MODES
@@ -45,7 +46,10 @@ class TrainerConfig:
     logical CPUs per rank actor (fractional allowed). ``timeout_s``: bound on every collective and on
     every call the driver waits for. ``resources``: Ray custom resources each rank asks for (name ->
     amount, e.g. ``{hflow_trainer: 1}``), so ranks are placed only on the nodes started with them
-    (``common.env.check_ray_resources``).
+    (``common.env.check_ray_resources``). ``host``: where rank 0 serves the ranks' process-group rendezvous
+    when the ranks span Ray nodes (all on one node: always loopback): one IPv4 address of rank 0's node, or
+    ``node`` for rank 0's Ray node address (``trainers.group.rendezvous_host``); the loopback default
+    refuses ranks on several nodes with an error naming this key.
     """
 
     num_ranks: int = 1
@@ -70,9 +74,11 @@ class TrainerConfig:
     num_cpus_per_rank: float = 1.0
     timeout_s: float = 1800.0
     resources: dict[str, float] = field(default_factory=dict)
+    host: str = LOOPBACK
 
     def __post_init__(self):
         check_ray_resources("trainer.resources", self.resources)
+        check_bind_host("trainer.host", self.host)
         check_num_threads("trainer.num_threads", self.num_threads)
         for key in ("num_ranks", "total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
             if getattr(self, key) < 1:

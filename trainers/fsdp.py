@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from common import models, net
+from common import models, net, schema
 from trainers.losses import entropy_from_logits, log_probs_from_logits
 
 POLICY = "policy"
@@ -135,9 +135,9 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    prompts, responses = batch["input_ids"], batch["responses"]
+    prompts, responses = batch[schema.INPUT_IDS], batch[schema.RESPONSES]
     ids = torch.cat([prompts, responses], dim=1)
-    mask = torch.cat([batch["attention_mask"].to(prompts.dtype), torch.ones_like(responses)], dim=1)
+    mask = torch.cat([batch[schema.ATTENTION_MASK].to(prompts.dtype), torch.ones_like(responses)], dim=1)
     return ids, mask, prompts.shape[1], responses.shape[1]
 
 
@@ -158,7 +158,7 @@ def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, 
     logits = out.logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
-    responses = batch["responses"].to(logits.device)
+    responses = batch[schema.RESPONSES].to(logits.device)
     log_probs = log_probs_from_logits(logits, responses)
     entropy = None
     if with_entropy:

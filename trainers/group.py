@@ -9,8 +9,13 @@
       each rank fetches its own samples from the TransferQueue (no tensor passes through the driver);
       metrics from rank 0 (every rank computes the same global metrics)
 
-Rendezvous: rank 0's actor picks a free port on its node's loopback; ranks join
-``tcp://127.0.0.1:port`` (the MASTER_ADDR/MASTER_PORT pair, passed as ``init_method``). One node.
+Rendezvous (``rendezvous_host``): when every rank is on one Ray node, rank 0's actor picks a free port on
+its node's loopback and the ranks meet at ``127.0.0.1:port``; when the placement group spreads them over
+several Ray nodes (``PACK`` fills one node first), rank 0 binds ``trainer.host`` (``node``: its own Ray
+node address, resolved in rank 0's process) and the ranks meet at the address rank 0 reports. The store
+listens on that one address only (``common.net.tcp_store``); gloo/NCCL then connect rank to rank on the
+interfaces their own settings pick (gloo: the host name's address or ``GLOO_SOCKET_IFNAME``; NCCL:
+``NCCL_SOCKET_IFNAME``).
 
 Errors: an exception raised inside any rank reaches the caller as the original exception (same type and
 message) with a note naming the rank and method. A rank whose process dies fails the call at once with
@@ -22,6 +27,7 @@ usable; an exception in the middle of a collective leaves the group unusable —
 
 from __future__ import annotations
 
+import ipaddress
 import time
 
 import torch
@@ -29,6 +35,7 @@ import torch
 from common import schema
 from common.env import LOOPBACK
 from common.models import ModelConfig
+from common.net import NODE_HOST
 from trainers.batching import shard_for_ranks
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.worker import TrainerActor
@@ -41,6 +48,22 @@ class TrainerRankLost(RuntimeError):
         self.rank, self.method = rank, method
         super().__init__(f"trainer rank {rank} was lost in {method}: {type(cause).__name__}: "
                          f"{str(cause).strip().splitlines()[0] if str(cause).strip() else 'no detail'}")
+
+
+def rendezvous_host(host: str, rank_nodes: list[str]) -> str:
+    """The address trainer rank 0 binds for the ranks' rendezvous (``node`` is resolved by rank 0 itself,
+    ``TrainerActor.rendezvous_address``): loopback when every rank is on one Ray node (``rank_nodes``: each
+    rank's Ray node id), else ``host`` (``trainer.host``: ``node`` or an IPv4 address of rank 0's node).
+    Raises ValueError naming ``trainer.host`` when the ranks span nodes and ``host`` is a loopback address,
+    which the other nodes cannot reach."""
+    if len(set(rank_nodes)) <= 1:
+        return LOOPBACK
+    if host != NODE_HOST and ipaddress.IPv4Address(host).is_loopback:
+        raise ValueError(f"the {len(rank_nodes)} trainer ranks were placed on {len(set(rank_nodes))} Ray nodes, but "
+                         f"trainer.host={host!r} is a loopback address the other nodes cannot reach: set "
+                         f"trainer.host={NODE_HOST} (rank 0's Ray node address) or an address of rank 0's node, or "
+                         "give trainer.resources that one node holds for every rank")
+    return host
 
 
 class TrainerGroup:
@@ -75,18 +98,30 @@ class TrainerGroup:
                     resources=dict(trainer.resources),
                     scheduling_strategy=strategy,
                 ).remote(trainer.num_threads))
-            port = self._wait([self._actors[0].free_port.remote()], "free_port")[0]
+            self.rank_nodes = self._rank_nodes()
+            host = rendezvous_host(trainer.host, self.rank_nodes)
+            self.rendezvous: tuple[str, int] = tuple(
+                self._wait([self._actors[0].rendezvous_address.remote(host)], "rendezvous_address")[0])
             kwargs = {"trainer": trainer, "algorithm": algorithm, "model": model, "temperature": temperature,
                       "max_response_length": max_response_length, "tq_handle": tq_handle}
             backend = "nccl" if device == "cuda" else "gloo"
             self._wait([actor.setup.remote(
-                rank, self.num_ranks, LOOPBACK, port, backend, trainer.timeout_s, kwargs)
+                rank, self.num_ranks, *self.rendezvous, backend, trainer.timeout_s, kwargs)
                 for rank, actor in enumerate(self._actors)], "setup")
         except BaseException:
             self.shutdown()
             raise
 
     # ------------------------------------------------------------------------------------------ plumbing
+
+    def _rank_nodes(self) -> list[str]:
+        """Each rank's Ray node id (rank r runs in bundle r of the ready placement group)."""
+        from ray.util.placement_group import placement_group_table
+
+        nodes = placement_group_table(self._pg)["bundles_to_node_id"]
+        rank_nodes = [nodes.get(rank, "") for rank in range(self.num_ranks)]
+        assert all(rank_nodes), f"a ready placement group has a bundle without a node: {nodes}"
+        return rank_nodes
 
     def _wait(self, refs: list, method: str) -> list:
         """``ray.get`` every ref within ``trainer.timeout_s``; re-raise a rank's exception as itself."""

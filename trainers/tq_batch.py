@@ -16,10 +16,8 @@ from common import schema
 from transferqueue.batching import pad_sequences
 from transferqueue.records import BatchMeta
 
-# Fields a training step reads, with the side their padding goes on and the pad value.
-PROMPT_SIDE = {schema.INPUT_IDS: 0, schema.ATTENTION_MASK: 0}
-RESPONSE_SIDE = {schema.RESPONSES: 0, schema.RESPONSE_MASK: 0, schema.ROLLOUT_LOG_PROBS: 0.0,
-                 schema.TOKEN_LEVEL_SCORES: 0.0}
+# Fields a training step reads (common.schema.TRAINER), each padded with 0 on its ``pad_side``.
+TRAIN_FIELDS = schema.TRAINER.read_fields()
 
 
 def fetch_batch(client, meta: BatchMeta, extra_fields: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -30,13 +28,10 @@ def fetch_batch(client, meta: BatchMeta, extra_fields: tuple[str, ...] = ()) -> 
     uids = [tag.get(schema.UID) for tag in meta.tags]
     if any(u is None for u in uids):
         raise ValueError(f"samples {meta.sample_ids} lack a {schema.UID!r} tag")
-    names = list(PROMPT_SIDE) + list(RESPONSE_SIDE) + list(extra_fields)
-    data = client.get_data(meta, names)
+    data = client.get_data(meta, [*TRAIN_FIELDS, *extra_fields])
     out: dict[str, Any] = {schema.UID: [str(u) for u in uids]}
-    for name, pad in PROMPT_SIDE.items():
-        out[name] = pad_sequences(data[name], pad, side="left")
-    for name, pad in RESPONSE_SIDE.items():
-        out[name] = pad_sequences(data[name], pad, side="right")
+    for name in TRAIN_FIELDS:
+        out[name] = pad_sequences(data[name], 0, side=schema.FIELDS[name].pad_side)
     for name in extra_fields:
         value = data[name]
         out[name] = value if isinstance(value, torch.Tensor) else torch.stack(list(value))

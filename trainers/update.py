@@ -36,10 +36,8 @@ from trainers.metrics import count_tokens_and_seqs, masked_sum
 from trainers.policy_losses import POLICY_LOSSES, PolicyLossParams
 from trainers.rollout_corr import MismatchSums
 
-ACTOR_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES, schema.RESPONSE_MASK,
-                schema.OLD_LOG_PROBS, schema.ADVANTAGES)
-CRITIC_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES, schema.RESPONSE_MASK,
-                 schema.VALUES, schema.RETURNS)
+ACTOR_FIELDS = schema.UPDATE_ACTOR.reads
+CRITIC_FIELDS = schema.UPDATE_CRITIC.reads
 
 
 def require_fields(batch: dict, fields: tuple[str, ...], method: str) -> None:

@@ -6,8 +6,8 @@ drives::
 
     handle = group.execute(attach_sender, cfg.checkpointengine, roller_names)[0]   # collective
     ... each roller: WeightReceiver(WeightSyncHandle.from_dict(handle), name)
-    group.execute(send_weights, version)      # concurrently with apply_update(...) on every roller
-    group.execute(add_roller, "r7"); group.execute(send_weights, version, ["r7"])   # a joining roller
+    group.execute(send_weights, weight_version)      # concurrently with apply_update(...) on every roller
+    group.execute(add_roller, "r7"); group.execute(send_weights, weight_version, ["r7"])   # a joining roller
 
 ``send_weights`` uses ``send_shards`` (no gather) when the backend supports it (``shm``) and the gathered
 stream otherwise.
@@ -48,14 +48,14 @@ def _sender(worker) -> WeightSender:
     return worker.weight_sender
 
 
-def send_weights(worker, version: int, targets: list[str] | None = None) -> dict | None:
-    """Collective: send the policy as ``version`` (to ``targets``, default every roller); the
+def send_weights(worker, weight_version: int, targets: list[str] | None = None) -> dict | None:
+    """Collective: send the policy as ``weight_version`` (to ``targets``, default every roller); the
     ``SyncReport`` as a dict on rank 0, None elsewhere. Raises as ``WeightSender.send``."""
     sender = _sender(worker)
     if sender.supports_shards:
-        report = sender.send_shards(worker.named_local_shards(), version, targets)
+        report = sender.send_shards(worker.named_local_shards(), weight_version, targets)
     else:
-        report = sender.send(worker.named_full_tensors(), version, targets)
+        report = sender.send(worker.named_full_tensors(), weight_version, targets)
     return dataclasses.asdict(report) if report is not None else None
 
 

@@ -32,17 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common import schema
+from common import net, schema
 from common.env import resolve_num_threads, set_torch_threads
 from common.models import ModelConfig
 from trainers import checkpoint, collectives, export, fsdp
+from trainers.advantage_stage import compute_rank_advantages
 from trainers.advantages import ADV_ESTIMATORS
-from trainers.advantages import compute_advantages as _estimate_advantages
 from trainers.batching import as_batch_dict, batch_size, local_mini_batch_sizes, select
 from trainers.config import AlgorithmConfig, TrainerConfig
-from trainers.dapo import apply_overlong_penalty
-from trainers.kl import apply_kl_in_reward, make_kl_controller
-from trainers.metrics import masked_stats
+from trainers.kl import make_kl_controller
 from trainers.rollout_corr import MismatchSums, can_skip_old_forward, is_on_policy
 from trainers.update import (
     CRITIC_FIELDS,
@@ -57,8 +55,7 @@ from trainers.update import (
 
 logger = logging.getLogger(__name__)
 
-FORWARD_FIELDS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.RESPONSES)
-ADVANTAGE_FIELDS = (schema.TOKEN_LEVEL_SCORES, schema.RESPONSE_MASK, schema.UID)
+FORWARD_FIELDS = schema.FORWARD.reads
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
@@ -196,47 +193,20 @@ class TrainerWorker:
     def compute_advantages(self, batch: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """``token_level_rewards`` (scores, plus DAPO's overlong penalty with ``overlong_buffer_len`` > 0,
         minus the KL penalty with ``use_kl_in_reward``), ``advantages`` and ``returns``
-        ``(batch, response_len)`` for this rank's samples, and metrics (``overlong/*`` with the penalty).
+        ``(batch, response_len)`` for this rank's samples, and metrics (``advantages/*``, ``returns/*``,
+        ``overlong/*`` with the penalty, ``kl_in_reward/*`` with the KL penalty), the same on every rank.
 
-        Computed on the **global** batch (every rank's samples, gathered), so batch-level whitening
-        (GAE, REINFORCE++) and ``uid`` groups do not depend on how the batch was sharded. Needs
-        ``token_level_scores``, ``response_mask``, ``uid``, the estimator's ``input_fields`` (``values`` for
-        gae, ``remax_baseline`` for remax) and ``old_log_probs``, ``ref_log_prob`` for KL-in-reward.
+        A group-local estimator (GRPO, RLOO, ...) runs on this rank's rows when every ``uid`` group is whole
+        on one rank; otherwise every rank gathers the **global** batch, so batch-level whitening (GAE,
+        REINFORCE++) and split groups do not depend on how the batch was sharded
+        (``trainers/advantage_stage.py``). Needs ``token_level_scores``, ``response_mask``, ``uid``, the
+        estimator's ``input_fields`` (``values`` for gae, ``remax_baseline`` for remax) and
+        ``old_log_probs``, ``ref_log_prob`` for KL-in-reward; raises ValueError naming a missing one.
         Collective.
         """
-        b = as_batch_dict(batch)
-        algo = self.algorithm
-        inputs = tuple(f for f in self.estimator.input_fields if f not in ADVANTAGE_FIELDS)
-        needed = ADVANTAGE_FIELDS + inputs \
-            + ((schema.OLD_LOG_PROBS, schema.REF_LOG_PROB) if algo.use_kl_in_reward else ())
-        require_fields(b, needed, "compute_advantages")
-        n_local = batch_size(b)
-        every = {k: collectives.all_gather_rows(b[k].cpu()) for k in needed if k != schema.UID}
-        uid = collectives.all_gather_strings([str(u) for u in b[schema.UID]])
-        offset = int(collectives.all_gather_rows(torch.tensor([n_local]))[: self.rank].sum().item())
-        mask = every[schema.RESPONSE_MASK]
-        metrics: dict[str, float] = {}
-        rewards = every[schema.TOKEN_LEVEL_SCORES].float()
-        if algo.overlong_buffer_len > 0:  # DAPO eq. 13, on the sequence's last valid token
-            rewards, overlong_metrics = apply_overlong_penalty(
-                rewards, mask, max_response_length=self.norm_length, overlong_buffer_len=algo.overlong_buffer_len,
-                penalty_factor=algo.overlong_penalty_factor)
-            metrics.update(overlong_metrics)
-        if algo.use_kl_in_reward:
-            rewards, kl_metrics = apply_kl_in_reward(
-                rewards, every[schema.OLD_LOG_PROBS], every[schema.REF_LOG_PROB], mask,
-                kl_coef=self.kl_controller.value, estimator=algo.kl_in_reward_estimator)
-            metrics.update(kl_metrics)
-            self.kl_controller.update(kl_metrics["kl_in_reward/kl"], num_samples=len(uid))
-        advantages, returns = _estimate_advantages(
-            self.estimator, token_level_rewards=rewards, response_mask=mask, gamma=algo.gamma, lam=algo.lam,
-            norm_adv_by_std=algo.norm_adv_by_std, uid=uid, **{f: every[f] for f in inputs})
-        rows = slice(offset, offset + n_local)
-        metrics.update(masked_stats(advantages, mask, "advantages"))
-        metrics.update(masked_stats(returns, mask, "returns"))
-        out = {schema.TOKEN_LEVEL_REWARDS: rewards[rows], schema.ADVANTAGES: advantages[rows],
-               schema.RETURNS: returns[rows]}
-        return out, metrics
+        return compute_rank_advantages(as_batch_dict(batch), estimator=self.estimator, algorithm=self.algorithm,
+                                       kl_controller=self.kl_controller, max_response_length=self.norm_length,
+                                       rank=self.rank)
 
     def update_actor(self, batch: Mapping[str, Any], mini_batch_sizes: list[int] | None = None, *,
                      old_from_current: bool = False) -> dict[str, float]:
@@ -449,13 +419,11 @@ class TrainerActor:
         set_torch_threads(resolve_num_threads(num_threads))
         self.worker: TrainerWorker | None = None
 
-    def free_port(self) -> int:
-        """A free TCP port on this node's loopback, for the process group's rendezvous (rank 0 only)."""
-        import socket
-
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    def rendezvous_address(self, host: str) -> tuple[str, int]:
+        """(address, free port) for the process group's rendezvous, on this rank's node (rank 0 only):
+        ``host`` resolved here (``node``: this rank's Ray node address, ``common.net.resolve_bind_host``)."""
+        address = net.resolve_bind_host("trainer.host", host)
+        return address, net.free_port(address)
 
     def setup(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
               timeout_s: float, worker_kwargs: dict) -> None:

@@ -24,6 +24,7 @@ from transferqueue.records import (
     Full,
     IndexStats,
     RemoteError,
+    ServerLost,
     Timeout,
     TQError,
     TQHandle,
@@ -32,6 +33,6 @@ from transferqueue.records import (
 from transferqueue.samplers import register_sampler
 
 __all__ = [
-    "Batch", "BatchMeta", "Closed", "FieldSchema", "Full", "IndexStats", "RemoteError", "TQClient", "TQError",
-    "TQHandle", "TQServers", "Timeout", "chunk_sizes", "pad_sequences", "register_sampler", "start_transferqueue",
+    "Batch", "BatchMeta", "Closed", "FieldSchema", "Full", "IndexStats", "RemoteError", "ServerLost", "TQClient",
+    "TQError", "TQHandle", "TQServers", "Timeout", "chunk_sizes", "pad_sequences", "register_sampler", "start_transferqueue",
 ]

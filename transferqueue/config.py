@@ -11,7 +11,8 @@ from common.net import check_bind_host
 class TransferQueueConfig:
     """Data plane. ``capacity_bytes`` per storage unit; ``shared_memory`` enables the same-node fast
     path; ``curve`` enables ZMQ CURVE auth/encryption (for sockets that leave the node); ``host`` is the
-    bind address (loopback unless configured).
+    servers' bind address: loopback unless configured; one IPv4 address, or ``node`` for the launcher's
+    (the driver's) Ray node address (``common.net``). Clients connect to the endpoints the servers report.
 
     ``route_block``: samples ``[k*route_block, (k+1)*route_block)`` live on unit ``k % num_storage_units``.
     ``shm_min_bytes``: puts smaller than this go over ZMQ frames even on one node (a shared-memory put

@@ -5,7 +5,12 @@ gives back a ``TQHandle`` (addresses, routing, keys) for every worker's ``TQClie
 
     controller: servers = start_transferqueue(cfg)
                 handle = servers.handle  -> passed to every Ray actor -> TQClient(handle)
+                servers.check()                             # ServerLost if a server process exited
                 servers.shutdown()                          # stops the loops, unlinks shared memory
+
+The servers bind ``transferqueue.host`` (``node``: the launcher's Ray node address, resolved here, since
+the servers are subprocesses of the launcher on its node and not Ray processes); clients connect to the
+endpoints the servers publish, which the handle carries.
 
 Subprocesses get their settings (including CURVE secrets) as JSON on stdin, never on the command line,
 and publish their bound endpoint in a file the launcher waits for (``start_timeout_s``).
@@ -13,6 +18,7 @@ and publish their bound endpoint in a file the launcher waits for (``start_timeo
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -26,9 +32,11 @@ from dataclasses import asdict
 from typing import Any
 
 from common.curve import CurveKeys, make_job_keys
+from common.net import resolve_bind_host
 from common.node import adopt_node_id, node_id
 from transferqueue.config import TransferQueueConfig
-from transferqueue.records import TQError, TQHandle
+from transferqueue.records import ServerLost, TQError, TQHandle
+from transferqueue.shm_layout import BLOCK_NAME, SHM_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +110,8 @@ def _server_main() -> None:
             pass
 
 
-def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None) -> list[dict]:
-    base = {"address": f"tcp://{cfg.host}:0", "curve": asdict(curve) if curve else None,
+def _specs(cfg: TransferQueueConfig, curve: CurveKeys | None, host: str) -> list[dict]:
+    base = {"address": f"tcp://{host}:0", "curve": asdict(curve) if curve else None,
             "lease_s": cfg.request_timeout_s, "limits": cfg.limits()}
     specs = [dict(base, role="index", sampler_modules=list(cfg.sampler_modules))]
     for i in range(cfg.num_storage_units):
@@ -131,6 +139,27 @@ def _keys(cfg: TransferQueueConfig) -> CurveKeys | None:
     return make_job_keys()
 
 
+def _unlink_blocks(pid: int) -> None:
+    """Remove the shared-memory blocks storage unit ``pid`` left behind (``shm_layout``: its blocks are named
+    after its pid); a unit that exits normally removes its own."""
+    for path in glob.glob(os.path.join(SHM_DIR, f"hflow-tq-{pid}-*")):
+        if BLOCK_NAME.fullmatch(os.path.basename(path)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def how_it_ended(code: int) -> str:
+    """``killed by SIGKILL`` or ``exited with code 1``, from a ``Popen.returncode``."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class TQServers:
     """Running servers (subprocesses) and their handle. ``shutdown()`` is idempotent."""
 
@@ -139,6 +168,17 @@ class TQServers:
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
+
+    def check(self) -> None:
+        """Raise ServerLost naming the first server process that has exited (the index or storage unit K,
+        its pid and endpoint, and how it ended); return when all run. Cheap: one ``waitpid`` per server."""
+        for i, p in enumerate(self.procs):
+            code = p.poll()
+            if code is None:
+                continue
+            name = "index" if i == 0 else f"storage unit {i - 1}"
+            where = self.handle.index_address if i == 0 else self.handle.unit_addresses[i - 1]
+            raise ServerLost(name, f"TransferQueue {name} (pid {p.pid}, {where}) died: {how_it_ended(code)}")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         for p in self.procs:
@@ -152,6 +192,9 @@ class TQServers:
                 logger.warning("TransferQueue server %d ignored SIGTERM; killing it", p.pid)
                 p.kill()
                 p.wait(timeout=5)
+        for p in self.procs:
+            if p.returncode:  # died (or was killed) without unlinking its shared-memory blocks
+                _unlink_blocks(p.pid)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> TQServers:
@@ -165,14 +208,16 @@ def start_transferqueue(cfg: TransferQueueConfig) -> TQServers:
     """Start the index and ``cfg.num_storage_units`` units as subprocesses; returns once all are bound.
 
     Raises TQError when a server exits or does not publish its endpoint within ``cfg.start_timeout_s``
-    (every started process is stopped first).
+    (every started process is stopped first); RuntimeError for ``transferqueue.host=node`` outside a Ray
+    cluster (``common.net.resolve_bind_host``).
     """
+    host = resolve_bind_host("transferqueue.host", cfg.host)
     curve = _keys(cfg)
     run_dir = tempfile.mkdtemp(prefix="hflow-tq-")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     procs, files = [], []
     try:
-        for i, spec in enumerate(_specs(cfg, curve)):
+        for i, spec in enumerate(_specs(cfg, curve, host)):
             spec["endpoint_file"] = files_i = os.path.join(run_dir, f"server{i}.json")
             spec["local_address"] = local_address(run_dir, i)
             spec["node"] = node_id()

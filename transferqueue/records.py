@@ -39,6 +39,20 @@ class RemoteError(TQError):
     """A server rejected a request (malformed, unknown op, bad ids, ...); the message says why."""
 
 
+class ServerLost(TQError):
+    """A TransferQueue server is gone: ``server`` names it (``index`` or ``storage unit K``). Raised by a
+    client whose connection to it closed (or never opened) and stayed down while a request waited
+    (``transport.LOST_AFTER_S``), and by ``TQServers.check`` for a server process that exited (with how
+    it ended). The samples a lost storage unit held are gone: a job cannot go on without it."""
+
+    def __init__(self, server: str, message: str):
+        self.server = server
+        super().__init__(message)
+
+    def __reduce__(self):  # picklable with both arguments (Ray carries a worker's errors to the caller)
+        return type(self), (self.server, self.args[0])
+
+
 # ------------------------------------------------------------------------------------------ schemas
 
 

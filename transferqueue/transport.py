@@ -11,12 +11,20 @@ per client), so replies arrive in order; replies whose ``rid`` is stale (from a 
 dropped. Error replies raise ``RemoteError`` (``Full`` when the server says so); a missing reply raises
 ``Timeout``; a request cut off by ``close`` raises ``Closed`` (never a ZMQ error or, in the async API, a
 ``CancelledError`` the caller did not ask for).
+
+A server that died is not waited for until the request timeout: each socket's ZMQ monitor reports when
+its connection opens and closes (a killed process's kernel closes its sockets at once), and a request
+whose server connection has been down for ``LOST_AFTER_S`` raises ``ServerLost`` naming the server. A
+socket counts as down from its creation until its first connection, so a fresh socket to a dead server is
+caught too. A server that is slow, or a machine that vanished without closing its connections, still
+ends in ``Timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import struct
 import threading
 import time
 import weakref
@@ -30,11 +38,19 @@ import zmq.asyncio
 from common.curve import connect_curve
 from common.node import node_id
 from transferqueue import wire
-from transferqueue.records import Closed, Full, RemoteError, Timeout, TQError, TQHandle
+from transferqueue.records import Closed, Full, RemoteError, ServerLost, Timeout, TQError, TQHandle
 
 INDEX = -1
 CLEANUP_GRACE_S = 5.0  # extra time a failed flow gets for its clean-up requests
+# A request whose server connection stays down this long fails with ServerLost (a reconnect to a live server
+# takes milliseconds; a first connect across nodes, at most a few SYN retries).
+LOST_AFTER_S = 5.0
+WAIT_SLICE_S = 0.5  # a waiting request looks at its connection's state this often
+# Only connection changes: a dead server's refused reconnects (CONNECT_RETRIED, every 100 ms) would fill the
+# monitor's queue, and libzmq's I/O thread blocks on a full monitor socket.
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 _rids = itertools.count(1)
+_monitor_ids = itertools.count()
 
 
 @dataclass
@@ -75,24 +91,79 @@ def server_addresses(handle: TQHandle) -> dict[int, str]:
     return out
 
 
+def server_name(target: int) -> str:
+    """``index`` or ``storage unit K``: how errors name a server."""
+    return "index" if target == INDEX else f"storage unit {target}"
+
+
+class Peer:
+    """One DEALER socket to a server and the PAIR socket its monitor sends to (connection opened / closed
+    events). ``down_since``: ``time.monotonic()`` since when the connection is known to be down (from
+    creation until the first connection; from a closed connection until the next), None while it is up.
+
+    libzmq's I/O thread sends monitor events with blocking sends, so the PAIR never makes it wait: its
+    receive queue is unbounded (events are rare: one per connection change), and ``close`` stops the
+    monitor before closing the PAIR (an event sent to a closed PAIR would block that thread for good)."""
+
+    def __init__(self, ctx: zmq.Context, handle: TQHandle, target: int, address: str):
+        self.target, self.address = target, address
+        self.sock = ctx.socket(zmq.DEALER)
+        endpoint = f"inproc://hflow-tq-monitor-{next(_monitor_ids)}"
+        self.sock.monitor(endpoint, _MONITOR_EVENTS)  # before connect: the first connection is seen
+        self.monitor = ctx.socket(zmq.PAIR)
+        self.monitor.setsockopt(zmq.RCVHWM, 0)  # 0: no limit (an inproc queue's bound is the sum of both ends)
+        self.monitor.setsockopt(zmq.LINGER, 0)
+        self.monitor.connect(endpoint)
+        _setup(self.sock, handle, address)
+        self.down_since: float | None = time.monotonic()
+
+    def note(self, frames: list) -> None:
+        """Take one monitor event message into the connection state."""
+        event = struct.unpack("=hi", frames[0])[0]
+        if event == zmq.EVENT_CONNECTED:
+            self.down_since = None
+        elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
+            self.down_since = time.monotonic()
+
+    def check(self, op: Any) -> None:
+        """Raise ServerLost when the connection has been down ``LOST_AFTER_S`` (call after taking every
+        queued event with ``note``)."""
+        if self.down_since is not None and time.monotonic() - self.down_since >= LOST_AFTER_S:
+            raise ServerLost(server_name(self.target), f"TransferQueue {server_name(self.target)} at {self.address} "
+                             f"is gone: no connection to it for {LOST_AFTER_S:.0f} s (its process died, or nothing "
+                             f"listens there); {op} not answered")
+
+    def close(self) -> None:
+        """Stop the monitor, then close both sockets (idempotent)."""
+        if not self.sock.closed:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:  # the context is being terminated: nothing sends events any more
+                pass
+            self.sock.close(linger=0)
+        self.monitor.close(linger=0)
+
+
 class Channel:
-    """One DEALER socket per server (created on first use), used by one flow at a time."""
+    """One DEALER socket per server (a ``Peer``, created on first use), used by one flow at a time."""
 
     def __init__(self, ctx: zmq.Context, handle: TQHandle, addresses: dict[int, str]):
         self.ctx, self.handle, self.addresses = ctx, handle, addresses
-        self.socks: dict[int, zmq.Socket] = {}
+        self.peers: dict[int, Peer] = {}
+
+    def peer(self, target: int) -> Peer:
+        p = self.peers.get(target)
+        if p is None:
+            p = self.peers[target] = Peer(self.ctx, self.handle, target, self.addresses[target])
+        return p
 
     def sock(self, target: int) -> zmq.Socket:
-        s = self.socks.get(target)
-        if s is None:
-            s = self.socks[target] = self.ctx.socket(zmq.DEALER)
-            _setup(s, self.handle, self.addresses[target])
-        return s
+        return self.peer(target).sock
 
     def close(self) -> None:
-        for s in self.socks.values():
-            s.close(linger=0)
-        self.socks.clear()
+        for p in list(self.peers.values()):
+            p.close()
+        self.peers.clear()
 
 
 def _check(reply: list, rid: int, tolerate: bool) -> tuple[dict, list] | TQError | None:
@@ -114,6 +185,16 @@ def _socket_error(exc: zmq.ZMQError, closed: bool) -> TQError:
     return TQError(f"socket error: {type(exc).__name__}: {exc}")
 
 
+def _look(peer: Peer, call: Call) -> None:
+    """Take every queued monitor event of ``peer``; ServerLost when its connection stayed down too long."""
+    while True:
+        try:
+            peer.note(peer.monitor.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    peer.check(call.header.get("op"))
+
+
 def _stamp(call: Call) -> tuple[int, list]:
     rid = next(_rids)
     call.header["rid"] = rid
@@ -128,6 +209,7 @@ class SyncDriver:
         self.addresses = server_addresses(handle)
         self.ctx = zmq.Context()
         self.pool: list[Channel] = []
+        self.all: list[Channel] = []  # closed before the context: each stops its monitors first (Peer.close)
         self.created = 0
         self.max_channels = max_channels
         self.cond = threading.Condition()
@@ -142,7 +224,8 @@ class SyncDriver:
                     return self.pool.pop()
                 if self.created < self.max_channels:
                     self.created += 1
-                    return Channel(self.ctx, self.handle, self.addresses)
+                    self.all.append(Channel(self.ctx, self.handle, self.addresses))
+                    return self.all[-1]
                 if not self.cond.wait(timeout=max(deadline - time.monotonic(), 0)):
                     raise Timeout(f"no free channel within the timeout ({self.max_channels} busy)")
 
@@ -193,12 +276,15 @@ class SyncDriver:
                 call.after_send()
         replies = []
         for call, rid in zip(calls, rids, strict=True):
-            sock = chan.sock(call.target)
+            peer = chan.peer(call.target)
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                if left <= 0:
                     raise Timeout(f"no reply to {call.header.get('op')} within the timeout")
-                got = _check(sock.recv_multipart(copy=False), rid, call.tolerate)
+                if not peer.sock.poll(int(min(left, WAIT_SLICE_S) * 1000) + 1):
+                    _look(peer, call)
+                    continue
+                got = _check(peer.sock.recv_multipart(copy=False), rid, call.tolerate)
                 if got is not None:
                     replies.append(got)
                     break
@@ -207,7 +293,7 @@ class SyncDriver:
     def close(self) -> None:
         with self.cond:
             self.closed = True
-            for chan in self.pool:
+            for chan in self.all:  # those in use too: their flows then fail with Closed
                 chan.close()
             self.pool.clear()
             self.cond.notify_all()
@@ -294,16 +380,30 @@ class AsyncDriver:
                 call.after_send()  # blocking: p2p transfers are not awaitable
         replies = []
         for call, rid in zip(calls, rids, strict=True):
-            sock = chan.sock(call.target)
+            peer = chan.peer(call.target)
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not await sock.poll(int(left * 1000) + 1):
+                if left <= 0:
                     raise Timeout(f"no reply to {call.header.get('op')} within the timeout")
-                got = _check(await sock.recv_multipart(copy=False), rid, call.tolerate)
+                if not await peer.sock.poll(int(min(left, WAIT_SLICE_S) * 1000) + 1):
+                    await self._look(peer, call)
+                    continue
+                got = _check(await peer.sock.recv_multipart(copy=False), rid, call.tolerate)
                 if got is not None:
                     replies.append(got)
                     break
         return replies
+
+    async def _look(self, peer: Peer, call: Call) -> None:
+        """``_look`` on this loop's sockets (a non-blocking receive completes at once)."""
+        while True:
+            if self.closed or peer.monitor.closed:
+                raise Closed("client was closed during the request")
+            try:
+                peer.note(await peer.monitor.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        peer.check(call.header.get("op"))
 
     def close(self) -> None:
         self.closed = True

@@ -68,7 +68,7 @@ class BroadcastSender(BackendSender):
             for bucket in whole_buckets(sender, stream):
                 entries = whole_entries(bucket)
                 used = sum(e.nbytes for e in entries)
-                sender.control.broadcast(rnd, BucketReady(rnd.version, index, entries, used))
+                sender.control.broadcast(rnd, BucketReady(rnd.weight_version, index, entries, used))
                 works = bc.broadcast_tensors(self.group, [t.to(self.group.device) for _, t in bucket])
                 for work in pending:  # the previous bucket finishes while this one was cast
                     work.wait()

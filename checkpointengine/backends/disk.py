@@ -1,5 +1,6 @@
-"""``disk``: each bucket is a safetensors file in a version directory (``checkpointengine.disk_dir``, or a
-temp dir the leader removes on close) that rollers read; ``BucketReady.path`` names the file."""
+"""``disk``: each bucket is a safetensors file in the directory of its ``weight_version``
+(``checkpointengine.disk_dir``, or a temp dir the leader removes on close) that rollers read;
+``BucketReady.path`` names the file."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from checkpointengine.storage import DiskVersions, read_bucket_file
 
 @dataclass(frozen=True)
 class DiskFields:
-    """``disk_dir``: where version directories are written."""
+    """``disk_dir``: where the directories (one per ``weight_version``) are written."""
 
     disk_dir: str = ""
 
@@ -23,7 +24,7 @@ class DiskFields:
 class DiskSender(BackendSender):
     def __init__(self, cfg, fields: DiskFields, disk: DiskVersions | None = None, own_dir: str = ""):
         super().__init__(cfg, fields)
-        self.disk = disk  # the leader's version directories (other ranks write nothing)
+        self.disk = disk  # the leader's directories, one per weight_version (other ranks write nothing)
         self.own_dir = own_dir  # a temp dir this sender made (removed by close)
 
     @classmethod
@@ -34,16 +35,16 @@ class DiskSender(BackendSender):
 
     def full_body(self, sender, stream):
         def run(rnd) -> tuple[int, int]:
-            self.disk.begin(rnd.version)
+            self.disk.begin(rnd.weight_version)
             index = total = 0
             for bucket in whole_buckets(sender, stream):
-                path = self.disk.write_bucket(rnd.version, index, bucket)
+                path = self.disk.write_bucket(rnd.weight_version, index, bucket)
                 entries = whole_entries(bucket)
                 used = sum(e.nbytes for e in entries)
-                sender.control.broadcast(rnd, BucketReady(rnd.version, index, entries, used, path=path))
+                sender.control.broadcast(rnd, BucketReady(rnd.weight_version, index, entries, used, path=path))
                 index += 1
                 total += used
-            self.disk.finish(rnd.version, total)
+            self.disk.finish(rnd.weight_version, total)
             return index, total
 
         return run

@@ -36,13 +36,19 @@ class ShmSender(PackedSender):
 
     @classmethod
     def attach(cls, cfg, handle) -> ShmSender:
+        """Another trainer rank maps the leader's slots; ValueError when it is on another node than the leader."""
+        here = node_id()
+        if handle.fields.node and handle.fields.node != here:
+            raise ValueError(f"checkpointengine.backend={handle.backend}: every trainer rank writes its shards into "
+                             f"shared memory on rank 0's node {handle.fields.node}, but this rank is on node {here}: "
+                             "use checkpointengine.backend=zmq (or broadcast on GPUs) when trainer ranks span nodes")
         return cls(cfg, handle.fields, ShmSlots.attach(handle.fields.shm_paths, handle.bucket_bytes))
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.slots.buffer(slot)
 
     def publish(self, sender, rnd, bucket, slot: int) -> None:
-        sender.control.broadcast(rnd, BucketReady(rnd.version, bucket.index, bucket.entries, bucket.used_bytes,
+        sender.control.broadcast(rnd, BucketReady(rnd.weight_version, bucket.index, bucket.entries, bucket.used_bytes,
                                                   slot=slot))
 
     def close(self) -> None:

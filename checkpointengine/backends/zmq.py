@@ -19,7 +19,7 @@ class ZmqSender(PackedSender):
         return self.buffers[slot]
 
     def publish(self, sender, rnd, bucket, slot: int) -> None:
-        msg = BucketReady(rnd.version, bucket.index, bucket.entries, bucket.used_bytes, slot=slot)
+        msg = BucketReady(rnd.weight_version, bucket.index, bucket.entries, bucket.used_bytes, slot=slot)
         sender.control.broadcast(rnd, msg, frames=[memoryview(self.buffers[slot][: bucket.used_bytes].numpy())])
 
 

@@ -34,7 +34,7 @@ class FramesSender(BackendSender):
                 entries = whole_entries(bucket)
                 frames = [memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for _, t in bucket]
                 used = sum(e.nbytes for e in entries)
-                sender.control.broadcast(rnd, BucketReady(rnd.version, index, entries, used), frames=frames)
+                sender.control.broadcast(rnd, BucketReady(rnd.weight_version, index, entries, used), frames=frames)
                 index, total = index + 1, total + used
             return index, total
 

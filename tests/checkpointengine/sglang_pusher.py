@@ -58,7 +58,7 @@ class SGLangWeightPusher:
         self.backend = "nccl" if cfg.group_backend == "nccl" or (
             cfg.group_backend == "auto" and torch.cuda.is_available()) else "gloo"
         self.server_versions: dict[str, int] = {}
-        self.version = -1
+        self.weight_version = -1
         self._group: bc.WeightUpdateGroup | None = None
         self._session: aiohttp.ClientSession | None = None
         self._stats = {"num_syncs": 0, "num_failed_syncs": 0, "last_sync_s": 0.0, "last_bytes": 0,
@@ -104,17 +104,17 @@ class SGLangWeightPusher:
         failures = {u: e for u, e in zip(self.urls, errors, strict=True) if e is not None}
         if failures:
             join.add_done_callback(lambda f: f.exception())  # ends at its rendezvous timeout
-            raise WeightSyncError(self.version, failures)
+            raise WeightSyncError(self.weight_version, failures)
         self._group = await join
 
-    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int,
                    flush_cache: bool = True) -> SyncReport:
-        """Send ``(trainer_name, tensor)`` as ``version`` to every server (one call each, one broadcast
-        per tensor). Raises ValueError for a version below the last, MissingWeightsError before anything
-        is sent, WeightSyncError naming the servers that failed (they keep their old version; the group
+        """Send ``(trainer_name, tensor)`` as ``weight_version`` to every server (one call each, one broadcast
+        per tensor). Raises ValueError for a weight_version below the last, MissingWeightsError before anything
+        is sent, WeightSyncError naming the servers that failed (they keep their old weight_version; the group
         is re-formed on the next push)."""
-        if version < self.version:
-            raise ValueError(f"weight_version {version} is below the last one sent ({self.version})")
+        if weight_version < self.weight_version:
+            raise ValueError(f"weight_version {weight_version} is below the last one sent ({self.weight_version})")
         tensors = []
         for name, tensor in self.mapper.route(named_tensors):
             tensor = to_engine_dtype(tensor.detach(), self.engine_dtype)
@@ -127,7 +127,7 @@ class SGLangWeightPusher:
         start = time.perf_counter()
         body = {"names": [n for n, _ in tensors], "dtypes": [dtype_name(t.dtype) for _, t in tensors],
                 "shapes": [list(t.shape) for _, t in tensors], "group_name": self._group.group_name,
-                "weight_version": str(version), "flush_cache": flush_cache}
+                "weight_version": str(weight_version), "flush_cache": flush_cache}
         posts = asyncio.gather(*(self._post(u, "/update_weights_from_distributed", body) for u in self.urls))
         send = asyncio.ensure_future(asyncio.to_thread(self._broadcast_all, [t for _, t in tensors]))
         errors = await posts
@@ -139,17 +139,17 @@ class SGLangWeightPusher:
             failures.setdefault("broadcast", f"{type(exc).__name__}: {exc}")
         if failures:
             self._group = None  # out of step: re-form on the next push
-        return self._conclude(version, failures, time.perf_counter() - start,
+        return self._conclude(weight_version, failures, time.perf_counter() - start,
                               sum(t.nbytes for _, t in tensors), 1)
 
-    async def push_via_disk(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+    async def push_via_disk(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int,
                             flush_cache: bool = True) -> SyncReport:
-        """The ``disk`` path: write ``version`` as safetensors files (``DiskVersions`` under
+        """The ``disk`` path: write ``weight_version`` as safetensors files (``DiskVersions`` under
         ``cfg.disk_dir``, a Hugging Face index beside them) and POST ``/update_weights_from_disk`` to every
         server. The directory holds weights only: a real SGLang server also wants the model's
         ``config.json`` there (copy it in). Raises as ``push``."""
-        if version < self.version:
-            raise ValueError(f"weight_version {version} is below the last one sent ({self.version})")
+        if weight_version < self.weight_version:
+            raise ValueError(f"weight_version {weight_version} is below the last one sent ({self.weight_version})")
         if not self.cfg.disk_dir:
             raise ValueError("checkpointengine.disk_dir must name a directory the servers can read")
         tensors = [(n, to_engine_dtype(t.detach(), self.engine_dtype).cpu())
@@ -157,42 +157,42 @@ class SGLangWeightPusher:
         self.mapper.check_coverage([n for n, _ in tensors])
         start = time.perf_counter()
         disk = DiskVersions(self.cfg.disk_dir)
-        disk.begin(version)
+        disk.begin(weight_version)
         bucket, used, index = [], 0, 0
         for name, tensor in tensors:
             if bucket and used + tensor.nbytes > self.cfg.bucket_bytes:
-                disk.write_bucket(version, index, bucket)
+                disk.write_bucket(weight_version, index, bucket)
                 bucket, used, index = [], 0, index + 1
             bucket.append((name, tensor))
             used += tensor.nbytes
         if bucket:
-            disk.write_bucket(version, index, bucket)
+            disk.write_bucket(weight_version, index, bucket)
         num_bytes = sum(t.nbytes for _, t in tensors)
-        disk.finish(version, num_bytes)
-        body = {"model_path": str(disk.version_dir(version)), "weight_version": str(version),
+        disk.finish(weight_version, num_bytes)
+        body = {"model_path": str(disk.weight_version_dir(weight_version)), "weight_version": str(weight_version),
                 "flush_cache": flush_cache}
         errors = await asyncio.gather(*(self._post(u, "/update_weights_from_disk", body) for u in self.urls))
         failures = {u: e for u, e in zip(self.urls, errors, strict=True) if e is not None}
-        return self._conclude(version, failures, time.perf_counter() - start, num_bytes, index + 1)
+        return self._conclude(weight_version, failures, time.perf_counter() - start, num_bytes, index + 1)
 
-    def _conclude(self, version: int, failures: dict[str, str], duration: float, num_bytes: int,
+    def _conclude(self, weight_version: int, failures: dict[str, str], duration: float, num_bytes: int,
                   num_buckets: int) -> SyncReport:
         if failures:
             self._stats["num_failed_syncs"] += 1
-            raise WeightSyncError(version, failures)
+            raise WeightSyncError(weight_version, failures)
         for u in self.urls:
-            self.server_versions[u] = version
-        self.version = version
+            self.server_versions[u] = weight_version
+        self.weight_version = weight_version
         self._stats.update(num_syncs=self._stats["num_syncs"] + 1, last_sync_s=duration, last_bytes=num_bytes,
                            total_bytes=self._stats["total_bytes"] + num_bytes)
-        return SyncReport(version, list(self.urls), duration, num_bytes, num_buckets)
+        return SyncReport(weight_version, list(self.urls), duration, num_bytes, num_buckets)
 
     def _broadcast_all(self, tensors: list[torch.Tensor]) -> None:
         for work in bc.broadcast_tensors(self._group, tensors):
             work.wait()
 
     def stats(self) -> dict:
-        return {**self._stats, "weight_version": self.version, "roller_versions": dict(self.server_versions)}
+        return {**self._stats, "weight_version": self.weight_version, "roller_weight_versions": dict(self.server_versions)}
 
     async def _destroy_group(self) -> None:
         if self._group is not None:

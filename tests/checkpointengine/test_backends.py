@@ -93,7 +93,7 @@ def test_backend_update_sequence(backend, tmp_path):
             sender.send(named, 2)
         assert info.value.failures.keys() == {"r1"}
         _collect(out, 2)
-        assert sender.stats()["roller_versions"] == {"r0": 2, "r1": 1}
+        assert sender.stats()["roller_weight_versions"] == {"r0": 2, "r1": 1}
 
         sender.mapper = WeightNameMapper(expected_names=[n for n, _ in named] + ["lm_head.weight"])
         with pytest.raises(MissingWeightsError, match="lm_head.weight.*untied"):

@@ -81,12 +81,12 @@ def test_greedy_generation_after_sync_equals_trainer_greedy(backend):
             before = await rig.engine.generate(_request(0, PROMPTS[0]))
             assert before.output_ids != greedy_ids(rig.trainer, PROMPTS[0], 12), "perturbation changed nothing"
             update, report = await rig.sync(list(rig.trainer.state_dict().items()), 1)
-            assert report.acked == ["r0"] and update.version == 1
+            assert report.acked == ["r0"] and update.weight_version == 1
             outs = await asyncio.gather(*(rig.engine.generate(_request(i, p)) for i, p in enumerate(PROMPTS)))
             for prompt, out in zip(PROMPTS, outs, strict=True):
                 assert out.output_ids == greedy_ids(rig.trainer, prompt, 12)
                 assert set(out.weight_versions) == {1}
-            assert rig.sender.stats()["roller_versions"] == {"r0": 1}
+            assert rig.sender.stats()["roller_weight_versions"] == {"r0": 1}
             assert rig.receiver.stats()["weight_version"] == 1 and rig.receiver.stats()["last_bytes"] > 0
         finally:
             await rig.close()
@@ -134,7 +134,7 @@ def test_untied_model_without_lm_head_is_flagged_and_keeps_its_version():
             named = [(n, t) for n, t in trainer.state_dict().items() if n != "lm_head.weight"]
             update, send = await rig.sync(named, 1)
             assert isinstance(send, MissingWeightsError) and "lm_head.weight" in str(send)
-            assert isinstance(update, WeightUpdateError) and update.kept_version == 0
+            assert isinstance(update, WeightUpdateError) and update.kept_weight_version == 0
             assert rig.engine.weight_version == 0
             update, report = await rig.sync(list(trainer.state_dict().items()), 1)
             assert report.acked == ["r0"] and rig.engine.weight_version == 1
@@ -181,10 +181,10 @@ def test_failed_update_keeps_old_version_reports_error_and_engine_serves_on():
             bad = [("model.norm.weight", torch.ones(7))]  # wrong shape: the engine refuses it
             update, send = await rig.sync(bad, 1)
             assert isinstance(update, WeightUpdateError) and "shape" in str(update)
-            assert isinstance(send, WeightSyncError) and send.failures.keys() == {"r0"} and send.version == 1
-            assert rig.engine.weight_version == 0 and rig.receiver.version == 0
+            assert isinstance(send, WeightSyncError) and send.failures.keys() == {"r0"} and send.weight_version == 1
+            assert rig.engine.weight_version == 0 and rig.receiver.weight_version == 0
             stats = rig.sender.stats()
-            assert stats["roller_versions"] == {"r0": 0} and stats["num_roller_failures"] == 1
+            assert stats["roller_weight_versions"] == {"r0": 0} and stats["num_roller_failures"] == 1
             out = await rig.engine.generate(_request(0, PROMPTS[0]))
             assert set(out.weight_versions) == {0}  # resumed, still on its old version
         finally:

@@ -50,7 +50,7 @@ def test_fsdp2_two_ranks_to_torch_engine(ray_cluster, tiny_model_config):
             return update, await send
 
         update, reports = asyncio.run(sync())
-        assert reports[0]["acked"] == ["r0"] and reports[1] is None and update.version == 1
+        assert reports[0]["acked"] == ["r0"] and reports[1] is None and update.weight_version == 1
         trainer_model = load_model(tiny_model_config)
         missing, unexpected = trainer_model.load_state_dict(group.full_state_dict(), strict=False)
         assert missing == ["lm_head.weight"] and not unexpected  # tied: named_parameters lists it once
@@ -68,7 +68,7 @@ def test_fsdp2_two_ranks_to_torch_engine(ray_cluster, tiny_model_config):
             assert out.output_ids == greedy_ids(trainer_model, prompt, 10)
             assert set(out.weight_versions) == {1}
         stats = group.execute(trainer_hooks.sender_stats)[0]
-        assert stats["roller_versions"] == {"r0": 1} and stats["last_bytes"] > 0
+        assert stats["roller_weight_versions"] == {"r0": 1} and stats["last_bytes"] > 0
     finally:
         if receiver is not None:
             receiver.close()

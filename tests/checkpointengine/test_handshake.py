@@ -33,9 +33,9 @@ def _cfg(timeout_s=10.0, backend="zmq"):
 class RollerThread(threading.Thread):
     """Receives ``versions`` in turn, acking each after ``ack_delay_s``; records outcomes or the error."""
 
-    def __init__(self, handle, name, versions, ack_delay_s=0.0, initial_version=0):
+    def __init__(self, handle, name, versions, ack_delay_s=0.0, initial_weight_version=0):
         super().__init__(daemon=True)
-        self.receiver = WeightReceiver(handle, name, initial_version=initial_version)
+        self.receiver = WeightReceiver(handle, name, initial_weight_version=initial_weight_version)
         self.versions, self.ack_delay_s = versions, ack_delay_s
         self.done: list[int] = []
         self.error: BaseException | None = None
@@ -57,8 +57,8 @@ class RollerThread(threading.Thread):
 def test_roller_already_wanting_next_version_does_not_deadlock():
     """Trainer at 586 waits for acks while a fast roller already wants 587: both versions complete."""
     sender = WeightSender(_cfg(), ["fast", "slow"])
-    fast = RollerThread(sender.handle, "fast", [586, 587], initial_version=585)
-    slow = RollerThread(sender.handle, "slow", [586, 587], ack_delay_s=0.5, initial_version=585)
+    fast = RollerThread(sender.handle, "fast", [586, 587], initial_weight_version=585)
+    slow = RollerThread(sender.handle, "slow", [586, 587], ack_delay_s=0.5, initial_weight_version=585)
     try:
         fast.start()
         slow.start()
@@ -67,7 +67,7 @@ def test_roller_already_wanting_next_version_does_not_deadlock():
         for t in (fast, slow):
             t.join(timeout=10)
             assert t.error is None and t.done == [586, 587]
-        assert sender.stats()["roller_versions"] == {"fast": 587, "slow": 587}
+        assert sender.stats()["roller_weight_versions"] == {"fast": 587, "slow": 587}
     finally:
         sender.close()
 
@@ -122,7 +122,7 @@ def test_receiver_times_out_naming_version_when_sender_is_silent():
     try:
         with pytest.raises(WeightSyncTimeout, match="r0.*no begin of weight_version 3"):
             list(receiver.receive(3))
-        assert receiver.version == 0
+        assert receiver.weight_version == 0
     finally:
         receiver.close()
         sender.close()
@@ -173,7 +173,7 @@ def test_version_mismatches_fail_fast_with_names():
         ahead.join(timeout=10)
         assert ahead.error is None and ahead.done == [9, 10]
         with pytest.raises(ValueError, match="does not exceed"):
-            list(WeightReceiver(sender.handle, "late", initial_version=3).receive(2))
+            list(WeightReceiver(sender.handle, "late", initial_weight_version=3).receive(2))
     finally:
         sender.close()
 
@@ -188,7 +188,7 @@ def test_new_roller_joining_mid_run_gets_the_current_version_first():
         r1 = RollerThread(sender.handle, "r1", [1, 2])
         r1.start()
         assert sender.send(NAMED, 1, targets=["r1"]).acked == ["r1"]  # the current version, r1 only
-        assert sender.stats()["roller_versions"] == {"r0": 1, "r1": 1}
+        assert sender.stats()["roller_weight_versions"] == {"r0": 1, "r1": 1}
         assert sorted(sender.send(NAMED, 2).acked) == ["r0", "r1"]
         for t in (r0, r1):
             t.join(timeout=10)

@@ -42,6 +42,10 @@ def test_override_and_mode():
         ("ray.address=127.0.0.1:99999", "ray.address"),
         ("ray.connect_timeout_s=nan", "ray.connect_timeout_s"),
         ("ray.connect_timeout_s=0", "ray.connect_timeout_s"),
+        ("trainer.host=localhost", "trainer.host"),
+        ("transferqueue.host=0.0.0.0", "transferqueue.host"),
+        ("checkpointengine.host=nodes", "checkpointengine.host"),
+        ("metrics.host=node", "metrics.host"),
     ],
 )
 def test_bad_overrides_name_the_key(override, needle):

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from common import schema
 from common.ground_truth import decode_ground_truth
 from common.models import apply_chat_template, build_tiny_tokenizer
 from controller.config import DataConfig
@@ -126,20 +127,21 @@ def test_from_config_tiny_repeat(tok):
     assert max(len(p.input_ids) for p in dataset.prompts) <= 12  # short: 4 words + chat template
 
 
-def test_prompt_fields_repeat_each_prompt_n_times(tok):
+def test_prompt_fields_store_each_prompt_once(tok):
     dataset = _dataset(tok, 2, train_batch_size=2, system_prompt="")
     prompts = list(dataset.prompts)
     prompts[1] = type(prompts[1])(1, prompts[1].input_ids[:-2], prompts[1].ground_truth)  # a shorter one
-    fields, tags = prompt_fields(prompts, n=3, pad_token_id=tok.pad_token_id, uids=["u0", "u1"])
+    fields, tags = prompt_fields(prompts, pad_token_id=tok.pad_token_id, uids=["u0", "u1"])
     ids, mask = fields["input_ids"], fields["attention_mask"]
     width = len(prompts[0].input_ids)
-    assert ids.shape == (6, width) and mask.shape == (6, width)
-    assert tags == [{"uid": "u0"}] * 3 + [{"uid": "u1"}] * 3
-    assert tuple(ids[4, 2:].tolist()) == prompts[1].input_ids and ids[4, :2].tolist() == [tok.pad_token_id] * 2
-    assert mask[4].tolist() == [0, 0] + [1] * (width - 2) and mask[0].sum() == width
-    assert decode_ground_truth(fields["ground_truth"][5]) == prompts[1].ground_truth
+    assert ids.shape == (2, width) and mask.shape == (2, width)  # one row per group, whatever rollout.n
+    assert tags == [{"uid": "u0"}, {"uid": "u1"}]
+    assert tuple(ids[1, 2:].tolist()) == prompts[1].input_ids and ids[1, :2].tolist() == [tok.pad_token_id] * 2
+    assert mask[1].tolist() == [0, 0] + [1] * (width - 2) and mask[0].sum() == width
+    assert decode_ground_truth(fields["ground_truth"][1]) == prompts[1].ground_truth
+    schema.check_batch(schema.FEEDER, fields, tags)  # exactly the contract's fields, dtypes and shapes
     with pytest.raises(ValueError, match="2 prompts but 1 uids"):
-        prompt_fields(prompts, 3, tok.pad_token_id, ["u0"])
+        prompt_fields(prompts, tok.pad_token_id, ["u0"])
 
 
 def test_a_prompt_leaving_no_room_in_the_context_is_rejected_naming_its_row(tok):

@@ -1,10 +1,14 @@
 """The elastic roller pool end to end (real Ray actors, TransferQueue and weight-plane processes, the tiny
-model): a roller killed mid-run or hung in a weight sync is replaced, its groups re-issued, and every prompt
-is still trained exactly once (uid accounting over the whole run, from metrics.jsonl)."""
+model): a roller killed mid-run (in each mode) or hung in a weight sync is replaced, its groups re-issued,
+and every prompt is still trained exactly once (uid accounting over the whole run, from metrics.jsonl); a
+resize reports its join times; a storage unit killed mid-run fails the run at once, naming it, and
+``--resume`` finishes it."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
 import threading
 import time
 from collections import Counter
@@ -14,7 +18,8 @@ import pytest
 
 from controller.admin import ADDRESS_FILE, TOKEN_FILE, AdminError, pool_state, request_scale
 from controller.config import load_config
-from controller.job import EXIT_OK, run_job
+from controller.job import EXIT_FAILED, EXIT_OK, run_job
+from controller.job_checkpoint import list_checkpoints
 from rollers.faults import FaultSpec
 
 # Whole jobs on a loaded 2-core machine take about a minute each.
@@ -48,15 +53,19 @@ def events(steps: list[dict]) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_killed_roller_is_replaced_and_its_groups_reissued(tmp_path, ray_cluster):
-    code, steps, summary = run(tmp_path, "fully-async", "rollers.fault_injection=[roller1:kill:group=3]",
+@pytest.mark.parametrize("mode, group", [("fully-async", 3), ("one-step-off", 5)])
+def test_killed_roller_is_replaced_and_its_groups_reissued_within_the_staleness_bound(tmp_path, ray_cluster,
+                                                                                      mode, group):
+    # roller1 dies right after taking a group (in one-step-off its 5th: most likely one of batch k+1, generated
+    # while the trainer trains on batch k). The groups it held go back to the queue under a new uid; a
+    # replacement joins with the trainer's weights, so nothing trained is staler than the bound of 1.
+    code, steps, summary = run(tmp_path, mode, f"rollers.fault_injection=[roller1:kill:group={group}]",
                                "rollers.health_timeout_s=5")
     assert code == EXIT_OK, summary["error"]
     assert summary["num_rollers_lost"] == 1 and summary["num_roller_restarts"] == 1
-    # The group roller1 took when it died (at least that one) went back to the queue under a new uid.
-    assert summary["num_reissued_groups"] >= 1
-    assert any(".r" in uid for s in steps for uid in s["uids"])
+    assert summary["num_reissued_groups"] >= 1 and any(".r" in uid for s in steps for uid in s["uids"])
     assert ("lost_died", "roller1") in events(steps)
+    assert max(s["staleness_max"] for s in steps) <= 1
     assert_every_prompt_trained_once(steps)
 
 
@@ -141,6 +150,11 @@ def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
     assert outcome["code"] == EXIT_OK
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {("scale_up", "roller1"), ("scale_down", "roller0")} <= set(events(steps))
+    # The request's join timing (controller.pool_keeper): active first, then a group of it trained.
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (join,) = [j for j in summary["roller_joins"] if j["roller"] == "roller1"]
+    assert join["reason"] == "scale_up" and join["join_to_active_s"] > 0
+    assert join["join_to_first_trained_s"] is not None and join["join_to_first_trained_s"] >= join["join_to_active_s"]
     assert not (tmp_path / ADDRESS_FILE).exists()  # the endpoint went with the job
     assert_every_prompt_trained_once(steps, num_steps)
 
@@ -171,3 +185,47 @@ def test_autoscaler_removes_a_roller_at_the_staleness_cap(tmp_path, ray_cluster)
     assert any(reason == "autoscale_down" for reason, _ in events(steps))
     assert min(s["roller_pool_size"] for s in steps) == 1  # never below rollers.min_replicas
     assert_every_prompt_trained_once(steps, 14)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_dead_storage_unit_fails_the_run_naming_it_then_resume_finishes(tmp_path, ray_cluster, monkeypatch):
+    # One roller paced to 0.5 s per group keeps the run going after its first job checkpoint; then storage
+    # unit 1's process is SIGKILLed. A run that waited for the request timeout (600 s here) would take minutes.
+    import transferqueue.launch as launch
+
+    started = []
+    start = launch.start_transferqueue
+    monkeypatch.setattr(launch, "start_transferqueue", lambda cfg: started.append(start(cfg)) or started[-1])
+    num_steps = 4
+    overrides = [f"run_dir={tmp_path}", "metrics.progress=false", *SMALL, "rollers.num_replicas=1",
+                 f"trainer.total_steps={num_steps}", "trainer.save_every=1", "transferqueue.request_timeout_s=600",
+                 "rollers.fault_injection=[roller0:slow:group=1:0.5]"]
+    outcome: dict = {}
+    job = threading.Thread(target=lambda: outcome.update(code=run_job(load_config(mode="fully-async", preset="tiny",
+                                                                                  overrides=overrides))))
+    job.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not list_checkpoints(tmp_path):
+            assert job.is_alive() and time.monotonic() < deadline, "no job checkpoint came"
+            time.sleep(0.2)
+        unit1 = started[0].procs[2]  # the index, unit 0, unit 1
+        unit1.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+    finally:
+        job.join(timeout=500)
+    ended_s = time.monotonic() - killed_at
+    assert not job.is_alive(), "the run did not end"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert outcome["code"] == EXIT_FAILED and summary["status"] == "failed"
+    assert re.match(rf"ServerLost: TransferQueue storage unit 1 \(pid {unit1.pid}, tcp://[\d.:]+\) died: killed by "
+                    rf"SIGKILL; .*--resume {re.escape(str(tmp_path))} continues it", summary["error"]), summary["error"]
+    assert ended_s < 120, f"the run took {ended_s:.0f} s to end after the kill"  # not a request timeout (600 s)
+    # Nothing the failed run left behind keeps --resume from continuing at its last checkpoint.
+    code = run_job(load_config(mode="fully-async", preset="tiny", overrides=overrides), resume=True)
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert code == EXIT_OK, json.loads((tmp_path / "summary.json").read_text())["error"]
+    assert max(s["staleness_max"] for s in steps) <= 1
+    assert_every_prompt_trained_once(steps, num_steps)

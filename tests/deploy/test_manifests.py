@@ -139,4 +139,14 @@ def test_the_rayjob_entrypoint_is_a_valid_run_that_fits_the_groups():
     assert cfg.rollers.num_replicas <= rollers_per_pod * groups["rollers"]["replicas"]
     ranks_per_pod = float(groups["trainers"]["resources"]["hflow_trainer"]) / cfg.trainer.resources["hflow_trainer"]
     gpus_per_pod = int(groups["trainers"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-    assert cfg.trainer.num_ranks == ranks_per_pod == gpus_per_pod  # the ranks' process group is one pod's
+    assert ranks_per_pod == gpus_per_pod and cfg.trainer.num_ranks <= ranks_per_pod * groups["trainers"]["replicas"]
+
+
+def test_the_rayjob_binds_its_cross_pod_sockets_on_the_pod_that_opens_them():
+    """No fixed address can name the pod that gets trainer rank 0: every cross-pod socket binds ``node`` (the
+    binding process's Ray node address, its pod IP); the data plane and the weight plane's control socket are
+    CURVE-keyed; weights cross pods (the rollers have their own pods), so not through shared memory."""
+    cfg = _entrypoint_config(_load(KUBERAY / "rayjob.yaml"))
+    assert cfg.transferqueue.host == cfg.checkpointengine.host == cfg.trainer.host == "node"
+    assert cfg.transferqueue.curve and cfg.checkpointengine.curve
+    assert cfg.checkpointengine.backend == "broadcast"

@@ -5,11 +5,15 @@ needs its own), or by hand: ``PYTHONPATH=. python tests/deploy/two_nodes.py OUT_
 the cluster with Ray's ``ray.cluster_utils.Cluster`` (two raylets on 127.0.0.1, token auth on, as
 ``common.env`` sets up): the head node has the Ray resource ``hflow_trainer``, the second ``hflow_roller``;
 each job joins it (``ray.address``) and places its pools with ``trainer.resources`` /
-``rollers.resources``. Before each job's pools stop it records, from inside the actors, where they ran
-and which data-plane paths they took; ``OUT_DIR/two_nodes.json`` holds
-``{mode: {"exit_code", "driver_node", "unit_nodes", "rollers": [...], "trainer": [...]}}``, where each
-roller / trainer rank gives its Ray ``node``, ``local`` (per storage unit: reached through shared memory),
-``addresses`` (the sockets it uses) and ``num_shm_blocks`` (shared-memory blocks its client mapped).
+``rollers.resources``, binding its cross-node sockets as on KubeRay (``transferqueue.host=node``,
+``checkpointengine.host=node``). In ``SPAN_MODE`` the trainer has two ranks, one per node (both nodes
+have one ``hflow_span``; ``trainer.host=node``). Before each job's pools stop it records, from inside the
+actors, where they ran and which data-plane paths they took; ``OUT_DIR/two_nodes.json`` holds
+``{mode: {"exit_code", "driver_node", "node_addresses", "unit_nodes", "rendezvous", "rollers": [...],
+"trainer": [...]}}``, where each roller / trainer rank gives its Ray ``node``, ``local`` (per storage unit:
+reached through shared memory), ``addresses`` (the sockets it uses) and ``num_shm_blocks`` (shared-memory
+blocks its client mapped); a roller also its ``weight_address`` (the weight plane's control socket);
+``node_addresses`` is each Ray node's address, ``rendezvous`` the trainer ranks' (address, port).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+SPAN_MODE = "sync"  # the mode whose two trainer ranks are on different Ray nodes
 
 
 def _client_view(client) -> dict:
@@ -32,7 +38,8 @@ def _client_view(client) -> dict:
 
 
 def _roller_view(actor) -> dict:
-    return {**_client_view(actor.roller.channel.client), "weight_backend": actor.receiver.handle.backend}
+    return {**_client_view(actor.roller.channel.client), "weight_backend": actor.receiver.handle.backend,
+            "weight_address": actor.receiver.handle.control_address}
 
 
 def _trainer_view(worker) -> dict:
@@ -52,7 +59,9 @@ def _record_before_close(evidence: dict, mode: str) -> None:
         if members and rt.trainer is not None and mode not in evidence:
             evidence[mode] = {
                 "driver_node": f"ray:{ray.get_runtime_context().get_node_id()}",
+                "node_addresses": sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}),
                 "unit_nodes": list(rt.tq_servers.handle.unit_nodes),
+                "rendezvous": list(rt.trainer.rendezvous),
                 "rollers": ray.get([m.actor.__ray_call__.remote(_roller_view) for m in members]),
                 "trainer": rt.trainer.execute(_trainer_view),
             }
@@ -80,16 +89,19 @@ def main(out_dir: str, modes: list[str]) -> int:
     out = Path(out_dir)
     small = {"num_cpus": 3, "object_store_memory": 128 * 1024**2, "include_dashboard": False,
              "node_ip_address": "127.0.0.1", "temp_dir": str(ray_temp_dir())}
-    cluster = Cluster(initialize_head=True, head_node_args={**small, "resources": {"hflow_trainer": 1}})
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={**small, "resources": {"hflow_trainer": 1, "hflow_span": 1}})
     evidence: dict = {}
     try:
-        cluster.add_node(**small, resources={"hflow_roller": 1})
+        cluster.add_node(**small, resources={"hflow_roller": 1, "hflow_span": 1})
         cluster.wait_for_nodes()
         for mode in modes:
             _record_before_close(evidence, mode)
+            trainer = (["trainer.num_ranks=2", "trainer.resources={hflow_span: 1}", "trainer.host=node"]
+                       if mode == SPAN_MODE else ["trainer.resources={hflow_trainer: 1}"])
             cfg = load_config(mode=mode, preset="tiny", overrides=[
-                f"ray.address={cluster.address}", "rollers.resources={hflow_roller: 1}",
-                "trainer.resources={hflow_trainer: 1}", "checkpointengine.backend=zmq",
+                f"ray.address={cluster.address}", "rollers.resources={hflow_roller: 1}", *trainer,
+                "checkpointengine.backend=zmq", "transferqueue.host=node", "checkpointengine.host=node",
                 "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "rollout.n=2",
                 "trainer.total_steps=2", f"run_dir={out / mode}", "metrics.progress=false"])
             code = run_job(cfg)

@@ -35,7 +35,7 @@ def model():
 def make_group(tok, i: int, n: int = N) -> PromptGroup:
     symbol = "abcdefgh"[i % 8]
     ids = tuple(apply_chat_template(tok, f"repeat the word {symbol}"))
-    return PromptGroup(f"uid{i}", tuple(range(i * n, (i + 1) * n)), ids, {"answer": symbol})
+    return PromptGroup(f"uid{i}", i, n, ids, {"answer": symbol})
 
 
 def short_turn_stops(tok) -> tuple[int, ...]:

@@ -45,7 +45,7 @@ def model():
 def make_group(tok, i: int, n: int = N) -> PromptGroup:
     symbol = "abcdefgh"[i % 8]
     ids = tuple(apply_chat_template(tok, f"repeat the word {symbol}"))
-    return PromptGroup(f"uid{i}", tuple(range(i * n, (i + 1) * n)), ids, {"answer": symbol})
+    return PromptGroup(f"uid{i}", i, n, ids, {"answer": symbol})
 
 
 def out(ids, reason="stop", versions=None, rid="r") -> GenerationOutput:
@@ -129,7 +129,7 @@ def test_roller_puts_schema_fields_for_every_group(model, tok):
     for group in groups:
         result = results[group.uid]
         fields = result.fields
-        assert result.sample_ids == group.sample_ids
+        assert result.group is group
         responses, mask = fields[schema.RESPONSES], fields[schema.RESPONSE_MASK]
         assert responses.shape[0] == N and responses.shape == mask.shape
         assert responses.shape[1] <= 6
@@ -158,7 +158,7 @@ def test_roller_puts_schema_fields_for_every_group(model, tok):
 def test_waiting_groups_start_together_in_one_prefill(model, tok):
     """Groups already waiting start with the one just taken, so the engine admits them all in one prefill
     forward (rows right-padded to the longest prompt; each group's n identical prompts prefilled once)."""
-    groups = [PromptGroup(f"uid{i}", tuple(range(i * N, (i + 1) * N)),
+    groups = [PromptGroup(f"uid{i}", i, N,
                           tuple(apply_chat_template(tok, "repeat the word" + " a" * (i + 1))), {"answer": "a"})
               for i in range(3)]
     lengths = {len(g.input_ids) for g in groups}
@@ -188,7 +188,7 @@ def test_reward_raising_for_one_group_fails_only_that_group(model, tok):
     assert sorted(results) == ["uid0", "uid1", "uid3"]
     failures = roller.drain_failures()
     assert [f.uid for f in failures] == ["uid2"] and failures[0].stage == "reward"
-    assert failures[0].sample_ids == groups[2].sample_ids
+    assert failures[0].prompt_id == groups[2].prompt_id
     assert len(failures[0].errors) == N and "RuntimeError: checker crashed" in failures[0].errors[0]
     stats = roller.stats()
     assert stats["num_failed_groups"] == 1 and stats["num_failed_rewards"] == N and stats["num_groups"] == 3
@@ -504,8 +504,9 @@ def tq_servers():
 
 
 def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
-    """Feeder puts prompt fields (controller.data.prompt_fields) → roller takes whole groups, puts responses
-    into the same ids → a trainer-side get_meta(group_complete) sees complete groups with every field."""
+    """Feeder puts one prompt row per group (controller.data.prompt_fields) → roller takes each, puts N
+    sample rows (the prompt beside each response) and clears the prompt row → a trainer-side
+    get_meta(group_complete) sees complete groups with exactly the contract's fields and dtypes."""
     from controller.config import DataConfig
     from controller.data import PromptDataset, prompt_fields
     from rollers.tq_channel import TQGroupChannel
@@ -513,44 +514,57 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
 
     cfg = DataConfig(task="tiny_repeat", size=3, train_batch_size=3, max_prompt_length=32)
     dataset = PromptDataset.from_config(cfg, tok)
-    data, tags = prompt_fields(dataset.prompts, N, tok.pad_token_id, uids=["g0", "g1", "g2"])
-    response_fields = [schema.RESPONSES, schema.RESPONSE_MASK, schema.ROLLOUT_LOG_PROBS,
-                       schema.TOKEN_LEVEL_SCORES, schema.RESPONSE_LENGTH]
+    data, tags = prompt_fields(dataset.prompts, tok.pad_token_id, uids=["g0", "g1", "g2"])
+    schema.check_batch(schema.FEEDER, data, tags)
+    train_fields = list(schema.TRAINER.read_fields())
 
     async def scenario():
         client = TQClient(tq_servers.handle)
         try:
-            meta = await client.aput(data, "step0", tags=tags)
+            meta = await client.aput(data, "step0.prompts", tags=tags)
             engine = TorchEngine(model, tok, max_batch_slots=8)
-            channel = TQGroupChannel(client, "step0", n=N)
+            channel = TQGroupChannel(client, "step0.prompts", "step0", n=N)
             roller = Roller(engine, tok, tiny_repeat_reward, RolloutConfig(n=N, max_response_length=5), channel,
                             max_groups_in_flight=2, poll_timeout_s=0.2)
             assert await roller.run(max_groups=3) == 3
             await engine.shutdown()
             roller.close()
             assert await channel.take_group(0.1) is None  # every group consumed by the rollout task
-            own = TQGroupChannel.from_handle(tq_servers.handle.to_dict(), "step0", n=N)  # as a roller builds it
-            try:
+            own = TQGroupChannel.from_handle(tq_servers.handle.to_dict(), "step0.prompts", "step0", n=N)
+            try:  # as a roller builds it
                 assert await own.take_group(0.1) is None
             finally:
                 own.client.close()
-            train = await client.aget_meta(response_fields + [schema.INPUT_IDS], 3 * N, "train", "step0",
+            prompts_left = await client.asample_info("step0.prompts")
+            rows = await client.asample_info("step0")
+            train = await client.aget_meta(train_fields, 3 * N, "train", "step0",
                                            sampler="group_complete", options={"group_size": N}, timeout_s=10)
             batch = await client.aget_data(train)
-            return meta, train, batch
+            return meta, prompts_left, rows, train, batch
         finally:
             client.close()
 
-    meta, train, batch = run(scenario())
-    assert sorted(train.sample_ids) == sorted(meta.sample_ids)
+    meta, prompts_left, rows, train, batch = run(scenario())
+    assert len(meta) == 3 and prompts_left == []  # one prompt row per group, cleared once its samples are put
+    # On the wire: exactly the fields the roller declares (no weight-version or length tensors), the tags too.
+    roller_fields = set(schema.ROLLER.put_fields())
+    assert len(rows) == 3 * N and all(set(r["fields"]) == roller_fields for r in rows)
+    assert all(set(r["tags"]) == set(schema.ROLLER.put_tags()) for r in rows)
+    assert sorted(train.sample_ids) == sorted(r["id"] for r in rows)
     by_id = dict(zip(train.sample_ids, train.tags, strict=True))
     for tag in by_id.values():
         assert tag[schema.FINISH_REASON] in ("stop", "length")
         assert tag[schema.MIN_WEIGHT_VERSION] == 0 and 1 <= tag[schema.RESPONSE_LENGTH] <= 5
-    lengths = batch[schema.RESPONSE_LENGTH]
     masks = batch[schema.RESPONSE_MASK]
     for row in range(len(train)):
-        assert int(masks[row].sum()) == int(lengths[row]) == by_id[train.sample_ids[row]][schema.RESPONSE_LENGTH]
+        assert int(masks[row].sum()) == by_id[train.sample_ids[row]][schema.RESPONSE_LENGTH]
+    # Every sample carries its group's prompt row as the feeder put it (padded alike), with declared dtypes.
+    prompt_of = {tags[i][schema.UID]: data[schema.INPUT_IDS][i] for i in range(3)}
+    for row in range(len(train)):
+        assert torch.equal(batch[schema.INPUT_IDS][row], prompt_of[by_id[train.sample_ids[row]][schema.UID]])
+    for name in train_fields:  # a field of several widths comes back as a list of rows
+        spec = schema.FIELDS[name]
+        assert all(str(r.dtype) == f"torch.{spec.dtype}" and r.dim() == len(spec.shape) - 1 for r in batch[name])
 
 
 @pytest.mark.parametrize(
@@ -585,17 +599,18 @@ def test_validation_groups_go_first_to_their_own_partition_with_common_seeds(tq_
     from transferqueue.client import TQClient
 
     dataset = PromptDataset.from_config(DataConfig(task="tiny_repeat", size=1, train_batch_size=1), tok)
-    train_data, train_tags = prompt_fields(dataset.prompts, 2, tok.pad_token_id, uids=["s0.p0"])
-    val_data, val_tags = prompt_fields(dataset.prompts * 2, 3, tok.pad_token_id, uids=["v0.p0", "v1.p0"])
+    train_data, train_tags = prompt_fields(dataset.prompts, tok.pad_token_id, uids=["s0.p0"])
+    val_data, val_tags = prompt_fields(dataset.prompts * 2, tok.pad_token_id, uids=["v0.p0", "v1.p0"])
     for tag in val_tags:
         tag[schema.SEED_KEY] = "val.p0"
 
     async def scenario():
         client = TQClient(tq_servers.handle)
         try:
-            await client.aput(train_data, "t", tags=train_tags)
-            await client.aput(val_data, "v", tags=val_tags)
-            channel = TQGroupChannel(client, "t", n=2, validation=GroupSource("v", 3, num_greedy=1), put_text=True)
+            await client.aput(train_data, "tp", tags=train_tags)
+            await client.aput(val_data, "vp", tags=val_tags)
+            channel = TQGroupChannel(client, "tp", "t", n=2, validation=GroupSource("vp", "v", 3, num_greedy=1),
+                                     put_text=True)
             engine = TorchEngine(model, tok, max_batch_slots=8)
             roller = Roller(engine, tok, tiny_repeat_reward, RolloutConfig(n=2, max_response_length=4), channel)
             groups = [await channel.take_group(1.0) for _ in range(3)]
@@ -604,11 +619,12 @@ def test_validation_groups_go_first_to_their_own_partition_with_common_seeds(tq_
             await engine.shutdown()
             roller.close()
             val = await client.aget_meta([schema.RESPONSES, schema.RESPONSE_TEXT], 6, "validate", "v", timeout_s=10)
-            return groups, val, await client.aget_data(val)
+            return groups, val, await client.aget_data(val), await client.asample_info("vp")
         finally:
             client.close()
 
-    groups, val, batch = run(scenario())
+    groups, val, batch, val_prompts_left = run(scenario())
+    assert val_prompts_left == []  # the validation prompt rows are cleared from their own partition
     assert [(g.uid, g.validation, g.num_greedy, g.seed_key) for g in groups] == [
         ("v0.p0", True, 1, "val.p0"), ("v1.p0", True, 1, "val.p0"), ("s0.p0", False, 0, "")]
     tags = sorted(val.tags, key=lambda t: t[schema.UID])

@@ -22,17 +22,17 @@ class FakeReceiver:
     roller = "r0"
 
     def __init__(self):
-        self.version, self.outcomes = 0, []
+        self.weight_version, self.outcomes = 0, []
 
-    def receive(self, version):
+    def receive(self, weight_version):
         return iter(TENSORS)
 
-    def ack(self, version, duration_s=0.0):
-        self.version = version
-        self.outcomes.append(("ack", version))
+    def ack(self, weight_version, duration_s=0.0):
+        self.weight_version = weight_version
+        self.outcomes.append(("ack", weight_version))
 
-    def fail(self, version, error):
-        self.outcomes.append(("fail", version, error))
+    def fail(self, weight_version, error):
+        self.outcomes.append(("fail", weight_version, error))
 
     def stats(self):
         return {"last_bytes": 24}
@@ -45,9 +45,9 @@ class FakeEngine:
     async def pause(self, mode):
         self.calls.append(("pause", mode))
 
-    async def load_weights(self, tensors, version):
-        self.calls.append(("load", [n for n, _ in tensors], version))
-        self.weight_version = version
+    async def load_weights(self, tensors, weight_version):
+        self.calls.append(("load", [n for n, _ in tensors], weight_version))
+        self.weight_version = weight_version
 
     async def flush_cache(self):
         self.calls.append(("flush",))
@@ -62,7 +62,7 @@ def test_engine_refusing_a_flush_after_retract_is_a_warning(caplog):
     engine, receiver = FakeEngine(EngineError("requests hold KV cache")), FakeReceiver()
     with caplog.at_level(logging.WARNING, logger="rollers.weight_update"):
         result = asyncio.run(apply_update(engine, receiver, 1, "retract"))
-    assert (result.version, result.num_bytes) == (1, 24) and receiver.outcomes == [("ack", 1)]
+    assert (result.weight_version, result.num_bytes) == (1, 24) and receiver.outcomes == [("ack", 1)]
     assert engine.calls == [("pause", "retract"), ("load", ["model.w"], 1), ("flush",), ("resume",)]
     assert "prefix cache not flushed after a retract pause" in caplog.text
 
@@ -72,7 +72,7 @@ def test_any_other_flush_error_fails_the_update():
     engine, receiver = FakeEngine(RuntimeError("CUDA error: illegal memory access")), FakeReceiver()
     with pytest.raises(WeightUpdateError, match="illegal memory access") as info:
         asyncio.run(apply_update(engine, receiver, 1, "retract"))
-    assert info.value.kept_version == 0 and receiver.version == 0
+    assert info.value.kept_weight_version == 0 and receiver.weight_version == 0
     assert receiver.outcomes[0][:2] == ("fail", 1) and engine.calls[-1] == ("resume",)
 
 

@@ -15,7 +15,7 @@ from common import schema
 from trainers.advantages import group_index, register_adv_estimator
 
 
-@register_adv_estimator("group_max_baseline", input_fields=(schema.UID,))
+@register_adv_estimator("group_max_baseline", input_fields=(schema.UID,), group_local=True)
 def group_max_baseline(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,6 +67,10 @@ def test_each_estimator_carries_its_wiring():
     for name in ("grpo", "grpo_passk", "opo", "gpg"):
         plugin = ADV_ESTIMATORS.get(name)
         assert not plugin.needs_critic and plugin.input_fields == (schema.UID,) and plugin.roller_extras == ()
+    # Group-local: a sample's advantage needs only its own uid group (the trainer then skips the gather).
+    local = {name for name in ADV_ESTIMATORS if ADV_ESTIMATORS.get(name).group_local}
+    assert {"grpo", "drgrpo", "rloo", "grpo_passk", "opo", "remax"} <= local
+    assert not local & {"gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg"}  # batch statistics
 
 
 def test_a_plugin_from_outside_is_selected_as_module_colon_name():

@@ -74,6 +74,83 @@ def test_two_ranks_equal_one_rank(group, single):
     assert group.get_weight_version() == single.get_weight_version() == 1
 
 
+def _advantages_on_rank(worker, batch: dict, rows_of_rank: list[list[int]], overrides: dict):
+    """``compute_advantages`` on this rank's ``rows_of_rank`` of ``batch`` under the algorithm with
+    ``overrides`` (estimator and KL controller swapped in for the call); returns the fields, the metrics,
+    the KL coefficient after the call and the shapes of every ``all_gather_rows`` it made."""
+    import dataclasses
+
+    from trainers import collectives
+    from trainers.advantages import ADV_ESTIMATORS
+    from trainers.batching import select
+    from trainers.kl import make_kl_controller
+
+    saved = worker.estimator, worker.algorithm, worker.kl_controller, collectives.all_gather_rows
+    calls = []
+
+    def counting(x):
+        calls.append(tuple(x.shape))
+        return saved[3](x)
+
+    worker.algorithm = dataclasses.replace(worker.algorithm, **overrides)
+    worker.estimator = ADV_ESTIMATORS.get(worker.algorithm.adv_estimator)
+    worker.kl_controller = make_kl_controller(worker.algorithm)
+    collectives.all_gather_rows = counting
+    try:
+        fields, metrics = worker.compute_advantages(select(batch, rows_of_rank[worker.rank]))
+        return fields, metrics, worker.kl_controller.value, calls
+    finally:
+        worker.estimator, worker.algorithm, worker.kl_controller, collectives.all_gather_rows = saved
+
+
+# DAPO's overlong penalty and an adaptive KL-in-reward controller: their batch metrics must be global too.
+SHAPING = {"overlong_buffer_len": 3, "use_kl_in_reward": True, "kl_ctrl_type": "adaptive", "kl_in_reward_coef": 0.5,
+           "kl_horizon": 10}
+
+
+@pytest.mark.parametrize("estimator, group_local", [("grpo", True), ("rloo", True), ("remax", True),
+                                                    ("gpg", False), ("reinforce_plus_plus_baseline", False)])
+def test_group_local_advantages_skip_the_gather(group, estimator, group_local):
+    # 5 groups x 4 samples. Whole groups per rank (how TrainerGroup deals them) vs every group split across
+    # the two ranks (even rows / odd rows), which must gather the batch: the same advantages and metrics.
+    g = torch.Generator().manual_seed(3)
+    batch = make_batch(num_groups=5, n=4, seed=9)
+    mask = batch[schema.RESPONSE_MASK]
+    last = mask.sum(-1) - 1
+    batch[schema.TOKEN_LEVEL_SCORES] = torch.zeros(mask.shape).index_put_(
+        (torch.arange(20), last), torch.randn(20, generator=g))
+    batch[schema.OLD_LOG_PROBS] = -torch.rand(mask.shape, generator=g) * 3
+    batch[schema.REF_LOG_PROB] = -torch.rand(mask.shape, generator=g) * 3
+    batch[schema.REMAX_BASELINE] = torch.randn(20, generator=g)
+    whole = [s.indices for s in shard_for_ranks(batch[schema.UID], 2, 2)]
+    split = [list(range(0, 20, 2)), list(range(1, 20, 2))]
+    results = {}
+    for name, rows in (("whole", whole), ("split", split)):
+        per_rank = group.execute(_advantages_on_rank, batch, rows, {"adv_estimator": estimator, **SHAPING})
+        fields = {k: torch.zeros(20, mask.shape[1]) for k in per_rank[0][0]}
+        for (part, _, _, _), index in zip(per_rank, rows, strict=True):
+            for k in fields:
+                fields[k][index] = part[k]
+        assert per_rank[0][1] == pytest.approx(per_rank[1][1], rel=1e-12)  # every rank reports the same metrics
+        assert per_rank[0][2] == pytest.approx(per_rank[1][2], rel=1e-12)
+        results[name] = fields, per_rank[0][1], per_rank[0][2], [calls for *_, calls in per_rank]
+    (local, local_metrics, local_coef, local_calls), (gathered, metrics, coef, gathered_calls) = \
+        results["whole"], results["split"]
+    for key, value in gathered.items():
+        torch.testing.assert_close(local[key], value, atol=1e-6, rtol=1e-6, msg=key)
+    assert local[schema.ADVANTAGES].abs().max() > 0.1
+    assert sorted(local_metrics) == sorted(metrics)
+    for key, value in metrics.items():
+        assert local_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key  # float32 means
+    assert metrics["overlong/frac_penalised"] > 0 and metrics["kl_in_reward/kl"] != 0
+    assert local_coef == pytest.approx(coef, rel=1e-5) and coef != 0.5  # the controller moved, by the global KL
+    assert all(any(len(shape) == 2 for shape in calls) for calls in gathered_calls)  # the inputs were gathered
+    if group_local:  # only the uid-hash check: one int64 per group the rank holds (rank 0: 3 groups, rank 1: 2)
+        assert local_calls == [[(3,)], [(2,)]]
+    else:
+        assert all(any(len(shape) == 2 for shape in calls) for calls in local_calls)
+
+
 def _local_shards(worker):
     return [(s.name, s.tensor.clone(), s.row_offset, s.full_shape) for s in worker.named_local_shards()]
 

@@ -31,7 +31,7 @@ def test_attach_then_close_sets_and_clears_the_workers_own_slot():
         assert isinstance(worker.weight_sender, WeightSender)
         assert WeightSyncHandle.from_dict(handle) == worker.weight_sender.handle
         weight_sync.add_roller(worker, "r1")
-        assert weight_sync.sender_stats(worker)["roller_versions"] == {}
+        assert weight_sync.sender_stats(worker)["roller_weight_versions"] == {}
         assert worker.weight_sender.rollers == ["r0", "r1"]
     finally:
         weight_sync.close_sender(worker)

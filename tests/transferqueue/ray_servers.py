@@ -58,7 +58,7 @@ def start_transferqueue_ray(cfg: TransferQueueConfig, num_cpus: float = 0.1) -> 
 
     curve = _keys(cfg)
     actor_cls = ray.remote(num_cpus=num_cpus)(_ServerActor)
-    actors = [actor_cls.remote(spec) for spec in _specs(cfg, curve)]
+    actors = [actor_cls.remote(spec) for spec in _specs(cfg, curve, cfg.host)]
     try:
         infos = ray.get([a.info.remote() for a in actors], timeout=cfg.start_timeout_s)
     except Exception as exc:
