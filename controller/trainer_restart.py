@@ -51,6 +51,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from common import schema
+from rollers.roller import TAKE_POLL_S
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,9 @@ async def _take_back_steps(st, step: int) -> int:
 async def _replace_newer_rollers(st, version: int) -> int:
     """Replace every live roller that holds a weight version newer than ``version`` (the replacement joins at
     ``version``; not counted against ``rollers.max_restarts``); returns how many once every replaced process
-    is gone (so nothing it generated can still reach the TransferQueue)."""
+    is gone (so nothing it generated can still reach the TransferQueue) and its last take's long-poll has
+    ended at the index (a poll parked there by a roller that Ray already reports dead would take the next
+    prompt row put with it, unseen by the orphan look that follows)."""
     newer = [m for m in st.rt.pool.live() if m.weight_version > version]
     for member in newer:
         logger.warning("roller %s holds weight_version %d, newer than the restored %d: replaced", member.name,
@@ -160,6 +163,8 @@ async def _replace_newer_rollers(st, version: int) -> int:
         st.keeper.event("down", "replacement", member.name)
         st.keeper.spawn("replacement")
     await asyncio.gather(*(_wait_gone(st.rt.pool, m) for m in newer))
+    if newer:
+        await asyncio.sleep(TAKE_POLL_S + 1.0)
     return len(newer)
 
 

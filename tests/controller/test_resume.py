@@ -299,14 +299,14 @@ def kill_trainer_once_rollers_are_ahead(run_dir: Path, step: int, seen: dict[str
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
-@pytest.mark.xfail(run=False, reason="not passing yet: the roller is replaced and steps 4-5 retrained, then the "
-                   "job waits forever before step 6 (a group lost in the re-issue of the replaced roller's work?)")
 def test_a_trainer_restart_replaces_rollers_that_hold_weights_newer_than_the_checkpoint(tmp_path):
     """``trainer.save_every=3``: the kill lands once the rollers hold version 4 or 5, the checkpoint is step 3.
     Those weights are in no history the restored trainer will have, so the rollers holding them are replaced
-    and what they generated is re-issued; steps 4.. are trained again, every prompt once."""
+    and what they generated is re-issued; steps 4.. are trained again, every prompt once. The first roller
+    takes 3 s over each weight update from its 4th on, so the kill lands before the run's last checkpoint."""
     run_dir = tmp_path / "run"
-    args = [*JOB, "trainer.total_steps=6", "trainer.save_every=3", "trainer.max_restarts=1", f"run_dir={run_dir}"]
+    args = [*JOB, "trainer.total_steps=6", "trainer.save_every=3", "trainer.max_restarts=1", f"run_dir={run_dir}",
+            "rollers.fault_injection=[roller0:slow:weight_sync=4:3]"]
     seen: dict[str, list[int]] = {}
     code, out, err = run(args, watch=kill_trainer_once_rollers_are_ahead(run_dir, 3, seen))
     assert code == 0, err[-3000:]
