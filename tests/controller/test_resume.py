@@ -101,7 +101,7 @@ def test_kill_mid_save_then_sigterm_then_resume_trains_every_prompt_once(tmp_pat
     assert code == 0, err[-3000:]
     assert_every_prompt_once(run_dir, 8, MAX_STALENESS)  # 8 prompts x 2 epochs
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["num_steps"] == 8
+    assert summary["status"] == "completed" and summary["num_steps"] == 8, (summary, err[-3000:])
 
 
 def fake_run(run_dir: Path, step: int, overrides: list[str], **state) -> None:
