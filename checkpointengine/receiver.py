@@ -10,6 +10,7 @@ resume) is the rollers' part: ``rollers.weight_update.apply_update``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -37,13 +38,16 @@ from common.curve import connect_curve
 
 logger = logging.getLogger(__name__)
 
+CANCEL_POLL_S = 0.5  # how often a waiting receive looks whether it was cancelled (``WeightReceiver.cancel``)
+
 
 class WeightReceiver:
     """One roller's end of the weight plane. ``weight_version``: the last committed ``weight_version``
     (``initial_weight_version`` until the first update, e.g. 0 for weights loaded from the same checkpoint).
 
     ``receive(weight_version)`` yields the update's tensors; the caller loads them, then calls ``ack`` or
-    ``fail`` (``rollers.weight_update.apply_update`` does all of it). Not thread-safe: one update at a time.
+    ``fail`` (``rollers.weight_update.apply_update`` does all of it). Not thread-safe: one update at a time;
+    only ``cancel`` may be called from another thread.
     """
 
     def __init__(self, handle: WeightSyncHandle, roller: str, device: str | torch.device = "cpu",
@@ -54,6 +58,7 @@ class WeightReceiver:
         self.roller = roller
         self.device = torch.device(device)
         self.weight_version = initial_weight_version
+        self._cancelled = threading.Event()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, roller.encode())
@@ -82,7 +87,8 @@ class WeightReceiver:
 
         Raises ValueError when ``weight_version`` does not exceed the committed one, WeightSyncTimeout (naming
         the weight_version and the sender) when a message does not come within ``timeout_s``,
-        WeightSyncAborted when the sender aborts, ProtocolError on a malformed stream.
+        WeightSyncAborted when the sender aborts or the receiver is cancelled, ProtocolError on a malformed
+        stream.
         """
         if weight_version <= self.weight_version:
             raise ValueError(f"roller {self.roller!r}: weight_version {weight_version} does not exceed the "
@@ -124,10 +130,15 @@ class WeightReceiver:
         """Next control message of this update; raises WeightSyncTimeout / WeightSyncAborted."""
         deadline = time.monotonic() + self.handle.timeout_s
         while True:
+            if self._cancelled.is_set():
+                raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {weight_version} cancelled "
+                                        "(the receiver was cancelled: its sender is gone)")
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(left * 1000):
+            if left <= 0:
                 raise WeightSyncTimeout(f"roller {self.roller!r}: no {what} of weight_version {weight_version} from "
                                         f"{self.handle.control_address} within {self.handle.timeout_s:.1f} s")
+            if not self._sock.poll(min(left, CANCEL_POLL_S) * 1000):
+                continue
             header, *frames = self._sock.recv_multipart(copy=False)
             msg = decode(header.bytes)
             if isinstance(msg, Abort):
@@ -159,6 +170,11 @@ class WeightReceiver:
         self._stats["num_failures"] += 1
         self._stats["last_error"] = error
         self._send(Fail(weight_version, error))
+
+    def cancel(self) -> None:
+        """Make a ``receive`` waiting in another thread raise WeightSyncAborted within ``CANCEL_POLL_S``, and every
+        later one at once (its sender is gone: a trainer restart gives the roller a new receiver). Thread-safe."""
+        self._cancelled.set()
 
     def stats(self) -> dict:
         return {**self._stats, "roller": self.roller, "weight_version": self.weight_version}

@@ -9,8 +9,10 @@ contract's ``common.schema.FEEDER``); a roller turns it into the group's ``rollo
 A re-issued prompt (``stale_policy=drop``, or in flight at a job checkpoint) gets ``uid`` + ``.r<k>``.
 
 ``state()``/``restore(state)``: the data position a job checkpoint keeps (prompts taken from the stream,
-re-issue counts); a restored feeder continues the stream where the saved one stopped and can re-issue any
-prompt it issued before, since a ``uid`` names its place in the stream.
+re-issue counts, prompts queued again); a restored feeder continues the stream where the saved one stopped
+and can re-issue any prompt it issued before, since a ``uid`` names its place in the stream. ``requeue(uids)``
+queues issued prompts to be fed again (``.r<k>`` uids) before the stream's next ones: the prompts a trainer
+restart takes back (``controller.trainer_restart``), admitted again under the usual rules.
 
 Validation (``data.val_size``): ``feed_validation(round)`` puts every held-out prompt as one prompt row
 (answered by ``val.n`` sampled samples + 1 greedy one with ``val.greedy``) under ``uid`` =
@@ -62,6 +64,7 @@ class PromptFeeder:
         self._batches = self.dataset.batches(num_batches)
         self._by_uid: dict[str, tuple[int, Prompt]] = {}
         self._reissues: dict[str, int] = {}
+        self._requeued: deque[str] = deque()  # issued prompts (base uids) to feed again before the stream
         self._num_fed = 0  # prompts taken from the stream (re-issues not counted)
         self.client = TQClient(TQHandle.from_dict(tq_handle))
 
@@ -115,6 +118,8 @@ class PromptFeeder:
         return self._issued(uid.split(".r")[0])[1]
 
     def _next(self) -> tuple[str, int, Prompt] | None:
+        if self._requeued:
+            return self._reissued(self._requeued.popleft())
         if not self._pending:
             batch = next(self._batches, None)
             if batch is None:
@@ -126,11 +131,12 @@ class PromptFeeder:
 
     def state(self) -> dict:
         """The data position: ``num_fed`` (prompts taken from the stream of every epoch, in order),
-        ``reissues`` (base uid -> times re-issued) and ``exhausted`` (the stream has no prompt left for
-        the run's batches). JSON-able."""
+        ``reissues`` (base uid -> times re-issued), ``requeued`` (base uids queued to be fed again, in order)
+        and ``exhausted`` (neither the stream nor the queue has a prompt left for the run's batches). JSON-able."""
         size = self.dataset.cfg.train_batch_size
         stream = min(self._num_batches * size, len(self.dataset) * self.dataset.cfg.epochs)
-        return {"num_fed": self._num_fed, "reissues": dict(self._reissues), "exhausted": self._num_fed >= stream}
+        return {"num_fed": self._num_fed, "reissues": dict(self._reissues), "requeued": list(self._requeued),
+                "exhausted": self._num_fed >= stream and not self._requeued}
 
     def restore(self, state: dict) -> None:
         """Continue from ``state`` (:meth:`state` of a feeder of the same data config): the next prompt fed
@@ -148,6 +154,8 @@ class PromptFeeder:
                 self._pending.append((f"s{batch.global_step}.p{pos}", batch.global_step, prompt))
         self._num_fed = num_fed
         self._reissues = {str(k): int(v) for k, v in state["reissues"].items()}
+        # A checkpoint written before the queue existed has none.
+        self._requeued = deque(str(u) for u in state.get("requeued", []))
 
     def _issued(self, base: str) -> tuple[int, Prompt]:
         """The step and prompt of issued uid ``base`` (``s<step>.p<pos>``); ValueError for another uid."""
@@ -160,8 +168,8 @@ class PromptFeeder:
             raise ValueError(f"uid {base!r} names no prompt of this run's data (s<step>.p<position>)") from exc
 
     def feed(self, num_groups: int) -> list[dict]:
-        """Put up to ``num_groups`` new prompt groups; returns ``[{"uid", "global_step"}]`` of those put
-        (fewer when the data is exhausted)."""
+        """Put up to ``num_groups`` prompt groups, the requeued ones first, then the stream's next; returns
+        ``[{"uid", "global_step"}]`` of those put (fewer when the data is exhausted)."""
         picked = []
         while len(picked) < num_groups:
             item = self._next()
@@ -173,13 +181,23 @@ class PromptFeeder:
     def reissue(self, uids: list[str]) -> list[dict]:
         """Put the prompts of ``uids`` again under fresh uids (dropped as too stale, or in flight at a job
         checkpoint); returns them. Raises ValueError for a uid this run's data does not name."""
-        picked = []
-        for uid in uids:
-            base = uid.split(".r")[0]
-            step, prompt = self._issued(base)
-            self._reissues[base] = self._reissues.get(base, 0) + 1
-            picked.append((f"{base}.r{self._reissues[base]}", step, prompt))
-        return self._put(picked)
+        return self._put([self._reissued(uid) for uid in uids])
+
+    def requeue(self, uids: list[str]) -> None:
+        """Queue the prompts of ``uids`` (issued before; their groups are gone) to be fed again, under fresh
+        uids, by the next ``feed`` calls, before any new prompt of the stream. Raises ValueError for a uid this
+        run's data does not name (nothing is queued then)."""
+        bases = [uid.split(".r")[0] for uid in uids]
+        for base in bases:
+            self._issued(base)
+        self._requeued.extend(bases)
+
+    def _reissued(self, uid: str) -> tuple[str, int, Prompt]:
+        """(fresh uid ``<base>.r<k>``, step, prompt) of issued ``uid``; counts the re-issue."""
+        base = uid.split(".r")[0]
+        step, prompt = self._issued(base)
+        self._reissues[base] = self._reissues.get(base, 0) + 1
+        return f"{base}.r{self._reissues[base]}", step, prompt
 
     def _put(self, picked: list[tuple[str, int, Prompt]]) -> list[dict]:
         if not picked:

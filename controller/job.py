@@ -74,6 +74,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
     from controller.admin import AdminServer
     from controller.report import group_reward_stats
     from controller.schedules import SCHEDULES, Stages
+    from controller.trainer_restart import run_with_restarts
 
     STOP.attach(asyncio.current_task())
     stages = Stages(cfg, rt, metrics, report)
@@ -90,7 +91,8 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             restored = True
         # the version the rollers hold, before the first step (val.before_train; on resume: if it is due)
         await stages.validator.maybe_start(stages.synced_weight_version)
-        await rt.watch(SCHEDULES[cfg.mode](stages))  # a dead TransferQueue server ends it: ServerLost
+        # a dead TransferQueue server ends it (ServerLost); a lost trainer rank restarts the trainer alone
+        await rt.watch(run_with_restarts(stages, SCHEDULES[cfg.mode], counts))
         await stages.validator.wait()  # the round of the last version
         await stages.checkpointer.save(stages, "end of the run")
         await stages.refresh_gauges()
@@ -159,19 +161,15 @@ def _add_sglang_targets(targets, cfg: HFlowConfig, rt) -> None:
         targets.update(sglang={m.name: u for m, u in zip(members, urls, strict=True) if u})
 
 
-def _restart_point(cfg: HFlowConfig, lost: BaseException, restart: int) -> Path:
-    """The job checkpoint to restart from after ``lost`` (a ``TrainerRankLost``), restart number
-    ``restart + 1``; re-raises ``lost`` when ``trainer.max_restarts`` are used up or there is no checkpoint."""
-    from controller.job_checkpoint import list_checkpoints
+def _restart_point(cfg: HFlowConfig, lost: BaseException, summary: dict) -> Path:
+    """The job checkpoint to restart every pool from after ``lost`` (a ``TrainerRankLost`` outside the schedule,
+    where the trainer cannot restart alone: ``controller.trainer_restart``); counts the restart in ``summary``.
+    Re-raises ``lost`` when ``trainer.max_restarts`` are used up or there is no checkpoint."""
+    from controller.trainer_restart import RESTARTS_KEY, restart_point
 
-    found = list_checkpoints(cfg.run_dir)
-    if restart >= cfg.trainer.max_restarts or not found:
-        if cfg.trainer.max_restarts and not found:
-            print("hflow-async: no job checkpoint to restart from yet (trainer.save_every="
-                  f"{cfg.trainer.save_every})", file=sys.stderr, flush=True)
-        raise lost
-    path = found[max(found)]
-    print(f"hflow-async: {lost}; restarting the pools from {path} (restart {restart + 1} of "
+    path = restart_point(cfg, lost, summary.get(RESTARTS_KEY, 0))
+    summary[RESTARTS_KEY] = summary.get(RESTARTS_KEY, 0) + 1
+    print(f"hflow-async: {lost}; restarting the pools from {path} (restart {summary[RESTARTS_KEY]} of "
           f"trainer.max_restarts={cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
     return path
 
@@ -402,12 +400,12 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
               flush=True)
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
               f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
-        for restart in range(cfg.trainer.max_restarts + 1):
+        while True:  # _restart_point re-raises once trainer.max_restarts are used up
             try:
                 asyncio.run(_run_schedule(cfg, rt, metrics, report, summary, resume_from))
                 break
             except TrainerRankLost as lost:
-                resume_from = _restart_point(cfg, lost, restart)
+                resume_from = _restart_point(cfg, lost, summary)
                 rt.close()
                 rt = None
                 report.close()

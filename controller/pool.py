@@ -58,6 +58,12 @@ class Member:
     in_push: bool = False  # a weight push is under way: its own deadlines judge the roller, not pings
 
 
+def _trainer_lost(exc: BaseException | None) -> bool:
+    from trainers.group import TrainerRankLost
+
+    return isinstance(exc, TrainerRankLost)
+
+
 def _is_dead(exc: BaseException) -> bool:
     import ray
 
@@ -107,6 +113,32 @@ class RollerPool:
         ray.get([m.actor.start.remote() for m in self.members.values()])
         for m in self.members.values():
             m.state = ACTIVE
+
+    async def rewire(self, trainer) -> list[RollerLost]:
+        """After a trainer restart: a new weight sender on ``trainer`` (the new group) for every live member, which
+        re-attaches to it (``RollerActor.attach_receiver`` cancels an update still waiting for the lost sender);
+        each member's ``weight_version`` is then read back from the roller (what its engine committed). Returns
+        the members that did not answer in time (not yet retired). Caller holds the trainer lock."""
+        from trainers.weight_sync import attach_sender
+
+        self.trainer = trainer
+        self._sender_removals.clear()  # the old sender is gone with its rank
+        members = self.live()
+        self.sync_handle = (await asyncio.to_thread(trainer.execute, attach_sender, self.cfg.checkpointengine,
+                                                    [m.name for m in members]))[0]
+
+        async def attach(m: Member) -> None:
+            await self.call(m, "attach_receiver", self.sync_handle, m.name)
+            m.weight_version = int((await self.call(m, "ping"))["weight_version"])
+
+        results = await asyncio.gather(*(attach(m) for m in members), return_exceptions=True)
+        lost = []
+        for m, result in zip(members, results, strict=True):
+            if isinstance(result, RollerLost):
+                lost.append(result)
+            elif isinstance(result, BaseException):
+                lost.append(RollerLost(m.name, "weight_sync", f"re-attach raised {type(result).__name__}: {result}"))
+        return lost
 
     # -------------------------------------------------------------------------------------- queries
 
@@ -273,6 +305,12 @@ class RollerPool:
                 report.update(sent)
         except Exception as exc:  # a roller missed a deadline, or the send itself failed
             error = exc
+        if _trainer_lost(error):  # no roller is to blame: the caller restarts the trainer, rollers re-attach
+            for m in targets:
+                m.in_push = False
+            for fut in receives.values():
+                fut.cancel()
+            return [], error
         await asyncio.wait(list(receives.values()), timeout=self.timeout_s)
         lost = []
         for m in targets:

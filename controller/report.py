@@ -167,6 +167,21 @@ class RunReport:
                 f"{record['samples_per_s']:.1f} samples/s | step {record.get('step_s', float('nan')):.1f}s"
             )
 
+    def rewind(self, step: int) -> list[dict[str, Any]]:
+        """Forget the steps after ``step`` (a trainer restart from that step's checkpoint trains them again):
+        ``metrics.jsonl`` keeps the rows up to it and moves the others to ``metrics.superseded.jsonl``
+        (``controller.job_checkpoint.truncate_metrics``); returns the step records forgotten."""
+        from controller.job_checkpoint import truncate_metrics
+
+        self._jsonl.close()
+        try:
+            truncate_metrics(self.run_dir, step)
+        finally:
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        forgotten = [r for r in self.steps if r["step"] > step]
+        self.steps = [r for r in self.steps if r["step"] <= step]
+        return forgotten
+
     def log_validation(self, record: dict[str, Any]) -> None:
         """Append one validation round (``controller.validation.validation_record``) to metrics.jsonl,
         marked ``"validation": true``; raises ValueError when it lacks ``weight_version``."""

@@ -79,7 +79,6 @@ class Runtime:
         from rollers.actor import remote_roller
         from rollers.tq_channel import GroupSource, TQGroupChannel
         from trainers.advantages import ADV_ESTIMATORS
-        from trainers.group import TrainerGroup
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
 
@@ -115,13 +114,10 @@ class Runtime:
 
         self.pool = RollerPool(cfg, make_roller)
         self.pool.place(n_rollers)
-        trainer_cfg = dataclasses.replace(cfg.trainer, num_threads=self.threads.trainer_threads)
         waits = {self.feeder.dataset_size.remote(): "feeder_s"}  # surfaces data errors (too few steps, ...)
         waits |= {m.actor.stats.remote(): "rollers_s" for m in self.pool.members.values()}  # answered once a constructor is done
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-start") as pool:
-            trainer = pool.submit(TrainerGroup, trainer_cfg, cfg.algorithm, cfg.model,
-                                  temperature=cfg.rollout.temperature,
-                                  max_response_length=cfg.rollout.max_response_length, tq_handle=handle)
+            trainer = pool.submit(self._make_trainer)
             try:
                 self._wait_ready(waits, trainer, clock)
             except BaseException:  # a roller or the feeder failed: never leave the trainer's actors behind
@@ -133,6 +129,25 @@ class Runtime:
         on_stage(f"connecting weight sync ({cfg.checkpointengine.backend}) and starting the rollers' loops")
         self.pool.start(self.trainer)
         clock.done("weight_plane_s")
+
+    def _make_trainer(self):
+        """A new ``TrainerGroup`` of ``cfg.trainer`` (its ranks start and load the initial model; blocking)."""
+        from trainers.group import TrainerGroup
+
+        cfg = self.cfg
+        trainer_cfg = dataclasses.replace(cfg.trainer, num_threads=self.threads.trainer_threads)
+        return TrainerGroup(trainer_cfg, cfg.algorithm, cfg.model, temperature=cfg.rollout.temperature,
+                            max_response_length=cfg.rollout.max_response_length,
+                            tq_handle=self.tq_servers.handle.to_dict())
+
+    def restart_trainer(self) -> None:
+        """Replace the trainer group with a new one (new processes and placement group, the initial weights;
+        blocking): after a lost rank (``controller.trainer_restart``). The other pools keep running; the caller
+        loads a checkpoint and rewires the weight plane (``RollerPool.rewire``)."""
+        old, self.trainer = self.trainer, None
+        if old is not None:
+            old.shutdown()
+        self.trainer = self._make_trainer()
 
     @staticmethod
     def _wait_ready(waits: dict, trainer: concurrent.futures.Future, clock: _StageClock) -> None:

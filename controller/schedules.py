@@ -436,7 +436,8 @@ async def _finish_before_cancel(coro):
 async def run_sync(st: Stages) -> None:
     B = st.cfg.data.train_batch_size
     for _ in range(st.step, st.cfg.trainer.total_steps):
-        fed = await st.admit(B, bounded=False)
+        # After a resume or a trainer restart, the groups already outstanding are part of the batch.
+        fed = min(B, st.outstanding) + await st.admit(B - st.outstanding, bounded=False)
         meta = await st.generate(fed, train_weight_version=st.weight_version)
         await st.update(meta)
         await st.sync_weights()
@@ -446,13 +447,14 @@ async def run_one_step_off(st: Stages) -> None:
     B, total = st.cfg.data.train_batch_size, st.cfg.trainer.total_steps
     if st.step >= total:
         return
-    # After a resume, the groups of the next batch restored or re-issued are part of B₀.
-    fed = st.outstanding + await st.admit(B - st.outstanding, bounded=False)
+    # After a resume or a trainer restart, the groups already outstanding are part of B₀ (and of B₁ beyond it).
+    fed = min(B, st.outstanding) + await st.admit(B - st.outstanding, bounded=False)
     meta = await st.generate(fed, train_weight_version=st.weight_version)
     for step in range(st.step, total):
         pending = None
         if step < total - 1:  # batch k+1: generated with v_k while the trainer trains on batch k
-            fed = await st.admit(B, bounded=False)
+            ahead = st.outstanding - len({t[schema.UID] for t in meta.tags})  # of batch k+1, admitted already
+            fed = min(B, ahead) + await st.admit(B - ahead, bounded=False)
             pending = asyncio.ensure_future(st.generate(fed, train_weight_version=st.weight_version + 1))
         try:
             await st.update(meta)

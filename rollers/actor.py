@@ -46,6 +46,7 @@ class RollerActor:
         self.engine = None
         self.roller: Roller | None = None
         self.receiver = None
+        self._updating = asyncio.Lock()  # one weight update at a time; a re-attach waits for it to end
         self._run_task: asyncio.Task | None = None
         self.put_uids: deque[str] = deque(maxlen=PUT_LOG_SIZE)  # uids of the last groups put (recent_put_uids)
         self.faults = FaultInjector(roller_id, [FaultSpec.parse(f) for f in rollers_cfg.fault_injection])
@@ -154,10 +155,17 @@ class RollerActor:
         await self.engine.load_weights(named_tensors, weight_version)
 
     async def attach_receiver(self, handle: dict, name: str) -> None:
-        """Join the checkpoint engine's weight plane as roller ``name`` (``handle`` from the trainer side)."""
+        """Join the checkpoint engine's weight plane as roller ``name`` (``handle`` from the trainer side). Called
+        again after a trainer restart (``controller.trainer_restart``), with the new trainer's handle: an update
+        still waiting for the lost sender is cancelled first (the engine keeps its weights and version)."""
         from checkpointengine import WeightReceiver, WeightSyncHandle
 
         await self._ensure_engine()
+        old, self.receiver = self.receiver, None
+        if old is not None:
+            old.cancel()
+            async with self._updating:  # the cancelled update has ended (and resumed the engine)
+                old.close()
         self.receiver = WeightReceiver(WeightSyncHandle.from_dict(handle), name)
 
     async def update_weights(self, weight_version: int, pause_mode: str) -> dict:
@@ -166,10 +174,11 @@ class RollerActor:
         Raises WeightUpdateError (the old version is kept) or RuntimeError without ``attach_receiver``."""
         from rollers.weight_update import apply_update
 
-        if self.receiver is None:
-            raise RuntimeError(f"roller {self.roller_id}: attach_receiver was never called")
-        await self.faults.fire("weight_sync")
-        result = await apply_update(self.engine, self.receiver, weight_version, pause_mode)
+        async with self._updating:
+            if self.receiver is None:
+                raise RuntimeError(f"roller {self.roller_id}: attach_receiver was never called")
+            await self.faults.fire("weight_sync")
+            result = await apply_update(self.engine, self.receiver, weight_version, pause_mode)
         return {"duration_s": result.duration_s, "num_bytes": result.num_bytes}
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:

@@ -62,6 +62,9 @@ _MAX_BUSY_INTERVALS_KEPT = 8192
 # ------------------------------------------------------------------------------------------ records
 
 
+TAKE_POLL_S = 0.5  # a take's long-poll at the TransferQueue index lasts at most this (``Roller.poll_timeout_s``)
+
+
 @dataclass(frozen=True)
 class PromptGroup:
     """One prompt group as the roller receives it: one prompt, to be answered by ``num_samples`` samples
@@ -178,7 +181,7 @@ class Roller:
         max_groups_in_flight: int = 4,
         remax_baseline: bool = False,
         pad_to_max_length: bool = False,
-        poll_timeout_s: float = 0.5,
+        poll_timeout_s: float = TAKE_POLL_S,
         roller_id: str = "roller0",
     ):
         if max_groups_in_flight < 1:

@@ -35,8 +35,9 @@ class TrainerConfig:
     ``ppo_mini_batch_size`` is in prompts (× ``rollout.n`` samples inside); ``ppo_micro_batch_size`` is
     in samples; ``save_every`` in trainer steps (0 = never: no job checkpoint at all, neither on a stop
     signal nor at the end); ``keep_checkpoints``: how many job checkpoints are kept, the latest (0 = all);
-    ``max_restarts``: times a job restarts its pools from the latest job checkpoint after losing a trainer
-    rank (0: the job fails, naming the rank); ``val_every``: validate every N steps (0 = only before the
+    ``max_restarts``: times a job restarts its trainer group from the latest job checkpoint after losing a
+    trainer rank, the rollers kept running (``controller.trainer_restart``; 0: the job fails, naming the
+    rank); ``val_every``: validate every N steps (0 = only before the
     first step and after the last; the controller runs it, ``controller.validation``); ``num_threads``
     torch threads per rank: ``auto`` (chosen per mode by the controller, ``controller.resources.plan_threads``)
     or an integer.

@@ -409,6 +409,20 @@ class MetadataIndex:
         for key in [k for k in part.subs if k[0] == bit]:
             del part.subs[key]  # rebuilt by the next get_meta
 
+    def unconsume(self, partition: str, task: str, sample_ids: list[int]) -> None:
+        """Make ``sample_ids`` of ``partition`` unconsumed for ``task`` again (a ``get_meta`` whose reply never
+        reached its consumer: ``IndexServer.undelivered``); unknown or cleared ids are skipped."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return
+        bit = self._task_bit(task)
+        given = [s for s in map(part.samples.get, sample_ids) if s is not None and s.consumed & bit]
+        for s in given:
+            s.consumed &= ~bit
+        for key in [k for k in part.subs if k[0] == bit]:
+            del part.subs[key]  # rebuilt by the next get_meta
+        self.consumed[task] = self.consumed.get(task, 0) - len(given)
+
     def sample_info(self, partition: str, sample_ids: list[int] | None, limit: int) -> list[dict]:
         """``{"id", "fields", "tags", "consumed_by"}`` for up to ``limit`` samples (metadata only)."""
         part = self._partition(partition)

@@ -4,6 +4,10 @@ A ``get_meta`` that cannot be filled and has ``timeout_s > 0`` is *parked* (iden
 never slept on. Every ``notify``, ``reset_consumption`` or ``clear`` of a partition retries that
 partition's parked requests in arrival order; ``tick`` answers the expired ones with an empty meta and
 the sampler's reason. So one slow consumer never blocks another's request.
+
+A ``get_meta`` reply that cannot be delivered (its consumer's process died while its request was parked:
+a roller killed mid long-poll) gives its samples back to the task (``MetadataIndex.unconsume``), and that
+partition's parked requests are retried: a dead consumer never takes samples with it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class IndexServer(RouterServer):
         self.timer_s = self.limits.reservation_lease_s / 4
         self.parked: list[tuple[float, bytes, dict, int]] = []  # (deadline, identity, header, header bytes)
         self.parked_bytes = 0
+        self._given_back: set[str] = set()  # partitions with samples of undelivered replies: retried in tick
 
     def handle(self, identity: bytes, header: dict, frames: list) -> Reply | None:
         if frames:
@@ -129,14 +134,26 @@ class IndexServer(RouterServer):
             if not len(meta):
                 meta.reason = f"timed out after {header.get('timeout_s')} s: {meta.reason}"
             reply = {"ok": True, "rid": header.get("rid"), "meta": meta.to_wire()}
-        self.send(identity, reply)
+        if not self.send(identity, reply):
+            self.undelivered(header, reply)
         self.parked_bytes -= size
         return True
+
+    def undelivered(self, request: dict, reply: dict) -> None:
+        """A ``get_meta`` reply that never left: its samples are unconsumed again for the request's task."""
+        meta = reply.get("meta")
+        if request.get("op") != "get_meta" or not isinstance(meta, dict) or not meta.get("sample_ids"):
+            return
+        partition = request.get("partition")
+        self.index.unconsume(partition, request.get("task"), list(meta["sample_ids"]))
+        self._given_back.add(partition)
 
     def _retry(self, partition: str | None) -> None:
         self.parked = [e for e in self.parked if e[2].get("partition") != partition or not self._answer(e, False)]
 
     def tick(self) -> None:
+        while self._given_back:
+            self._retry(self._given_back.pop())
         if not self.parked:
             return
         now = time.monotonic()

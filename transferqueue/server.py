@@ -6,8 +6,10 @@
                   <--[header, *frames]--                       reply later from ``tick()``
 
 Every failure inside ``handle`` (malformed message, bad ids, unknown op) becomes an error reply
-``{"ok": False, "error": ...}`` and the loop keeps serving. Replies go through ``send``; a peer that
-vanished is skipped (ROUTER_MANDATORY off). The loop wakes at least every ``tick_s`` for timers.
+``{"ok": False, "error": ...}`` and the loop keeps serving. Replies go through ``send``; a reply to a peer
+that is gone (ROUTER_MANDATORY: its process died and its connection closed) or whose queue is full is
+dropped, and ``undelivered`` lets the server undo what the request did (the index gives the samples of an
+undelivered ``get_meta`` back). The loop wakes at least every ``tick_s`` for timers.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class RouterServer:
         self.ctx = zmq.Context()  # own context: one ZAP handler per server
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a peer that is gone raises: see ``send``
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.auth = None
@@ -79,11 +82,23 @@ class RouterServer:
     def timer(self, now: float) -> None:
         """Called about every ``timer_s`` (when > 0) with ``time.monotonic()``, for slow housekeeping."""
 
-    def send(self, identity: bytes, header: dict, frames: list | tuple = ()) -> None:
+    def undelivered(self, request: dict, reply: dict) -> None:
+        """Called when ``reply`` to ``request`` (both headers) could not be delivered (see ``send``): a subclass
+        undoes what the request did, when it matters."""
+
+    def send(self, identity: bytes, header: dict, frames: list | tuple = ()) -> bool:
+        """Queue a reply to ``identity``; returns False (logged) when the peer is gone (its process died:
+        EHOSTUNREACH under ROUTER_MANDATORY) or its queue is full, and the reply is dropped."""
         try:
             self.sock.send_multipart([identity, wire.pack(header), *frames], copy=False, flags=zmq.NOBLOCK)
+            return True
         except zmq.Again:
             logger.warning("dropping a reply: peer's queue is full")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            logger.info("dropping a reply (rid %s): its peer is gone", header.get("rid"))
+        return False
 
     # -- loop
     def serve_forever(self) -> None:
@@ -129,7 +144,8 @@ class RouterServer:
             if reply is not None:
                 head, frames = reply
                 head.update(ok=True, rid=rid)
-                self.send(identity, head, frames)
+                if not self.send(identity, head, frames):
+                    self.undelivered(header, head)
             if self.after_reply is not None:  # e.g. join a p2p group or start sends the reply announced
                 self.after_reply()
         except Exception as exc:  # every failure becomes an error reply; the loop keeps serving

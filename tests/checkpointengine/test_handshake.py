@@ -128,6 +128,24 @@ def test_receiver_times_out_naming_version_when_sender_is_silent():
         sender.close()
 
 
+def test_a_cancelled_receiver_stops_waiting_for_a_silent_sender_at_once():
+    """A trainer restart: the roller's update waits for a sender that is gone; ``cancel`` (from another thread)
+    ends it with WeightSyncAborted long before ``timeout_s``."""
+    sender = WeightSender(_cfg(), ["r0"])
+    waiting = RollerThread(dataclasses.replace(sender.handle, timeout_s=60.0), "r0", [1])
+    try:
+        waiting.start()
+        time.sleep(0.3)  # inside receive, polling for Begin
+        start = time.monotonic()
+        waiting.receiver.cancel()
+        waiting.join(timeout=10)
+        assert not waiting.is_alive() and time.monotonic() - start < 5
+        assert isinstance(waiting.error, WeightSyncAborted) and "cancelled" in str(waiting.error)
+        assert waiting.done == []
+    finally:
+        sender.close()
+
+
 def test_version_mismatches_fail_fast_with_names():
     sender = WeightSender(_cfg(timeout_s=5.0), ["ahead", "late"])
     ahead = RollerThread(sender.handle, "ahead", [9, 10])

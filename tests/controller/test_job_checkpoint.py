@@ -59,7 +59,7 @@ def test_feeder_restore_continues_the_stream_and_reissues_any_issued_prompt(tq):
 def check_feeders(client: TQClient, first: PromptFeeder, second: PromptFeeder) -> None:
     assert [g["uid"] for g in first.feed(3)] == ["s0.p0", "s0.p1", "s1.p0"]
     state = json.loads(json.dumps(first.state()))  # as job.json keeps it
-    assert state == {"num_fed": 3, "reissues": {}, "exhausted": False}
+    assert state == {"num_fed": 3, "reissues": {}, "requeued": [], "exhausted": False}
     assert [g["uid"] for g in first.feed(1)] == ["s1.p1"]  # the uninterrupted stream, for comparison
     second.restore(state)
     assert [g["uid"] for g in second.feed(10)] == ["s1.p1", "s2.p0", "s2.p1", "s3.p0", "s3.p1"]
@@ -72,6 +72,22 @@ def check_feeders(client: TQClient, first: PromptFeeder, second: PromptFeeder) -
         second.restore({"num_fed": 9, "reissues": {}})
     with pytest.raises(ValueError, match="names no prompt"):
         second.reissue(["s9.p0"])
+    check_requeue(second)
+
+
+def check_requeue(feeder: PromptFeeder) -> None:
+    """Requeued prompts (a trainer restart's superseded steps) are fed again first, under fresh uids, and kept
+    in the data position; the stream is not exhausted while any waits."""
+    feeder.requeue(["s1.p0", "s0.p1.r1"])
+    state = json.loads(json.dumps(feeder.state()))
+    assert state["requeued"] == ["s1.p0", "s0.p1"] and not state["exhausted"]
+    with pytest.raises(ValueError, match="names no prompt"):
+        feeder.requeue(["s1.p1", "s9.p0"])
+    assert feeder.state()["requeued"] == ["s1.p0", "s0.p1"]  # nothing queued by the refused call
+    assert [g["uid"] for g in feeder.feed(1)] == ["s1.p0.r1"]
+    feeder.restore(state)  # the queue is part of the data position
+    assert [g["uid"] for g in feeder.feed(5)] == ["s1.p0.r1", "s0.p1.r2"]  # then the exhausted stream: nothing
+    assert feeder.state()["exhausted"]
 
 
 def test_buffered_samples_round_trip_with_their_tags_and_no_ground_truth(tq, tmp_path):

@@ -9,6 +9,11 @@ One chain on the tiny model, fully-async with generation ahead of training (8 pr
 3. ``--resume`` again, to the end: every prompt trained exactly once per epoch (uid accounting over
    ``metrics.jsonl``), ``weight_version`` = step on every row, staleness within the bound.
 
+The same stop (SIGTERM mid-run) and resume in ``sync`` (staleness 0) and ``one-step-off`` (staleness <= 1).
+A trainer rank killed (SIGKILL) with ``trainer.max_restarts=1``: the trainer group alone restarts from the
+latest checkpoint (the roller processes are the same before and after), every prompt trained once; with 0
+the job fails naming the rank.
+
 The start-up decisions of ``--resume`` (a refused config change, nothing left to train) need no pools.
 """
 
@@ -94,15 +99,9 @@ def test_kill_mid_save_then_sigterm_then_resume_trains_every_prompt_once(tmp_pat
     # 3. Resume to the end.
     code, out, err = run(["--resume", str(run_dir)])
     assert code == 0, err[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    assert all(r["weight_version"] == r["step"] for r in rows)  # the version continues across resumes
-    assert max(r["staleness_max"] for r in rows) <= MAX_STALENESS
-    trained = [base_uid(u) for r in rows for u in r["uids"]]
-    expected = [f"s{step}.p{pos}" for step in range(8) for pos in range(2)]  # 8 prompts x 2 epochs
-    assert sorted(trained) == sorted(expected), "a prompt was skipped or trained twice"
+    assert_every_prompt_once(run_dir, 8, MAX_STALENESS)  # 8 prompts x 2 epochs
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["num_steps"] == 8
+    assert summary["status"] == "completed" and summary["num_steps"] == 8, (summary, err[-3000:])
 
 
 def fake_run(run_dir: Path, step: int, overrides: list[str], **state) -> None:
@@ -161,14 +160,18 @@ def test_resume_needs_a_job_checkpoint(tmp_path, capsys):
     assert done.returncode == 2 and "no run there" in done.stderr
 
 
-def trainer_rank_pids(job_pid: int) -> list[int]:
-    """PIDs of the trainer rank actors the job ``job_pid`` started (Ray's worker processes descend from the
-    raylet the job started, and take their actor's class as their title); other jobs' are left alone."""
-    parent, title = {}, {}
+TRAINER, ROLLER = b"ray::TrainerActor", b"ray::RollerActor"
+
+
+def actor_pids(job_pid: int, title: bytes) -> list[int]:
+    """PIDs of the actors of class ``title`` (``TRAINER``, ``ROLLER``) the job ``job_pid`` started (Ray's worker
+    processes descend from the raylet the job started, and take their actor's class as their title); other
+    jobs' are left alone."""
+    parent, titles = {}, {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             parent[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            title[int(proc.name)] = (proc / "cmdline").read_bytes()
+            titles[int(proc.name)] = (proc / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):  # a process that ended while we looked
             continue
 
@@ -179,19 +182,116 @@ def trainer_rank_pids(job_pid: int) -> list[int]:
             pid = parent.get(pid, 0)
         return False
 
-    return [pid for pid, name in title.items() if b"ray::TrainerActor" in name and descends(pid)]
+    return sorted(pid for pid, name in titles.items() if title in name and descends(pid))
 
 
-def kill_trainer_after_checkpoint(run_dir: Path) -> Callable[[int, str], None]:
-    """A ``watch`` for ``run``: once ``run_dir`` has a job checkpoint, SIGKILL the trainer rank's process
-    (once; it may be training the next step or writing the next checkpoint)."""
-    killed: list[int] = []
+def kill_trainer_after_checkpoint(run_dir: Path, seen: dict[str, list[int]]) -> Callable[[int, str], None]:
+    """A ``watch`` for ``run``: once ``run_dir`` has a job checkpoint, SIGKILL the trainer rank's process (once;
+    it may be training the next step, writing the next checkpoint or pushing weights). Notes in ``seen`` the
+    roller and trainer processes before the kill and once the trainer group is back."""
 
     def watch(pid: int, out: str) -> None:
-        if not killed and list_checkpoints(run_dir):
-            killed.extend(trainer_rank_pids(pid))
-            assert len(killed) == 1, killed
-            os.kill(killed[0], signal.SIGKILL)
+        if "killed" not in seen and list_checkpoints(run_dir):
+            seen["rollers"], seen["killed"] = actor_pids(pid, ROLLER), actor_pids(pid, TRAINER)
+            assert len(seen["killed"]) == 1, seen
+            os.kill(seen["killed"][0], signal.SIGKILL)
+        elif "killed" in seen and "trainer group restarted" in out:
+            note_after_restart(pid, seen)
+
+    return watch
+
+
+def note_after_restart(pid: int, seen: dict[str, list[int]]) -> None:
+    """Note the roller and trainer processes of job ``pid`` after the trainer's restart (each look replaces the
+    last, so the notes are those of the run's last look, while its pools still ran)."""
+    rollers, trainers = actor_pids(pid, ROLLER), actor_pids(pid, TRAINER)
+    if rollers and trainers:
+        seen["rollers_after"], seen["trainers_after"] = rollers, trainers
+
+
+def assert_every_prompt_once(run_dir: Path, num_steps: int, bound: int) -> list[dict]:
+    """``metrics.jsonl`` has steps 1..``num_steps`` at ``weight_version`` = step, each prompt of the 8 x
+    ``num_steps / 4`` epochs trained once (batch 2), staleness within ``bound``; returns its rows."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if not r.get("validation")]
+    assert [r["step"] for r in rows] == list(range(1, num_steps + 1))
+    assert all(r["weight_version"] == r["step"] for r in rows)  # the version continues across stops
+    assert max(r["staleness_max"] for r in rows) <= bound, [r["staleness_max"] for r in rows]
+    trained = sorted(base_uid(u) for r in rows for u in r["uids"])
+    assert trained == sorted(f"s{step}.p{pos}" for step in range(num_steps) for pos in range(2)), \
+        "a prompt was skipped or trained twice"
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_lost_trainer_rank_restarts_the_trainer_alone_or_fails_naming_it(tmp_path, max_restarts):
+    run_dir = tmp_path / "run"
+    args = [*JOB, "data.epochs=1", "trainer.total_steps=4", f"trainer.max_restarts={max_restarts}",
+            f"run_dir={run_dir}"]
+    seen: dict[str, list[int]] = {}
+    code, out, err = run(args, watch=kill_trainer_after_checkpoint(run_dir, seen))
+    assert "trainer rank 0 was lost in " in err
+    if max_restarts == 0:
+        assert code == 1 and "run failed: TrainerRankLost" in err
+        return
+    assert code == 0, err[-3000:]
+    assert "restarting the trainer group from" in err and "restarting the pools" not in err
+    assert "rollers: 1 kept, 0 replaced" in out  # save_every=1: no roller holds weights newer than the checkpoint
+    # The rollers kept running: the same processes before the kill and after the trainer came back.
+    assert seen["rollers"] and seen["rollers_after"] == seen["rollers"], seen
+    assert len(seen["trainers_after"]) == 1 and seen["trainers_after"] != seen["killed"], seen
+    assert_every_prompt_once(run_dir, 4, MAX_STALENESS)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["num_trainer_restarts"] == 1 and summary["num_roller_restarts"] == 0, summary
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
+@pytest.mark.parametrize(("mode", "bound"), [("sync", 0), ("one-step-off", 1)])
+def test_sigterm_then_resume_trains_every_prompt_once_in_sync_and_one_step_off(tmp_path, mode, bound):
+    run_dir = tmp_path / "run"
+    args = [mode if a == "fully-async" else a for a in JOB]
+    # No periodic save: the checkpoint is the one the stop writes, mid-run (a batch generated or in flight).
+    args += ["data.epochs=1", "trainer.total_steps=4", "trainer.save_every=100", f"run_dir={run_dir}"]
+    code, out, err = run(args, until=lambda o: STEP_LINE.search(o) is not None, sig=signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    stopped_at = max(list_checkpoints(run_dir))
+    stop = JobState.read(run_dir / CHECKPOINTS / f"step_{stopped_at}")
+    assert 1 <= stopped_at < 4 and stop.reason == "stopped by SIGTERM" and stop.weight_version == stopped_at
+
+    code, out, err = run(["--resume", str(run_dir)])
+    assert code == 0, err[-3000:]
+    assert f"(step {stopped_at}, weight_version {stopped_at})" in out
+    assert_every_prompt_once(run_dir, 4, bound)
+
+
+def kill_trainer_once_rollers_are_ahead(run_dir: Path, step: int, seen: dict[str, list[int]]
+                                        ) -> Callable[[int, str], None]:
+    """A ``watch`` for ``run``: once ``run_dir`` has the job checkpoint of ``step`` and a roller holds a newer
+    weight version (the admin endpoint's pool state), SIGKILL the trainer rank, before the next checkpoint.
+    Notes the roller processes before the kill and once the trainer group is back, as
+    ``kill_trainer_after_checkpoint``."""
+    from controller.admin import AdminError, pool_state
+
+    def watch(pid: int, out: str) -> None:
+        if "killed" in seen:
+            if "trainer group restarted" in out:
+                note_after_restart(pid, seen)
+            return
+        if step not in list_checkpoints(run_dir):
+            return
+        try:
+            versions = [r["weight_version"] for r in pool_state(run_dir)["rollers"]]
+        except AdminError:
+            return
+        if versions and max(versions) > step:
+            assert max(list_checkpoints(run_dir)) == step, "the next checkpoint came first: widen save_every"
+            seen["rollers"], seen["killed"] = actor_pids(pid, ROLLER), actor_pids(pid, TRAINER)
+            os.kill(seen["killed"][0], signal.SIGKILL)
 
     return watch
 
@@ -199,20 +299,21 @@ def kill_trainer_after_checkpoint(run_dir: Path) -> Callable[[int, str], None]:
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
-@pytest.mark.parametrize("max_restarts", [0, 1])
-def test_a_lost_trainer_rank_restarts_from_the_checkpoint_or_fails_naming_it(tmp_path, max_restarts):
+def test_a_trainer_restart_replaces_rollers_that_hold_weights_newer_than_the_checkpoint(tmp_path):
+    """``trainer.save_every=3``: the kill lands once the rollers hold version 4 or 5, the checkpoint is step 3.
+    Those weights are in no history the restored trainer will have, so the rollers holding them are replaced
+    and what they generated is re-issued; steps 4.. are trained again, every prompt once. The first roller
+    takes 3 s over each weight update from its 4th on, so the kill lands before the run's last checkpoint."""
     run_dir = tmp_path / "run"
-    args = [*JOB, "data.epochs=1", "trainer.total_steps=4", f"trainer.max_restarts={max_restarts}",
-            f"run_dir={run_dir}"]
-    code, out, err = run(args, watch=kill_trainer_after_checkpoint(run_dir))
-    assert "trainer rank 0 was lost in " in err
-    if max_restarts == 0:
-        assert code == 1 and "run failed: TrainerRankLost" in err
-        return
+    args = [*JOB, "trainer.total_steps=6", "trainer.save_every=3", "trainer.max_restarts=1", f"run_dir={run_dir}",
+            "rollers.fault_injection=[roller0:slow:weight_sync=4:3]"]
+    seen: dict[str, list[int]] = {}
+    code, out, err = run(args, watch=kill_trainer_once_rollers_are_ahead(run_dir, 3, seen))
     assert code == 0, err[-3000:]
-    assert "restarting the pools from" in err
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["weight_version"] == r["step"] for r in rows)
-    trained = sorted(base_uid(u) for r in rows for u in r["uids"])
-    assert trained == sorted(f"s{step}.p{pos}" for step in range(4) for pos in range(2))
-
+    assert "restarting the trainer group from" in err and "trainer group restarted from step 3 " in out, out[-2000:]
+    assert "rollers: 0 kept, 1 replaced" in out, out[-2000:]
+    assert len(seen["rollers"]) == 1 and seen["rollers"][0] not in seen["rollers_after"], seen
+    assert "holds weight_version" in err and "newer than the restored 3" in err
+    superseded = [json.loads(line) for line in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded and min(r["step"] for r in superseded) == 4
+    assert_every_prompt_once(run_dir, 6, MAX_STALENESS)

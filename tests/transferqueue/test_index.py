@@ -70,6 +70,19 @@ def test_consumption_is_per_task_and_resettable():
     assert ix.consumed == {"rollout": 12, "train": 6}
 
 
+def test_unconsume_gives_samples_back_to_that_task_only():
+    ix = MetadataIndex()
+    ids = ix.prepare_put("p", None, 4, ["x"])
+    put(ix, "p", ids, fields=("x",))
+    assert ix.get_meta(["x"], 4, "rollout", "p").sample_ids == ids
+    assert ix.get_meta(["x"], 4, "train", "p").sample_ids == ids
+    ix.unconsume("p", "rollout", [ids[1], ids[3], 999])  # an undelivered reply's samples; unknown ids skipped
+    ix.unconsume("p", "rollout", [ids[1]])  # not consumed any more: nothing changes
+    assert ix.get_meta(["x"], 2, "rollout", "p").sample_ids == [ids[1], ids[3]]
+    assert ix.get_meta(["x"], 1, "train", "p").reason.startswith("insufficient ready samples")
+    assert ix.consumed == {"rollout": 4, "train": 4}
+
+
 def test_clear_is_idempotent_and_cleared_ids_are_never_served_again():
     ix = MetadataIndex()
     a = ix.prepare_put("a", None, 4, ["x"])
