@@ -93,9 +93,9 @@ class TQClient:
         stored: list[int] = []
         try:
             columns = yield from self._store(data, names, ids, timeout_s, stored)
-            notify = {"op": "notify", "partition": partition, "ids": ids, "columns": columns,
-                      "tags": None if tags is None else [dict(t) for t in tags], "new": sample_ids is None}
-            yield [Call(INDEX, notify if consume is None else notify | {"consume": consume.to_wire()})]
+            notify = {"op": "notify", "partition": partition, "ids": ids, "columns": columns, "new": sample_ids is None,
+                      "tags": None if tags is None else [dict(t) for t in tags], "consume": consume and consume.to_wire()}
+            yield [Call(INDEX, notify)]
         except Exception:
             yield from self._undo(partition, ids, names, stored, new=sample_ids is None)
             raise
@@ -377,9 +377,8 @@ class TQClient:
         list of ``batch`` msgpack-able objects (strings, numbers, small dicts). ``sample_ids``: None to
         create new samples in ``partition``, else existing ids to add fields to (fields are write-once).
         ``tags``: one dict per sample (``uid``, weight versions, lengths), merged into the sample's tags.
-        ``consume``: samples this put answers (``transferqueue.records.Consume``: ids of another partition),
-        marked consumed by its task in the index request that makes this put's fields ready, so no reader
-        sees one without the other (ids already cleared are skipped).
+        ``consume``: samples of another partition this put answers (``records.Consume``), marked consumed by
+        its task in the same index step that makes the put ready (ids already cleared are skipped).
         Raises ValueError/TypeError for bad input, RemoteError when the index rejects it (unknown/cleared
         ids, field already written, dtype change), Full when a unit stays full for ``timeout_s``
         (default: the handle's request timeout; nothing of a failed put is kept), Timeout, Closed.
