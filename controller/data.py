@@ -1,12 +1,12 @@
 """The dataset side of the prompt feeder: load a task, template and tokenize it, and count the steps.
 
-``PromptDataset.from_config(data_cfg, tokenizer)`` loads ``data.task`` (``controller.tasks``), applies the
+``PromptDataset.splits(data_cfg, tokenizer)`` loads ``data.task`` (``controller.tasks``), applies the
 chat template (``common.models.apply_chat_template``, with ``data.system_prompt`` as a system turn when
 set) and enforces ``data.max_prompt_length``: a longer prompt raises ValueError naming its row (``data row
 N``, counting from 1, or ``FILE:LINE`` for a ``.jsonl`` file) and length, or, with
 ``data.skip_long_prompts``, is skipped, counted (``num_skipped``) and logged.
 ``check_context(context_length)`` rejects a prompt that leaves no room for a response in the model's
-context (run at start by ``controller.job.check_data``); one with some room is served, its responses
+context (run at start by the prompt feeder, ``controller.feeder.PromptFeeder``); one with some room is served, its responses
 truncated at the limit.
 
 Step arithmetic. The prompts form one stream: epoch 0's order, then epoch 1's, ... (each epoch reshuffled
@@ -138,11 +138,12 @@ class PromptDataset:
         self.num_skipped = num_skipped
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, tokenizer, split: str = "train") -> PromptDataset:
-        """Load, template and tokenize the ``split`` (``train`` | ``val``) of ``cfg.task`` (``load_split``);
-        raises ValueError as described in the module docstring."""
+    def splits(cls, cfg: DataConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+        """The training and validation datasets of ``cfg`` (validation None without ``data.val_size``), from
+        one load of ``cfg.task`` (``load_split``), each row templated and tokenized once; raises ValueError
+        as described in the module docstring."""
         train, val = load_split(cfg)
-        return cls.from_records(train if split == "train" else val, cfg, tokenizer)
+        return cls.from_records(train, cfg, tokenizer), cls.from_records(val, cfg, tokenizer) if cfg.val_size else None
 
     @classmethod
     def from_records(cls, records: Sequence[TaskRecord], cfg: DataConfig, tokenizer) -> PromptDataset:

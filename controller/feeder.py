@@ -2,6 +2,10 @@
 into the TransferQueue. It runs as a Ray actor so that the controller never holds a tensor: the controller
 says *how many* groups to start; the feeder answers with their ``uid``s.
 
+It holds the run's only copy of the data: started before any pool (``controller.runtime.start_feeder``),
+it loads, templates, tokenizes and checks the data once, and the controller learns only ``DataFacts``
+(counts, the longest prompt) or the ValueError that names what is wrong with the data (exit 2 at start).
+
 Each group is stored as one prompt row under its ``uid`` (``controller.data.prompt_fields``, the
 contract's ``common.schema.FEEDER``); a roller turns it into the group's ``rollout.n`` sample rows.
 ``uid`` = ``s<global_step>.p<position>`` — deterministic, so the per-sample seeds
@@ -25,38 +29,61 @@ and tags, never tensors.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from common import schema
 from controller.config import HFlowConfig
 from controller.data import Prompt, PromptDataset, prompt_fields
 
 
-class PromptFeeder:
-    """Puts prompt groups (one prompt row each) into partition ``partition`` of the TransferQueue on request;
-    validation prompts into ``val_partition``.
+@dataclass(frozen=True)
+class DataFacts:
+    """What the controller learns of the run's data (``PromptFeeder.facts``): counts and lengths, never a
+    prompt. ``num_prompts``: training prompts (after rows skipped as longer than ``data.max_prompt_length``:
+    ``num_skipped``); ``num_val_prompts``: held-out prompts (``data.val_size``); ``max_prompt_tokens``: the
+    longest prompt of either after the chat template; ``num_available_steps``: training steps the data gives
+    (``controller.data.num_available_steps``)."""
 
-    ``num_batches``: prompt batches (of ``data.train_batch_size``) the run consumes; the feeder never
-    produces beyond them — except with ``algorithm.dynamic_sampling``, whose refills draw further prompts
-    of the same stream (in order, so no prompt twice in an epoch), up to every batch of ``data.epochs``.
-    Raises ValueError (from ``PromptDataset``) when the data cannot provide them, naming the dataset size,
-    ``data.train_batch_size``, ``data.epochs`` and the steps asked for.
+    num_prompts: int
+    num_skipped: int
+    num_val_prompts: int
+    max_prompt_tokens: int
+    num_available_steps: int
+
+
+class PromptFeeder:
+    """Holds the run's prompts and puts prompt groups (one prompt row each) into partition ``partition`` of
+    the TransferQueue on request; validation prompts into ``val_partition``.
+
+    The constructor is the run's only load of the data: it loads ``data.task`` once, the training and
+    validation rows together (``PromptDataset.splits``), templates and tokenizes each row once, and checks
+    the data against the run: ``num_batches`` prompt batches (of ``data.train_batch_size``) must be available, and
+    every prompt must leave room for a response within ``context_length`` tokens (the model's context;
+    None: not checked). It raises ValueError naming the problem (``PromptDataset``'s messages: the dataset
+    size, ``data.train_batch_size``, ``data.epochs`` and the steps asked for; or the offending row and its
+    length). ``connect(tq_handle)`` then attaches it to the TransferQueue, which it puts into.
+
+    The feeder never produces beyond ``num_batches`` — except with ``algorithm.dynamic_sampling``, whose
+    refills draw further prompts of the same stream (in order, so no prompt twice in an epoch), up to every
+    batch of ``data.epochs``.
     """
 
-    def __init__(self, cfg: HFlowConfig, tq_handle: dict, partition: str, num_batches: int,
+    def __init__(self, cfg: HFlowConfig, num_batches: int, context_length: int | None, partition: str,
                  val_partition: str = ""):
         from common.env import set_torch_threads
         from common.models import load_tokenizer
-        from transferqueue.client import TQClient
-        from transferqueue.records import TQHandle
 
         set_torch_threads(1)
         tokenizer = load_tokenizer(cfg.model)
         self.pad_token_id = tokenizer.pad_token_id
         self.partition = partition
-        self.dataset = PromptDataset.from_config(cfg.data, tokenizer)
+        self.dataset, self.val_dataset = PromptDataset.splits(cfg.data, tokenizer)
         self.dataset.check_total_steps(num_batches)
         self.val_partition = val_partition
-        self.val_dataset = PromptDataset.from_config(cfg.data, tokenizer, "val") if cfg.data.val_size else None
+        if context_length is not None:
+            for dataset in (self.dataset, self.val_dataset):
+                if dataset is not None:
+                    dataset.check_context(context_length)
         self._pending: deque[tuple[str, int, Prompt]] = deque()
         if cfg.algorithm.dynamic_sampling:  # refills may use every prompt the epochs provide
             num_batches = self.dataset.num_available_steps()
@@ -66,10 +93,27 @@ class PromptFeeder:
         self._reissues: dict[str, int] = {}
         self._requeued: deque[str] = deque()  # issued prompts (base uids) to feed again before the stream
         self._num_fed = 0  # prompts taken from the stream (re-issues not counted)
+        self.client = None
+
+    def connect(self, tq_handle: dict) -> None:
+        """Put into the TransferQueue of ``tq_handle`` (``TQHandle.to_dict()``) from now on."""
+        from transferqueue.client import TQClient
+        from transferqueue.records import TQHandle
+
         self.client = TQClient(TQHandle.from_dict(tq_handle))
 
-    def dataset_size(self) -> int:
-        return len(self.dataset)
+    def _client(self):
+        if self.client is None:
+            raise RuntimeError("the prompt feeder is not connected to a TransferQueue (connect first)")
+        return self.client
+
+    def facts(self) -> DataFacts:
+        """Counts and lengths of the data this feeder holds (see ``DataFacts``)."""
+        datasets = [d for d in (self.dataset, self.val_dataset) if d is not None]
+        return DataFacts(len(self.dataset), self.dataset.num_skipped,
+                         len(self.val_dataset) if self.val_dataset is not None else 0,
+                         max(len(p.input_ids) for d in datasets for p in d.prompts),
+                         self.dataset.num_available_steps())
 
     def feed_validation(self, round_index: int) -> list[str]:
         """Put every validation prompt as one prompt row into the validation partition; returns their uids
@@ -84,7 +128,7 @@ class PromptFeeder:
         for j, tag in enumerate(tags):  # every round samples prompt p with the same seeds (common random numbers)
             tag[schema.SEED_KEY] = f"val.p{j}"
         schema.check_batch(schema.FEEDER, data, tags)
-        self.client.put(data, self.val_partition, tags=tags)
+        self._client().put(data, self.val_partition, tags=tags)
         return uids
 
     def dump_rows(self, meta) -> list[dict]:
@@ -93,7 +137,7 @@ class PromptFeeder:
         ``max_weight_version``, ``finish_reason``, ``response_length`` (tokens). Needs
         ``metrics.dump_every`` > 0 (the rollers put ``response_text`` only then); the prompt (the user message
         before the chat template) and ground truth are this feeder's own, found by ``uid``."""
-        batch = self.client.get_data(meta, list(schema.GENERATION_DUMP.read_fields()))
+        batch = self._client().get_data(meta, list(schema.GENERATION_DUMP.read_fields()))
         rows = []
         for i, tag in enumerate(meta.tags):
             prompt = self._prompt_of(str(tag[schema.UID]))
@@ -206,8 +250,27 @@ class PromptFeeder:
             self._by_uid.setdefault(uid, (step, prompt))
         data, tags = prompt_fields([p for _, _, p in picked], self.pad_token_id, [u for u, _, _ in picked])
         schema.check_batch(schema.FEEDER, data, tags)
-        self.client.put(data, self.partition, tags=tags)
+        self._client().put(data, self.partition, tags=tags)
         return [{"uid": uid, "global_step": step} for uid, step, _ in picked]
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
+
+
+class FeederActor(PromptFeeder):
+    """``PromptFeeder`` as a Ray actor (``controller.runtime.start_feeder``): a ValueError of the constructor
+    (bad data for the run) is kept and raised by ``facts()``, so it reaches the controller as that
+    ValueError; Ray would report a constructor's error only as the actor's death. The caller then kills it."""
+
+    def __init__(self, *args, **kwargs):
+        self._start_error: ValueError | None = None
+        try:
+            super().__init__(*args, **kwargs)
+        except ValueError as exc:
+            self._start_error = exc
+
+    def facts(self) -> DataFacts:
+        if self._start_error is not None:
+            raise self._start_error
+        return super().facts()

@@ -10,8 +10,9 @@ Prometheus' file-based service discovery (``controller.prometheus_sd``); emptied
 
 Every run that created its directory leaves ``summary.json`` with the same keys (``report.SUMMARY_KEYS``,
 null where unknown) and its ``status``: ``completed``, ``interrupted`` or ``failed``; ``startup_s`` (start
-to pools up) with its parts in ``startup_breakdown_s`` (``checks_s``: config, data and reward checks;
-``ray_s``; then ``controller.runtime.Runtime.startup_s``) and the pools' torch ``threads``
+to pools up) with its parts in ``startup_breakdown_s`` (``checks_s``: config and reward checks; ``ray_s``;
+``feeder_s``: the prompt feeder's start, the run's one load of the data and its check; then
+``controller.runtime.Runtime.startup_s``) and the pools' torch ``threads``
 (``controller.resources.plan_threads``); ``shutdown_s`` and ``wall_s`` (start through shutdown) are added
 after shutdown.
 
@@ -22,9 +23,10 @@ trained and the groups in flight re-issued. A changed config key that would brea
 refused (exit 2, naming the keys); a checkpoint with nothing left to train (``trainer.total_steps``
 reached, or the data exhausted with nothing buffered) exits 0 at once.
 
-Start-up prints one line per thing it starts (Ray, then each pool: ``Runtime(on_stage=...)``). A local Ray
-cluster this job started is shut down with it and its session directory removed, except after a failed
-run, whose Ray logs are kept and named.
+Start-up prints one line per thing it starts (Ray; the prompt feeder, which loads and checks the data
+before the run directory is made, and a line on the data; then each pool: ``Runtime(on_stage=...)``). A
+local Ray cluster this job started is shut down with it and its session directory removed, except after a
+failed run, whose Ray logs are kept and named.
 """
 
 from __future__ import annotations
@@ -136,14 +138,33 @@ def _save_on_stop(stages) -> None:
               file=sys.stderr, flush=True)
 
 
-def _start_runtime(cfg: HFlowConfig):
-    """Start every pool (``controller.runtime.Runtime``); a ValueError raised in a pool is a StartError."""
+def _start_feeder(cfg: HFlowConfig, context_length: int):
+    """Start the prompt feeder (``controller.runtime.start_feeder``): the run's one load of the data, checked
+    there; returns the actor. A data error is a StartError (see ``check_config``)."""
+    from controller.runtime import start_feeder
+
+    print(f"hflow-async: starting the prompt feeder (task {cfg.data.task}): loading and checking the data",
+          flush=True)
+    try:
+        feeder, facts = start_feeder(cfg, num_batches(cfg), context_length)
+    except ValueError as exc:
+        raise StartError(str(exc)) from exc
+    held_out = f", {facts.num_val_prompts} held out for validation" if facts.num_val_prompts else ""
+    print(f"hflow-async: data: {facts.num_prompts} training prompts{held_out}, the longest "
+          f"{facts.max_prompt_tokens} tokens; {facts.num_available_steps} steps available for "
+          f"trainer.total_steps={cfg.trainer.total_steps}", flush=True)
+    return feeder
+
+
+def _start_runtime(cfg: HFlowConfig, feeder):
+    """Start every pool around ``feeder`` (``controller.runtime.Runtime``, which owns it from here on); a
+    ValueError raised in a pool is a StartError."""
     import ray
 
     from controller.runtime import Runtime
 
     try:
-        return Runtime(cfg, num_batches(cfg), on_stage=lambda what: print(f"hflow-async: {what}", flush=True))
+        return Runtime(cfg, feeder, on_stage=lambda what: print(f"hflow-async: {what}", flush=True))
     except ray.exceptions.RayTaskError as err:
         cause = _unwrap(err)
         if isinstance(cause, ValueError):
@@ -208,14 +229,13 @@ def make_user_modules_importable(cfg: HFlowConfig) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, *([old] if old else [])])
 
 
-def check_data(cfg: HFlowConfig) -> int:
-    """Load the dataset as the feeder will, check it provides the run's steps and fits the model, and load
-    the reward the rollers will use; returns the dataset size. Raises StartError naming the dataset size,
-    ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps``, the offending row (too long, or
-    no room left by the context length), ``rollout.top_k`` beyond the vocabulary, or ``rollout.reward`` and
-    why it cannot be loaded, before any pool starts."""
-    from common.models import load_hf_config, load_tokenizer
-    from controller.data import PromptDataset
+def check_config(cfg: HFlowConfig) -> int:
+    """The start checks that need no data: ``metrics`` trackers, ``rollout.top_k`` against the model's
+    vocabulary (its config only, no weights) and ``rollout.reward`` (loaded as the rollers will); returns the
+    model's context length (tokens), against which the prompt feeder checks the data (``_start_feeder``:
+    the dataset size against ``data.train_batch_size``, ``data.epochs`` and ``trainer.total_steps``; a row
+    too long, or leaving no room for a response). Raises StartError naming the key and why."""
+    from common.models import load_hf_config
     from controller.tasks import resolve_reward
     from controller.trackers import check_trackers
     from rollers.model_limits import context_length
@@ -225,16 +245,10 @@ def check_data(cfg: HFlowConfig) -> int:
         check_trackers(cfg.metrics)
         hf_config = load_hf_config(cfg.model)
         cfg.rollout.check_model(int(hf_config.vocab_size))
-        dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
-        dataset.check_context(context_length(hf_config))
-        dataset.check_total_steps(num_batches(cfg))
-        if cfg.data.val_size:
-            PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model), "val").check_context(
-                context_length(hf_config))
         build_reward_fn(resolve_reward(cfg.rollout.reward, cfg.data.task))
     except ValueError as exc:
         raise StartError(str(exc)) from exc
-    return len(dataset)
+    return context_length(hf_config)
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -316,15 +330,18 @@ def _start_ray(cfg: HFlowConfig, owns_ray: bool) -> Path | None:
     return ray_session_dir() if local else None
 
 
-def _shut_down(rt, metrics, owns_ray: bool, session_dir: Path | None, keep_logs: bool) -> None:
-    """Stop the pools, the metrics endpoint and (when this job started it) Ray; remove the Ray session
-    directory of a cluster this job started, unless ``keep_logs`` (a failed run: its logs say why)."""
+def _shut_down(rt, feeder, metrics, owns_ray: bool, session_dir: Path | None, keep_logs: bool) -> None:
+    """Stop the pools (``rt``), a prompt ``feeder`` no ``Runtime`` took yet, the metrics endpoint and (when
+    this job started it) Ray; remove the Ray session directory of a cluster this job started, unless
+    ``keep_logs`` (a failed run: its logs say why)."""
     import ray
 
     from common.env import remove_ray_session_dir
 
     if rt is not None:
         rt.close()
+    if feeder is not None:
+        ray.kill(feeder, no_restart=True)
     metrics.close()
     if owns_ray and ray.is_initialized():
         ray.shutdown()
@@ -356,7 +373,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
         cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(cfg.run_dir)
     metrics = JobMetrics()
-    rt = report = session_dir = targets = None
+    rt = feeder = report = session_dir = targets = None
     failed_run = False  # a pool or the algorithm raised: the Ray logs of a cluster this job started are kept
     summary = {"mode": cfg.mode, "model": cfg.model.path, "task": cfg.data.task}
     owns_ray = not ray.is_initialized()  # tests may run jobs inside their session's cluster
@@ -372,13 +389,20 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
         else:
             check_run_dir(run_dir)
         make_user_modules_importable(cfg)
-        check_data(cfg)
+        context_length = check_config(cfg)
         if cfg.metrics.enabled:  # before the run directory exists: a port in use is a start error like the rest
             try:
                 port = metrics.serve(cfg.metrics.host, cfg.metrics.port)
             except OSError as exc:
                 raise StartError(f"cannot serve metrics on metrics.host={cfg.metrics.host!r} "
                                  f"metrics.port={cfg.metrics.port}: {exc}") from exc
+        ray_start = time.monotonic()
+        session_dir = _start_ray(cfg, owns_ray)
+        install_handlers()  # again: ray.init installs its own SIGTERM handler
+        feeder_start = time.monotonic()
+        feeder = _start_feeder(cfg, context_length)  # the data's one load, checked: no run directory yet
+        t0 = time.monotonic()
+        breakdown = {"checks_s": ray_start - started, "ray_s": feeder_start - ray_start, "feeder_s": t0 - feeder_start}
         run_dir.mkdir(parents=True, exist_ok=True)
         report = _open_report(cfg, run_dir, kept_rows)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -386,12 +410,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
             (run_dir / "metrics_endpoint.json").write_text(json.dumps({"host": cfg.metrics.host, "port": port}))
             print(f"hflow-async: Prometheus metrics at http://{cfg.metrics.host}:{port}/metrics", flush=True)
             targets = _scrape_targets(cfg, run_dir, port)
-        ray_start = time.monotonic()
-        session_dir = _start_ray(cfg, owns_ray)
-        install_handlers()  # again: ray.init installs its own SIGTERM handler
-        t0 = time.monotonic()
-        breakdown = {"checks_s": ray_start - started, "ray_s": t0 - ray_start}
-        rt = _start_runtime(cfg)
+        rt, feeder = _start_runtime(cfg, feeder), None  # the runtime owns the feeder from here on
         _add_sglang_targets(targets, cfg, rt)
         summary["startup_s"] = time.monotonic() - started
         summary["startup_breakdown_s"] = breakdown | rt.startup_s
@@ -411,7 +430,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
                 report.close()
                 kept_rows = truncate_metrics(run_dir, int(resume_from.name.removeprefix("step_")))
                 report = _open_report(cfg, run_dir, kept_rows)
-                rt = _start_runtime(cfg)
+                rt = _start_runtime(cfg, _start_feeder(cfg, context_length))
                 _add_sglang_targets(targets, cfg, rt)
         rt.trainer.export_model(str(run_dir / MODEL_DIR))
         summary.update(status="completed", model_dir=str(run_dir / MODEL_DIR))
@@ -437,7 +456,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
         stopping = time.monotonic()
         if targets is not None:
             targets.close()
-        _shut_down(rt, metrics, owns_ray, session_dir, keep_logs=failed_run)
+        _shut_down(rt, feeder, metrics, owns_ray, session_dir, keep_logs=failed_run)
         if report is not None:  # known only now: the summary's shutdown time, and wall time through it
             _complete_summary(report, shutdown_s=time.monotonic() - stopping, wall_s=time.monotonic() - started)
         for sig, handler in previous_handlers.items():

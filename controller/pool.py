@@ -352,36 +352,44 @@ class RollerPool:
                 ray.kill(m.actor, no_restart=True)
 
 
-async def find_orphans(tq, prompt_partition: str, partition: str, limit: int, held_by_live: Callable,
+async def find_orphans(tq, prompt_partition: str, limit: int, held_by_live: Callable,
                        grace_s: float = 1.0) -> dict[str, list[int]]:
-    """Groups no live roller will finish: prompt rows of ``prompt_partition`` taken by the ``rollout`` task
-    and claimed by no live roller (``held_by_live()``, awaited) in two looks ``grace_s`` apart (a group
-    whose take is still in flight to a live roller is claimed by the second look). Returns uid → prompt
-    row ids (metadata only). A prompt row whose group already has samples in ``partition`` (its roller
-    left between putting them and clearing the row) is cleared here, not returned. ``limit``: at most this
-    many rows of each partition are looked at (the TransferQueue's ``max_request_ids``)."""
+    """Groups no live roller will finish: prompt rows of ``prompt_partition`` taken by the rollers' task
+    (``rollers.tq_channel.ROLLOUT_TASK``) and claimed by no live roller (``held_by_live()``, awaited) in two
+    looks ``grace_s`` apart (a group whose take is still in flight to a live roller is claimed by the second
+    look). Returns uid → prompt row ids (metadata only).
+
+    A roller puts its group's samples and marks the prompt row consumed by ``ANSWERED_TASK`` in one index
+    step (``TQGroupChannel.put_group``), then clears the row. A row marked so (its roller left between the
+    put and the clear) is cleared here and never returned: its samples exist, or were trained and cleared
+    already, so re-issuing it would train the group twice. A row without the mark has no samples (the put
+    never reached the index), so re-issuing it loses nothing. ``limit``: at most this many rows are looked
+    at (the TransferQueue's ``max_request_ids``)."""
     from common import schema
+    from rollers.tq_channel import ANSWERED_TASK, ROLLOUT_TASK
+
+    answered: list[int] = []
 
     async def look() -> dict[str, list[int]]:
         rows = await _rows(tq, prompt_partition, limit)  # the groups in flight: a few steps' at most
         held = await held_by_live()
         by_uid: dict[str, list[int]] = {}
+        answered.clear()
         for r in rows:
             uid = r["tags"].get(schema.UID)
-            if uid is not None and uid not in held and "rollout" in r["consumed_by"]:
+            if ANSWERED_TASK in r["consumed_by"]:
+                answered.append(r["id"])
+            elif uid is not None and uid not in held and ROLLOUT_TASK in r["consumed_by"]:
                 by_uid.setdefault(uid, []).append(r["id"])
         return by_uid
 
-    first = await look()
-    if not first:
-        return {}
-    await asyncio.sleep(grace_s)
-    second = {uid: ids for uid, ids in (await look()).items() if uid in first}
-    done = {s["tags"].get(schema.UID) for s in await _rows(tq, partition, limit)} if second else set()
-    leftover = [i for uid, ids in second.items() if uid in done for i in ids]
-    if leftover:
-        await tq.aclear(prompt_partition, leftover)
-    return {uid: ids for uid, ids in second.items() if uid not in done}
+    first, second = await look(), {}
+    if first:
+        await asyncio.sleep(grace_s)
+        second = {uid: ids for uid, ids in (await look()).items() if uid in first}
+    if answered:
+        await tq.aclear(prompt_partition, list(answered))
+    return second
 
 
 async def _rows(tq, partition: str, limit: int) -> list[dict]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from controller.metrics import SCALE_REASONS
 from controller.pool import RollerLost, find_orphans
-from controller.runtime import PARTITION, PROMPT_PARTITION
+from controller.runtime import PROMPT_PARTITION
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +179,8 @@ class PoolKeeper:
         async with self._reissuing:
             if self.st.outstanding <= 0:  # nothing admitted and untrained: nothing can be held
                 return
-            orphans = await find_orphans(self.st.rt.tq, PROMPT_PARTITION, PARTITION,
-                                         self.cfg.transferqueue.max_request_ids, self.pool.held_by_live)
+            orphans = await find_orphans(self.st.rt.tq, PROMPT_PARTITION, self.cfg.transferqueue.max_request_ids,
+                                         self.pool.held_by_live)
             for uid, sample_ids in orphans.items():
                 await self.reissue(uid, sample_ids)
 

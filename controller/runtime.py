@@ -5,11 +5,13 @@ roller pool, the trainer group, and the weight-sync wiring between trainers and 
 
     controller ── TQClient (metadata only: get_meta / status / clear) ──┐
         │                                                              │
-        ├── PromptFeeder (Ray actor) ──put prompt rows──> TransferQueue servers (index + storage units)
+        ├── PromptFeeder (Ray actor, started first) ──put prompt rows──> TransferQueue servers (index + units)
         ├── RollerPool (controller.pool): N RollerActors, elastic ──take prompt / put samples──┘    ▲
         ├── TrainerGroup: M FSDP2 ranks (placement group) ──get_data(meta slice)──────────┘
         └── weight sync: trainer rank(s) ──checkpoint engine (versioned buckets)──> every roller
 
+The prompt feeder is started first, on its own (``start_feeder``): it loads and checks the data once, so
+a data error ends a job's start before its run directory or any other pool exists; ``Runtime`` takes it.
 Every handle that crosses a process boundary is a small dict (addresses, keys); no tensor passes
 through the controller. While a schedule runs (``Runtime.watch``), a TransferQueue server process that dies
 ends the run at once with ``ServerLost`` naming it, how it ended and the run's last job checkpoint.
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from controller.config import HFlowConfig
 
 if TYPE_CHECKING:
+    from controller.feeder import DataFacts
     from controller.pool import RollerPool
 
 logger = logging.getLogger(__name__)
@@ -42,37 +45,61 @@ _POLL_S = 0.05  # how often start-up looks at the pools that are not ready yet
 WATCH_PERIOD_S = 0.5  # how often a running schedule's TransferQueue server processes are checked (Runtime.watch)
 
 
-class Runtime:
-    """Starts every pool of ``cfg`` (Ray must be initialised); ``close()`` stops them all, idempotently.
+def start_feeder(cfg: HFlowConfig, num_batches: int, context_length: int | None) -> tuple[Any, DataFacts]:
+    """Start the prompt feeder (a Ray actor: ``controller.feeder.FeederActor``), which loads, tokenizes and
+    checks the data for ``num_batches`` prompt batches and the model's ``context_length`` (tokens; None: not
+    checked); returns it with its ``DataFacts``. Raises the feeder's ValueError naming what is wrong with the
+    data (the actor is killed then). Ray must be initialised; the caller owns the actor (``Runtime`` takes it)."""
+    import ray
 
-    ``num_batches``: prompt batches the run will consume (the feeder never produces beyond them).
+    from controller.feeder import FeederActor
+    from controller.validation import VAL_PROMPT_PARTITION
+
+    feeder = ray.remote(num_cpus=0.1)(FeederActor).remote(cfg, num_batches, context_length, PROMPT_PARTITION,
+                                                          VAL_PROMPT_PARTITION)
+    try:
+        return feeder, ray.get(feeder.facts.remote())
+    except ray.exceptions.RayTaskError as err:
+        ray.kill(feeder, no_restart=True)
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, ValueError):
+            raise cause from None
+        raise
+    except BaseException:
+        ray.kill(feeder, no_restart=True)
+        raise
+
+
+class Runtime:
+    """Starts every pool of ``cfg`` around the prompt ``feeder`` already started (``start_feeder``; Ray must be
+    initialised); ``close()`` stops them all, the feeder included, idempotently.
+
     ``on_stage``: called with a short line (``"starting 2 rollers (torch engine)"``) as each pool starts.
     """
 
-    def __init__(self, cfg: HFlowConfig, num_batches: int, on_stage: Callable[[str], None] = lambda what: None):
+    def __init__(self, cfg: HFlowConfig, feeder, on_stage: Callable[[str], None] = lambda what: None):
         from controller.resources import plan_threads
 
         self.cfg = cfg
         self.tq_servers = None
-        self.feeder = None
+        self.feeder = feeder
         self.pool: RollerPool | None = None
         self.trainer = None
         self.tq = None
-        self.threads = plan_threads(cfg)
         # Seconds each start-up stage took. The rollers and the trainer start at the same time, so
         # rollers_s and trainer_s overlap (each is from its launch until it is ready).
         self.startup_s: dict[str, float] = {}
         try:
-            self._start(cfg, num_batches, on_stage)
+            self.threads = plan_threads(cfg)
+            self._start(cfg, on_stage)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, cfg: HFlowConfig, num_batches: int, on_stage: Callable[[str], None]) -> None:
+    def _start(self, cfg: HFlowConfig, on_stage: Callable[[str], None]) -> None:
         import ray
 
         from common.schema import REMAX_BASELINE
-        from controller.feeder import PromptFeeder
         from controller.pool import RollerPool
         from controller.tasks import resolve_reward
         from controller.validation import VAL_PARTITION, VAL_PROMPT_PARTITION
@@ -90,12 +117,10 @@ class Runtime:
         self.tq_servers = start_transferqueue(cfg.transferqueue)
         handle = self.tq_servers.handle.to_dict()
         self.tq = TQClient(self.tq_servers.handle)
+        ray.get(self.feeder.connect.remote(handle))
         clock.done("transferqueue_s")
-        # Launch the feeder and the rollers (actor creation does not block), then build the trainer
-        # meanwhile: their processes start and load models concurrently.
-        on_stage(f"starting the prompt feeder (task {cfg.data.task})")
-        self.feeder = ray.remote(num_cpus=0.1)(PromptFeeder).remote(cfg, handle, PROMPT_PARTITION, num_batches,
-                                                                    VAL_PROMPT_PARTITION)
+        # Launch the rollers (actor creation does not block), then build the trainer meanwhile: their
+        # processes start and load models concurrently.
         on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine) and "
                  f"{n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path}) at once")
         roller_cls = remote_roller(num_cpus=0.5, resources=cfg.rollers.resources)
@@ -114,13 +139,12 @@ class Runtime:
 
         self.pool = RollerPool(cfg, make_roller)
         self.pool.place(n_rollers)
-        waits = {self.feeder.dataset_size.remote(): "feeder_s"}  # surfaces data errors (too few steps, ...)
-        waits |= {m.actor.stats.remote(): "rollers_s" for m in self.pool.members.values()}  # answered once a constructor is done
+        waits = {m.actor.stats.remote(): "rollers_s" for m in self.pool.members.values()}  # answered once a constructor is done
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-start") as pool:
             trainer = pool.submit(self._make_trainer)
             try:
                 self._wait_ready(waits, trainer, clock)
-            except BaseException:  # a roller or the feeder failed: never leave the trainer's actors behind
+            except BaseException:  # a roller failed: never leave the trainer's actors behind
                 with contextlib.suppress(BaseException):
                     self.trainer = trainer.result()  # close() stops it
                 raise
@@ -167,7 +191,7 @@ class Runtime:
             for ref in ready:
                 ray.get(ref)  # raises a failed constructor's error
                 key = pending.pop(ref)
-                if key not in pending.values():  # the last roller (or the feeder) is ready
+                if key not in pending.values():  # the last roller is ready
                     clock.done(key, restart=False)
         if "trainer_s" not in clock.out:
             trainer.result()

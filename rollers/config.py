@@ -100,7 +100,7 @@ class RolloutConfig:
 
     def check_model(self, vocab_size: int) -> None:
         """The checks that need the model: ``rollout.top_k`` at most ``vocab_size`` (the model's vocabulary).
-        Raises ValueError naming the key; run at start, before any pool (``controller.job.check_data``)."""
+        Raises ValueError naming the key; run at start, before any pool (``controller.job.check_config``)."""
         if self.top_k > vocab_size:
             raise ValueError(f"rollout.top_k={self.top_k} exceeds the model's vocabulary of {vocab_size} tokens; "
                              f"accepted: -1 (off) or 1 .. {vocab_size}")

@@ -3,7 +3,10 @@
 ``TQGroupChannel`` implements ``rollers.roller.GroupChannel`` with a ``transferqueue.client.TQClient``;
 each roller process builds its own (``TQGroupChannel.from_handle``). The feeder stores each prompt once,
 as one row of the prompt partition; the roller turns it into ``rollout.n`` sample rows of the sample
-partition, then clears it. With a validation ``GroupSource`` (``controller.validation``), validation groups
+partition, then clears it; the put itself marks the prompt row consumed by ``ANSWERED_TASK`` in the same
+index step, so a roller that dies between the put and the clear leaves a row that says its group is done
+(``controller.pool.find_orphans`` clears it rather than re-issue a group that may be trained already).
+With a validation ``GroupSource`` (``controller.validation``), validation groups
 are taken first, without waiting, from their own prompt partition and put into their own partition.
 """
 
@@ -15,7 +18,10 @@ from common import schema
 from common.ground_truth import decode_ground_truth
 from rollers.response_fields import response_digest
 from rollers.roller import GroupResult, PromptGroup
+from transferqueue.records import Consume
 
+ROLLOUT_TASK = "rollout"  # the rollers' consumer task of prompt rows
+ANSWERED_TASK = "answered"  # marks a prompt row whose group's samples are put (atomically with the put)
 _TAG_TYPES = {"int": int, "str": str, "float": float}  # a tag's declared dtype (common.schema.Field.dtype)
 
 
@@ -40,12 +46,12 @@ class TQGroupChannel:
     ``n`` new rows into ``partition``: the prompt row's ``input_ids``/``attention_mask`` beside each
     sample's response fields, with the tags ``uid``, ``min_weight_version``, ``max_weight_version``,
     ``finish_reason``, ``response_length``, ``reward`` (the sequence reward), ``greedy`` (0/1) and
-    ``response_digest``; with ``put_text``, also ``response_text`` (for generation dumps). Then the prompt
-    row is cleared. Every put is checked against ``common.schema.ROLLER`` (ValueError on a mismatch).
+    ``response_digest``; with ``put_text``, also ``response_text`` (for generation dumps), marking the prompt
+    row consumed by ``ANSWERED_TASK`` in the same index step. Then the prompt row is cleared. Every put is checked against ``common.schema.ROLLER`` (ValueError on a mismatch).
     ``validation``: a ``GroupSource`` polled (without waiting) before each take of a training group.
     """
 
-    def __init__(self, client, prompt_partition: str, partition: str, n: int, task: str = "rollout",
+    def __init__(self, client, prompt_partition: str, partition: str, n: int, task: str = ROLLOUT_TASK,
                  put_timeout_s: float = 60.0, validation: GroupSource | None = None, put_text: bool = False):
         if n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {n}")
@@ -111,6 +117,7 @@ class TQGroupChannel:
         if self.put_text:
             data[schema.RESPONSE_TEXT] = list(result.texts)
         schema.check_batch(schema.ROLLER, data, tags)
-        await self.client.aput(data, group.partition or self.partition, tags=tags, timeout_s=self.put_timeout_s)
         prompts = self.validation.prompt_partition if group.validation and self.validation else self.prompt_partition
+        await self.client.aput(data, group.partition or self.partition, tags=tags, timeout_s=self.put_timeout_s,
+                               consume=Consume(prompts, [group.prompt_id], ANSWERED_TASK))
         await self.client.aclear(prompts, [group.prompt_id])

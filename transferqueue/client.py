@@ -30,7 +30,7 @@ from common.node import node_id
 from transferqueue import wire
 from transferqueue.buffers import BufferPool, ShmCache, assemble_field
 from transferqueue.config import MIN_REQUEST_IDS
-from transferqueue.records import Batch, BatchMeta, Full, IndexStats, RemoteError, TQError, TQHandle
+from transferqueue.records import Batch, BatchMeta, Consume, Full, IndexStats, RemoteError, TQError, TQHandle
 from transferqueue.shm_layout import HEADER, aligned
 from transferqueue.spares import Asked, SpareBlocks
 from transferqueue.transport import INDEX, AsyncDriver, Call, Flow, Sleep, SyncDriver
@@ -77,7 +77,7 @@ class TQClient:
 
     # -------------------------------------------------------------------------------------- put
     def _put_flow(self, data: Mapping[str, Any], partition: str, sample_ids: Sequence[int] | None,
-                  tags: Sequence[Mapping] | None, timeout_s: float) -> Flow:
+                  tags: Sequence[Mapping] | None, timeout_s: float, consume: Consume | None = None) -> Flow:
         count = wire.batch_size(data)
         if tags is not None and len(tags) != count:
             raise ValueError(f"{len(tags)} tag dicts for {count} samples")
@@ -93,9 +93,9 @@ class TQClient:
         stored: list[int] = []
         try:
             columns = yield from self._store(data, names, ids, timeout_s, stored)
-            yield [Call(INDEX, {"op": "notify", "partition": partition, "ids": ids, "columns": columns,
-                                "tags": None if tags is None else [dict(t) for t in tags],
-                                "new": sample_ids is None})]
+            notify = {"op": "notify", "partition": partition, "ids": ids, "columns": columns, "new": sample_ids is None,
+                      "tags": None if tags is None else [dict(t) for t in tags], "consume": consume and consume.to_wire()}
+            yield [Call(INDEX, notify)]
         except Exception:
             yield from self._undo(partition, ids, names, stored, new=sample_ids is None)
             raise
@@ -369,25 +369,30 @@ class TQClient:
 
     # ------------------------------------------------------------------------------ public API
     def put(self, data: Mapping[str, Any], partition: str, sample_ids: Sequence[int] | None = None,
-            tags: Sequence[Mapping] | None = None, timeout_s: float | None = None) -> BatchMeta:
+            tags: Sequence[Mapping] | None = None, timeout_s: float | None = None,
+            consume: Consume | None = None) -> BatchMeta:
         """Store a batch and mark its fields ready; returns its BatchMeta (with the sample ids).
 
         ``data``: field name -> tensor ``(batch, *shape)`` | list of ``batch`` tensors (variable shapes) |
         list of ``batch`` msgpack-able objects (strings, numbers, small dicts). ``sample_ids``: None to
         create new samples in ``partition``, else existing ids to add fields to (fields are write-once).
         ``tags``: one dict per sample (``uid``, weight versions, lengths), merged into the sample's tags.
+        ``consume``: samples of another partition this put answers (``records.Consume``), marked consumed by
+        its task in the same index step that makes the put ready (ids already cleared are skipped).
         Raises ValueError/TypeError for bad input, RemoteError when the index rejects it (unknown/cleared
         ids, field already written, dtype change), Full when a unit stays full for ``timeout_s``
         (default: the handle's request timeout; nothing of a failed put is kept), Timeout, Closed.
         """
         t = self._timeout(timeout_s)
-        return self._sync.run(self._put_flow(data, partition, sample_ids, tags, t), t + self.handle.request_timeout_s)
+        return self._sync.run(self._put_flow(data, partition, sample_ids, tags, t, consume),
+                              t + self.handle.request_timeout_s)
 
     async def aput(self, data: Mapping[str, Any], partition: str, sample_ids: Sequence[int] | None = None,
-                   tags: Sequence[Mapping] | None = None, timeout_s: float | None = None) -> BatchMeta:
+                   tags: Sequence[Mapping] | None = None, timeout_s: float | None = None,
+                   consume: Consume | None = None) -> BatchMeta:
         """Async ``put``."""
         t = self._timeout(timeout_s)
-        return await self._async.run(self._put_flow(data, partition, sample_ids, tags, t),
+        return await self._async.run(self._put_flow(data, partition, sample_ids, tags, t, consume),
                                      t + self.handle.request_timeout_s)
 
     def get_meta(self, fields: Sequence[str], batch_size: int, task: str, partition: str,

@@ -21,7 +21,7 @@ from collections.abc import Hashable
 from operator import attrgetter
 
 from transferqueue.config import TransferQueueConfig
-from transferqueue.records import BatchMeta, FieldSchema
+from transferqueue.records import BatchMeta, Consume, FieldSchema
 from transferqueue.reservations import Reservations
 from transferqueue.samplers import get_sampler
 from transferqueue.table import NO_TAGS, Partition, Sample, Subscription
@@ -151,12 +151,18 @@ class MetadataIndex:
         return self.next_id - count
 
     def notify(self, partition: str, sample_ids: list[int], columns: list[dict], tags: list[dict] | None,
-               new: bool = False) -> None:
+               new: bool = False, consume: Consume | None = None) -> None:
         """Mark ``columns`` (validated wire descriptors) ready for ``sample_ids`` and merge ``tags``.
         ``new``: the ids come from ``reserve`` and the samples are created in ``partition`` now.
+        ``consume``: other samples this put answers (a roller's group answers its prompt row), marked
+        consumed by ``consume.task`` in the same step (``mark_consumed``): no reader ever sees the put
+        without the mark, or the mark without the put.
 
-        Every check (ids, tags, uid types, dtypes) runs before anything changes, so a rejected notify
-        leaves the index as it was. Raises ValueError naming the first offending id, tag or field."""
+        Every check (ids, tags, uid types, dtypes, ``consume``'s names) runs before anything changes, so a
+        rejected notify leaves the index as it was. Raises ValueError naming the first offending id, tag or
+        field."""
+        if consume is not None:
+            self._check_consume(consume)
         part = self._partition(partition, create=new)
         if tags is not None and len(tags) != len(sample_ids):
             raise ValueError(f"{len(tags)} tag dicts for {len(sample_ids)} samples")
@@ -191,6 +197,31 @@ class MetadataIndex:
                 sub.add_many(samples)
             for key in touched:
                 sub._recheck(key)
+        if consume is not None:
+            self.mark_consumed(consume)
+
+    def _check_consume(self, consume: Consume) -> None:
+        if not isinstance(consume.partition, str) or not consume.partition:
+            raise ValueError(f"consume: partition must be a non-empty string, got {consume.partition!r:.100}")
+        self._check_count("consume", len(consume.sample_ids))
+        self._task_bit(consume.task)
+
+    def mark_consumed(self, consume: Consume) -> None:
+        """Mark ``consume.sample_ids`` of ``consume.partition`` consumed by ``consume.task`` (so that task's
+        ``get_meta`` never hands them out); ids already cleared, or an unknown partition, are skipped
+        (idempotent, like ``clear``). Raises ValueError for a bad task name."""
+        bit = self._task_bit(consume.task)
+        part = self.partitions.get(consume.partition)
+        if part is None:
+            return
+        for sid in consume.sample_ids:
+            s = part.samples.get(sid)
+            if s is None or s.consumed & bit:
+                continue
+            s.consumed |= bit
+            for sub in part.subs.values():
+                if sub.task_bit == bit:
+                    sub.remove(s)
 
     def _check_dtypes(self, part: Partition, columns: list[dict]) -> None:
         for col in columns:

@@ -21,7 +21,7 @@ from common.curve import CurveKeys
 from transferqueue import wire
 from transferqueue.config import TransferQueueConfig
 from transferqueue.index import MetadataIndex
-from transferqueue.records import IndexStats
+from transferqueue.records import Consume, IndexStats
 from transferqueue.server import Reply, RouterServer
 
 
@@ -69,7 +69,8 @@ class IndexServer(RouterServer):
                 raise wire.WireError("notify: columns must be a non-empty list")
             ix.notify(header.get("partition"), ids,
                       [wire.validate_column(c, len(ids), self.limits.max_name_chars) for c in cols],
-                      header.get("tags"), new=bool(header.get("new")))
+                      header.get("tags"), new=bool(header.get("new")),
+                      consume=None if header.get("consume") is None else Consume.from_wire(header["consume"]))
             self._retry(header.get("partition"))
             return {}, []
         if op == "reserve":

@@ -141,6 +141,29 @@ class BatchMeta:
 FieldValue = torch.Tensor | list[torch.Tensor] | list[Any]
 
 
+@dataclass(frozen=True)
+class Consume:
+    """Samples a put answers: ``sample_ids`` of ``partition``, marked consumed by ``task`` in the same index
+    step that makes the put's fields ready (``TQClient.put``, ``MetadataIndex.notify``)."""
+
+    partition: str
+    sample_ids: Sequence[int]
+    task: str
+
+    def to_wire(self) -> dict:
+        return {"partition": self.partition, "ids": [int(i) for i in self.sample_ids], "task": self.task}
+
+    @staticmethod
+    def from_wire(d: dict) -> Consume:
+        """Raises ValueError unless ``d`` is a map of exactly ``partition``, ``ids`` (a list of ints), ``task``."""
+        if not isinstance(d, dict) or set(d) != {"partition", "ids", "task"}:
+            raise ValueError("consume must be a map of partition, ids and task")
+        ids = d["ids"]
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise ValueError("consume ids must be a list of ints")
+        return Consume(d["partition"], ids, d["task"])
+
+
 @dataclass
 class Batch:
     """Data of a batch, as ``get_data`` returns it: ``meta`` plus one value per field.

@@ -12,7 +12,8 @@ from common import schema
 from rollers.engine import GenerationOutput
 from rollers.response_fields import build_response_fields
 from rollers.roller import GroupResult, PromptGroup
-from rollers.tq_channel import TQGroupChannel
+from rollers.tq_channel import ANSWERED_TASK, TQGroupChannel
+from transferqueue.records import Consume
 
 
 def test_every_stage_reads_only_fields_an_earlier_stage_puts():
@@ -45,10 +46,11 @@ class _CaptureClient:
     """A TransferQueue client that records the channel's puts and clears."""
 
     def __init__(self):
-        self.puts, self.clears = [], []
+        self.puts, self.clears, self.consumes = [], [], []
 
-    async def aput(self, data, partition, sample_ids=None, tags=None, timeout_s=None):
+    async def aput(self, data, partition, sample_ids=None, tags=None, timeout_s=None, consume=None):
         self.puts.append((data, partition, sample_ids, tags))
+        self.consumes.append(consume)
 
     async def aclear(self, partition, sample_ids):
         self.clears.append((partition, list(sample_ids)))
@@ -73,6 +75,7 @@ def test_the_channel_puts_exactly_the_roller_contract(put_text, remax):
     asyncio.run(channel.put_group(_result(remax=remax)))
     ((data, partition, sample_ids, tags),) = client.puts
     assert partition == "samples" and sample_ids is None  # new sample rows, one per sample
+    assert client.consumes == [Consume("prompts", [41], ANSWERED_TASK)]  # the put marks its prompt row answered
     assert client.clears == [("prompts", [41])]  # then the prompt row goes
     expected = set(schema.ROLLER.put_fields()) | ({schema.RESPONSE_TEXT} if put_text else set()) \
         | ({schema.REMAX_BASELINE} if remax else set())

@@ -23,7 +23,7 @@ def _stream_answers(seed: int) -> list[str]:
     """Answers of the epoch-0 prompt stream in the order the feeder draws them (stream position =
     ``global_step * B + position``, the ``s<step>.p<pos>`` of a uid)."""
     cfg = load_config(preset="tiny", overrides=[*SMALL, f"data.seed={seed}"])
-    dataset = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model))
+    dataset = PromptDataset.splits(cfg.data, load_tokenizer(cfg.model))[0]
     return [dataset.prompts[i].ground_truth["answer"] for i in dataset.epoch_order(0)]
 
 

@@ -103,7 +103,7 @@ def test_long_prompt_of_a_jsonl_file_is_named_by_its_line(tok, tmp_path):
                     + '{"prompt": "%s", "answer": "a"}\n' % ("repeat the word a " * 10))
     cfg = DataConfig(task=str(path), max_prompt_length=12, train_batch_size=1)
     with pytest.raises(ValueError, match="data.jsonl:3: prompt is .* tokens.*max_prompt_length=12"):
-        PromptDataset.from_config(cfg, tok)
+        PromptDataset.splits(cfg, tok)[0]
 
 
 def test_skip_long_prompts_counts_and_logs(tok, caplog):
@@ -120,9 +120,9 @@ def test_skip_long_prompts_counts_and_logs(tok, caplog):
         PromptDataset.from_records(records, everything_long, tok)
 
 
-def test_from_config_tiny_repeat(tok):
+def test_splits_tiny_repeat(tok):
     cfg = DataConfig(task="tiny_repeat", size=16, train_batch_size=8, max_prompt_length=32)
-    dataset = PromptDataset.from_config(cfg, tok)
+    dataset = PromptDataset.splits(cfg, tok)[0]
     assert len(dataset) == 16 and dataset.num_available_steps() == 2
     assert max(len(p.input_ids) for p in dataset.prompts) <= 12  # short: 4 words + chat template
 
@@ -152,14 +152,17 @@ def test_a_prompt_leaving_no_room_in_the_context_is_rejected_naming_its_row(tok)
         ds.check_context(longest)
 
 
-def test_start_check_rejects_no_room_and_top_k_beyond_the_vocabulary():
-    """``controller.job.check_data`` reads the model's config (no weights) before any pool starts."""
+def test_start_checks_reject_no_room_and_top_k_beyond_the_vocabulary():
+    """``controller.job.check_config`` reads the model's config (no weights, no data) and returns its context
+    length, against which the prompt feeder checks every prompt."""
     from controller.config import load_config
-    from controller.job import StartError, check_data
+    from controller.feeder import PromptFeeder
+    from controller.job import StartError, check_config
 
     base = ["data.size=32", "trainer.total_steps=1"]
-    assert check_data(load_config(preset="tiny", overrides=base)) == 32
-    with pytest.raises(StartError, match="no room for a response within the model's context length of 8"):
-        check_data(load_config(preset="tiny", overrides=[*base, "model.tiny.max_position_embeddings=8"]))
+    cfg = load_config(preset="tiny", overrides=[*base, "model.tiny.max_position_embeddings=8"])
+    assert check_config(cfg) == 8
+    with pytest.raises(ValueError, match="no room for a response within the model's context length of 8"):
+        PromptFeeder(cfg, 1, check_config(cfg), "prompts")
     with pytest.raises(StartError, match=r"rollout.top_k=100000 exceeds the model's vocabulary"):
-        check_data(load_config(preset="tiny", overrides=[*base, "rollout.top_k=100000"]))
+        check_config(load_config(preset="tiny", overrides=[*base, "rollout.top_k=100000"]))

@@ -34,9 +34,17 @@ def run(tmp_path: Path, mode: str, *overrides: str) -> tuple[int, list[dict], di
 SMALL = ("data.size=32", "data.epochs=1", "data.train_batch_size=8", "trainer.ppo_mini_batch_size=8")
 
 
-def test_too_many_steps_rejected_at_start(tmp_path, ray_cluster, capsys):
+def test_too_many_steps_rejected_at_start(tmp_path, ray_cluster, capsys, monkeypatch):
+    """Found by the prompt feeder, the data's only loader (this process, the controller, loads none), before
+    the run directory gets anything."""
+    import controller.data
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the controller loaded the data")
+
+    monkeypatch.setattr(controller.data, "load_split", no_load)
     code, steps, _ = run(tmp_path, "one-step-off", *SMALL, "trainer.total_steps=10")
-    assert code == EXIT_CONFIG and steps == []
+    assert code == EXIT_CONFIG and steps == [] and list(tmp_path.iterdir()) == []
     err = capsys.readouterr().err
     for needle in ("dataset size 32", "data.train_batch_size=8", "data.epochs=1", "trainer.total_steps=10"):
         assert needle in err
@@ -63,7 +71,7 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     parts = summary["startup_breakdown_s"]
     assert {"checks_s", "ray_s", "transferqueue_s", "feeder_s", "rollers_s", "trainer_s", "pools_s",
             "weight_plane_s"} == set(parts) and all(v >= 0 for v in parts.values())
-    assert sum(parts[k] for k in ("checks_s", "ray_s", "transferqueue_s", "pools_s", "weight_plane_s")) \
+    assert sum(parts[k] for k in ("checks_s", "ray_s", "feeder_s", "transferqueue_s", "pools_s", "weight_plane_s")) \
         <= summary["startup_s"]
     assert summary["threads"]["roller_threads"] >= 1 and summary["threads"]["trainer_threads"] >= 1
 

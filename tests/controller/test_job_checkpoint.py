@@ -47,8 +47,10 @@ def prompts_by_uid(client: TQClient, partition: str) -> dict[str, list[int]]:
 def test_feeder_restore_continues_the_stream_and_reissues_any_issued_prompt(tq):
     handle, client = tq
     cfg = load_config(preset="tiny", overrides=OVERRIDES)
-    first = PromptFeeder(cfg, handle.to_dict(), "feed-a", num_batches=4)
-    second = PromptFeeder(cfg, handle.to_dict(), "feed-b", num_batches=4)
+    first = PromptFeeder(cfg, 4, None, "feed-a")
+    second = PromptFeeder(cfg, 4, None, "feed-b")
+    first.connect(handle.to_dict())
+    second.connect(handle.to_dict())
     try:
         check_feeders(client, first, second)
     finally:

@@ -513,7 +513,7 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
     from transferqueue.client import TQClient
 
     cfg = DataConfig(task="tiny_repeat", size=3, train_batch_size=3, max_prompt_length=32)
-    dataset = PromptDataset.from_config(cfg, tok)
+    dataset = PromptDataset.splits(cfg, tok)[0]
     data, tags = prompt_fields(dataset.prompts, tok.pad_token_id, uids=["g0", "g1", "g2"])
     schema.check_batch(schema.FEEDER, data, tags)
     train_fields = list(schema.TRAINER.read_fields())
@@ -598,7 +598,7 @@ def test_validation_groups_go_first_to_their_own_partition_with_common_seeds(tq_
     from rollers.tq_channel import GroupSource, TQGroupChannel
     from transferqueue.client import TQClient
 
-    dataset = PromptDataset.from_config(DataConfig(task="tiny_repeat", size=1, train_batch_size=1), tok)
+    dataset = PromptDataset.splits(DataConfig(task="tiny_repeat", size=1, train_batch_size=1), tok)[0]
     train_data, train_tags = prompt_fields(dataset.prompts, tok.pad_token_id, uids=["s0.p0"])
     val_data, val_tags = prompt_fields(dataset.prompts * 2, tok.pad_token_id, uids=["v0.p0", "v1.p0"])
     for tag in val_tags:

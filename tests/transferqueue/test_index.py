@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from transferqueue.index import MetadataIndex
-from transferqueue.records import BatchMeta, chunk_sizes
+from transferqueue.records import BatchMeta, Consume, chunk_sizes
 from transferqueue.samplers import balanced_order, register_sampler
 
 
@@ -303,3 +303,25 @@ def test_sample_moved_into_a_complete_group_is_counted():
     assert sub.complete == {"a": 2} and sub.complete_samples == 2
     meta = ix.get_meta(["x"], 2, "train", "p", "group_complete", {"group_size": 2})
     assert meta.sample_ids == ids and sub.complete_samples == 0
+
+
+def test_a_put_that_consumes_marks_other_samples_in_the_same_step():
+    """``notify(consume=...)``: a roller's samples and the mark on its prompt row appear together; a mark on a
+    cleared row is skipped; a bad ``consume`` rejects the whole notify before anything changes."""
+    ix = MetadataIndex()
+    rows = ix.prepare_put("prompts", None, 2, ["input_ids"])
+    put(ix, "prompts", rows)
+    assert ix.get_meta(["input_ids"], 2, "rollout", "prompts").sample_ids == rows
+    ix.clear("prompts", [rows[1]])
+    samples = ix.prepare_put("samples", None, 2, ["responses"])
+    ix.notify("samples", samples, [col("responses", 2)], [{"uid": "g"}] * 2,
+              consume=Consume("prompts", rows, "answered"))
+    [info] = ix.sample_info("prompts", None, 10)
+    assert info["id"] == rows[0] and info["consumed_by"] == ["rollout", "answered"]
+    assert len(ix.get_meta(["input_ids"], 1, "answered", "prompts")) == 0  # consumed by that task
+    more = ix.prepare_put("samples", None, 1, ["responses"])
+    with pytest.raises(ValueError, match="partition must be a non-empty string"):
+        ix.notify("samples", more, [col("responses", 1)], None, consume=Consume("", rows, "answered"))
+    assert ix.sample_info("samples", more, 10)[0]["fields"] == []  # the rejected notify changed nothing
+    with pytest.raises(ValueError, match="consume must be a map"):
+        Consume.from_wire({"partition": "prompts", "ids": rows})
