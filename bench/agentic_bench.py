@@ -83,10 +83,10 @@ def _trained_rows(run_dir: Path, warmup_steps: int, tail_steps: int) -> list[dic
 def agentic_metrics(run: dict, turns: str, rollout_seed: int, n: int, env_log: list[dict]) -> dict:
     """The agentic metrics of one run (``run``: ``modes_runs.read_run``'s dict; see the module docstring);
     ``env_log``: every trajectory record of the benchmark (those inside the run's window are used)."""
-    from rollers.response_fields import sample_seed
+    from rollers.agent_loop import environment_seed
 
     rows = _trained_rows(Path(run["run_dir"]), run["warmup_steps"], run["tail_steps"])
-    per_sample = [num_turns(turns, sample_seed(rollout_seed, uid, i)) for r in rows for uid in r["uids"]
+    per_sample = [num_turns(turns, environment_seed(rollout_seed, uid, i)) for r in rows for uid in r["uids"]
                   for i in range(n)]
     num_samples = sum(r["num_samples"] for r in rows)
     truncated = sum(r["response_clip_ratio"] * r["num_samples"] for r in rows)

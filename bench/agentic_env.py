@@ -4,8 +4,8 @@
 ``module:name``). Options (``rollout.env_kwargs``):
 
 * ``turns``: the number of model turns of a trajectory, a mixture ``weight:min-max,...`` (``8:1-2,2:6-12``:
-  80% of the trajectories take 1-2 turns, 20% 6-12), drawn with ``EnvContext.seed`` (from ``rollout.seed``,
-  uid and sample index) — the same sample takes the same number of turns in every schedule and run;
+  80% of the trajectories take 1-2 turns, 20% 6-12), drawn with ``EnvContext.seed`` (``rollers.agent_loop.environment_seed``
+  of ``rollout.seed``, uid and sample index) — the same sample takes the same number of turns in every schedule and run;
 * ``tool_latency_s``: seconds each tool call waits before it answers (a tool's or a sandbox's latency; the
   engine decodes other trajectories meanwhile);
 * ``log_dir``: where each trajectory appends one JSON line when it closes (one file per process): its

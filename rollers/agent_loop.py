@@ -30,7 +30,7 @@ each sampled turn decodes exactly L tokens, EOS ignored, L drawn from the mixtur
 turn number), so every schedule decodes the same turns.
 
 **Seeds.** Each turn samples with ``sample_seed(rollout.seed, uid, index, tokens so far)``, and the environment
-gets ``sample_seed(rollout.seed, uid, index)`` (``EnvContext.seed``): the trajectory does not depend on batch
+gets ``environment_seed(rollout.seed, uid, index)`` (``EnvContext.seed``): the trajectory does not depend on batch
 composition, roller or schedule (``fully-async`` at ``max_staleness=0`` equals ``sync``).
 
 **Failures.** An environment, tool or reward that raises or times out, or a turn aborted more than
@@ -144,6 +144,12 @@ def _seed_key(group: PromptGroup) -> str:
     return group.seed_key or group.uid
 
 
+def environment_seed(rollout_seed: int, key: str, index: int) -> int:
+    """The seed of sample ``index``'s environment (``EnvContext.seed``; 62 bits) in group ``key`` (its uid, or
+    ``seed_key``): depends on (``rollout.seed``, key, index) only, and differs from the turns' sampling seeds."""
+    return sample_seed(rollout_seed, f"environment:{key}", index)
+
+
 class AgentLoop:
     """Runs trajectories for a roller (see the module docstring). ``rollout``: the config (``environment``,
     ``max_turns``, ``env_timeout_s``, ``env_max_concurrency``, sampling); ``tokenizer``: decodes turns and
@@ -175,7 +181,8 @@ class AgentLoop:
         call). Returns it with ``error`` set on an environment failure or too many aborts."""
         traj = Trajectory(request_id=request_id, prompt_tokens=len(group.input_ids))
         try:
-            env = self.spec.make(replace(self.context, seed=sample_seed(self.rollout.seed, _seed_key(group), index)))
+            seed = environment_seed(self.rollout.seed, _seed_key(group), index)
+            env = self.spec.make(replace(self.context, seed=seed))
         except Exception as exc:  # a user's factory may fail in any way: its trajectory fails
             traj.error = f"environment {self.spec.name!r} could not be built: {type(exc).__name__}: {exc}"
             return traj

@@ -120,7 +120,7 @@ class EnvContext:
     """What an environment factory gets: ``reward`` (the task's reward as an :class:`AsyncReward`),
     ``timeout_s`` (``rollout.env_timeout_s``, for calls it makes itself, e.g. tools), ``options`` (the
     spec's options: its defaults overridden by ``rollout.env_kwargs``) and ``seed`` (this trajectory's,
-    ``rollers.response_fields.sample_seed`` of (``rollout.seed``, uid, sample index); 62 bits)."""
+    ``rollers.agent_loop.environment_seed`` of (``rollout.seed``, uid, sample index); 62 bits)."""
 
     reward: AsyncReward
     timeout_s: float

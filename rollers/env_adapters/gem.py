@@ -17,12 +17,14 @@ meets the same game in every schedule. GEM seeds the process-global ``random`` a
 ``reset``, so calls into GEM are serialized by one lock per process and run in a worker thread (the event loop
 never blocks on an environment). ``step``'s ``info["suffix"]`` (GEM's prompt for the next move) is appended to
 a continuing observation, as GEM's own observation wrappers do. The reward of each step lands on the turn it
-answers; ``terminated or truncated`` ends the trajectory.
+answers; ``terminated or truncated`` ends the trajectory. Rewards are GEM's: this environment does not call the
+task's reward (``rollout.reward``; ``data.task`` supplies the prompts that open each game).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 from typing import Any
@@ -34,11 +36,19 @@ _ROLES = ("user", "tool", "system")
 
 
 def _import_gem():
+    """``import gem``, undoing what its import does to the process's logging (gem-llm 0.1.0 calls
+    ``logging.basicConfig(level=INFO)``: a root handler and level that would print every library's INFO lines)."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
     try:
         import gem
     except ImportError as exc:
         raise ValueError("rollout.environment=gem needs the gem-llm package: pip install 'hflow-async[gem]' "
                          f"({exc})") from exc
+    finally:
+        root.setLevel(level)
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
     return gem
 
 

@@ -11,7 +11,7 @@ import pytest
 from bench import agentic_bench
 from bench.agentic_env import num_turns
 from controller.config import load_config
-from rollers.response_fields import sample_seed
+from rollers.agent_loop import environment_seed
 
 
 def test_workload_is_a_valid_multi_turn_config_with_room_for_every_turn(tmp_path):
@@ -35,8 +35,8 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
 
 
 def test_turns_follow_the_long_tail_and_only_the_seed():
-    counts = [num_turns("8:1-2,2:8-12", sample_seed(0, f"s0.p{p}", i)) for p in range(100) for i in range(4)]
-    assert counts == [num_turns("8:1-2,2:8-12", sample_seed(0, f"s0.p{p}", i)) for p in range(100) for i in range(4)]
+    counts = [num_turns("8:1-2,2:8-12", environment_seed(0, f"s0.p{p}", i)) for p in range(100) for i in range(4)]
+    assert counts == [num_turns("8:1-2,2:8-12", environment_seed(0, f"s0.p{p}", i)) for p in range(100) for i in range(4)]
     short = sum(c <= 2 for c in counts) / len(counts)
     assert 0.7 < short < 0.9 and set(counts) - {1, 2} <= set(range(8, 13)) and max(counts) >= 8
 
@@ -55,7 +55,7 @@ def test_agentic_metrics_count_the_windows_turns_and_tool_wait(tmp_path):
     log = [{"start": 101.0, "end": 105.0, "tool_wait_s": 1.0}, {"start": 99.0, "end": 109.0, "tool_wait_s": 4.0},
            {"start": 105.0, "end": 111.0, "tool_wait_s": 6.0}]  # the last ends after the window: left out
     out = agentic_bench.agentic_metrics(run, "1:1-3", 7, 2, log)
-    turns = [num_turns("1:1-3", sample_seed(7, f"s{k}.p0", i)) for k in (1, 2) for i in range(2)]
+    turns = [num_turns("1:1-3", environment_seed(7, f"s{k}.p0", i)) for k in (1, 2) for i in range(2)]
     assert out["turns_per_s"] == pytest.approx(sum(turns) / 10.0)
     assert out["turns_per_sample"] == pytest.approx(sum(turns) / 4)
     assert out["truncated_share"] == pytest.approx(0.25)  # one of the window's 4 samples

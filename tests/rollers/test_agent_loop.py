@@ -9,10 +9,10 @@ import torch
 
 from common import schema
 from common.models import ModelConfig, apply_chat_template, load_tokenizer
-from rollers.agent_loop import ObservationFormatter
+from rollers.agent_loop import ObservationFormatter, environment_seed
 from rollers.config import RolloutConfig
 from rollers.environments import EnvironmentSpec
-from rollers.response_fields import forced_response_length, sample_seed
+from rollers.response_fields import forced_response_length
 from rollers.rewards import tiny_repeat_reward
 from rollers.roller import FailedGroup, GroupResult, PromptGroup, Roller
 from rollers.torch_engine import TorchEngine
@@ -215,7 +215,7 @@ def test_environment_config_is_checked():
 
 def test_forced_turn_lengths_and_the_environment_seed_are_per_sample(model, tok):
     """With rollout.forced_response_lengths each model turn decodes its own drawn length (EOS ignored, per uid,
-    sample index and turn), and each trajectory's environment gets sample_seed(rollout.seed, uid, index)."""
+    sample index and turn), and each trajectory's environment gets environment_seed(rollout.seed, uid, index)."""
     agent_envs.SEEDS.clear()
     results, roller = run(_roll(model, tok, [make_group(tok, 0)], "scripted_turns", max_response_length=96,
                                 forced_response_lengths=[[1, 2, 9]]))
@@ -229,7 +229,7 @@ def test_forced_turn_lengths_and_the_environment_seed_are_per_sample(model, tok)
         assert model_spans == expected
         lengths += expected
     assert len(set(lengths)) > 1  # the draws differ, so the check above pins which draw each turn got
-    assert sorted(agent_envs.SEEDS) == sorted(sample_seed(5, "uid0", i) for i in range(N))
+    assert sorted(agent_envs.SEEDS) == sorted(environment_seed(5, "uid0", i) for i in range(N))
 
 
 def test_observation_formatter_follows_the_chat_template(tok):

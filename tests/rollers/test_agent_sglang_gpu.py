@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common import schema
-from common.models import load_tokenizer
+from common.models import apply_chat_template, load_tokenizer
 from rollers.agent_loop import ObservationFormatter
 from rollers.config import RolloutConfig
 from rollers.response_fields import forced_response_length
@@ -36,8 +36,7 @@ def sglang_server(request):
 
 
 def _group(tok, uid: str, n: int) -> PromptGroup:
-    ids = tuple(tok.apply_chat_template([{"role": "user", "content": "Say one short sentence."}],
-                                        add_generation_prompt=True))
+    ids = tuple(apply_chat_template(tok, "Say one short sentence."))
     return PromptGroup(uid, 0, n, ids, {"answer": "a"})
 
 

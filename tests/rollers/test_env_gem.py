@@ -10,9 +10,8 @@ import re
 import pytest
 
 from common.models import ModelConfig, load_tokenizer
-from rollers.agent_loop import ObservationFormatter
+from rollers.agent_loop import AgentLoop, ObservationFormatter, environment_seed
 from rollers.config import RolloutConfig
-from rollers.response_fields import sample_seed
 from rollers.rewards import tiny_repeat_reward
 from rollers.roller import PromptGroup
 from tests.rollers.engine_helpers import run
@@ -29,7 +28,7 @@ SEED = 5
 def _game(uid: str, index: int):
     """The GEM game the adapter builds for sample ``index`` of ``uid`` (rollout.seed=SEED): (instructions, target)."""
     env = gem.make(GUESS)
-    instructions, _ = env.reset(seed=sample_seed(SEED, uid, index) % 2**32)
+    instructions, _ = env.reset(seed=environment_seed(SEED, uid, index) % 2**32)
     return instructions, env.game_number
 
 
@@ -66,8 +65,6 @@ def test_gem_game_over_several_turns_rewards_the_winning_guess():
     engine = ScriptedEngine(script)
     rollout = RolloutConfig(n=1, max_response_length=400, seed=SEED, environment="gem",
                             env_kwargs={"env_id": GUESS}, max_turns=4)
-    from rollers.agent_loop import AgentLoop
-
     loop = AgentLoop(rollout, stok, tiny_repeat_reward, (stok.eos_token_id,))
     group = PromptGroup("g0", 0, 1, tuple(stok.encode("Play.")), {"answer": ""})
 
@@ -84,6 +81,22 @@ def test_gem_game_over_several_turns_rewards_the_winning_guess():
     assert traj.token_scores[spans[3][2] - 1] == pytest.approx(LanguageGameReward.success_reward)
     assert traj.reward == pytest.approx(LanguageGameReward.success_reward)
     assert instructions in stok.decode(traj.output_ids[: spans[0][2]])
+
+
+def test_importing_gem_leaves_the_process_logging_as_it_was(monkeypatch):
+    """gem-llm's import calls logging.basicConfig(level=INFO); the adapter undoes it (imported afresh here)."""
+    import logging
+    import sys
+
+    from rollers.env_adapters import gem as adapter
+
+    for name in [m for m in sys.modules if m == "gem" or m.startswith("gem.")]:
+        monkeypatch.delitem(sys.modules, name)  # restored after the test
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    fresh = adapter._import_gem()
+    assert fresh is not gem and root.handlers == [] and root.level == logging.WARNING
 
 
 def test_gem_options_are_checked_when_the_config_is_read():
