@@ -30,9 +30,10 @@ any environment of GEM (``gem-llm``, axon-rl's gym-style text environments for L
 tasks, tool use), through the adapter ``rollers.env_adapters.gem``, imported only when used (the optional
 extra ``hflow-async[gem]``). GEM was chosen among the public environment libraries that install here
 (measured with ``pip install --dry-run`` against this project's dependencies, 2026-12): ``gem-llm`` adds 4
-packages and works offline; ``textarena`` adds 10 (an OpenAI client among them; several games fetch NLTK
-data at run time); ``verifiers`` adds 38 and ``openenv-core`` 58 (web servers, MCP, gradio), both built
-around chat messages and HTTP sandboxes.
+packages, is text-in/text-out gym-style, and its number games, puzzles and ``rg:`` tasks run offline;
+``textarena`` adds 10 (an OpenAI client among them) and its word games call ``nltk.download`` at import
+(GEM's word games, hangman/wordle/word search, need that NLTK data too: not offline); ``verifiers`` adds 38
+and ``openenv-core`` 58 (web servers, MCP, gradio), both built around chat messages and HTTP sandboxes.
 
 Failures: an environment whose ``reset``/``step`` raises or runs past ``rollout.env_timeout_s``, a tool
 that does (``rollers.tools.ToolError``), or a reward that raises, returns NaN or times out fails its

@@ -9,7 +9,8 @@ as a chat turn of ``observation_role`` (default ``user``). The first observation
 instructions) is appended after the prompt of ``data.task``, so the task's prompt can be a short instruction.
 
 Options (``rollout.env_kwargs``): ``env_id`` (a GEM id, e.g. ``game:GuessTheNumber-v0-easy``,
-``game:Mastermind-v0-easy``, ``rg:chain_sum``; ``gem.print_envs()`` lists them), ``env_kwargs`` (passed to
+``game:Mastermind-v0-easy``, ``rg:chain_sum``; ``gem.print_envs()`` lists them; the word games need NLTK's
+``words`` corpus on disk, which GEM downloads at run time: not on an offline machine), ``env_kwargs`` (passed to
 ``gem.make``), ``observation_role``. Checked when the config is read (``check_options``).
 
 Determinism: each trajectory resets its environment with ``EnvContext.seed`` (mod 2**32), so the same sample
