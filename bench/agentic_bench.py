@@ -19,7 +19,9 @@ and the median (``bench_workload``, ``summarize``). Added per run (``agentic_met
   ``turns_per_sample``; ``truncated_share``: trained samples cut by the length budget (0 when the budget
   ``rollout.max_response_length`` = max K × (max turn length + ``OBSERVATION_TOKENS``) holds, as it should);
 * ``tool_wait_share``: seconds trajectories spent waiting on tools / their wall time (reset → close), over the
-  trajectories that ended inside the window (each trajectory logs itself: ``bench/agentic_env.py``).
+  trajectories that ended inside the window (each trajectory logs itself: ``bench/agentic_env.py``). A tool
+  call's seconds are its wall time: with the torch engine, whose decode steps run on the roller's event loop,
+  that is its latency plus up to one decode step (the loop wakes the call when the step in progress ends).
 
 Where the time goes, per mode: the trainer updating (``1 − trainer_idle − sync``), waiting for data
 (``trainer_idle_share``), syncing weights (``sync_share``); rollers with no request in flight
