@@ -67,27 +67,30 @@ def check_options(options: dict[str, Any]) -> None:
 
 
 class GemEnvironment(Environment):
-    """One trajectory's GEM environment ``env`` (a ``gem.Env``), reset with ``seed`` (int, < 2**32)."""
+    """One trajectory's GEM environment: ``env_id`` built with ``env_kwargs`` and reset with ``seed`` (int,
+    < 2**32) when the trajectory starts."""
 
-    def __init__(self, env, seed: int, observation_role: str = "user"):
-        self.env, self.seed = env, seed
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any], seed: int, observation_role: str = "user"):
+        self.env_id, self.env_kwargs, self.seed = env_id, env_kwargs, seed
         self.observation_role = observation_role
+        self.env = None
 
     @classmethod
     def from_context(cls, ctx: EnvContext) -> GemEnvironment:
-        """Build ``ctx.options["env_id"]`` with ``ctx.options["env_kwargs"]``, seeded by ``ctx.seed``."""
-        gem = _import_gem()
+        """The adapter for ``ctx.options["env_id"]`` and ``["env_kwargs"]``, seeded by ``ctx.seed``."""
         opts = ctx.options
-        with _GEM_LOCK:  # a constructor may reset (and so reseed) too
-            env = gem.make(opts["env_id"], **opts["env_kwargs"])
-        return cls(env, ctx.seed % 2**32, opts["observation_role"])
+        return cls(opts["env_id"], dict(opts["env_kwargs"]), ctx.seed % 2**32, opts["observation_role"])
 
     def _locked(self, fn, *args):
         with _GEM_LOCK:
             return fn(*args)
 
+    def _make_and_reset(self):
+        env = _import_gem().make(self.env_id, **self.env_kwargs)  # a constructor may reset (and reseed) too
+        return env, env.reset(seed=self.seed)
+
     async def reset(self, ground_truth: dict) -> str:
-        observation, _info = await asyncio.to_thread(self._locked, lambda: self.env.reset(seed=self.seed))
+        self.env, (observation, _info) = await asyncio.to_thread(self._locked, self._make_and_reset)
         return _text(observation, "reset")
 
     async def step(self, action: str) -> StepResult:
