@@ -33,8 +33,9 @@ the run directories under ``runs/``, the trajectory logs under ``env_log/``, and
 
     RESULT sync_sps=… fully_async_sps=… speedup=… max_staleness=…
 
-``--quick`` (3 steps, 1 warm-up, 2 runs per mode, no sweep) is sized to finish in under 15 minutes on 2 cores
-with SmolLM2 (4 runs of ~2-3 minutes each).
+``--quick`` (3 steps, 1 warm-up, 1 run per mode, no sweep: 2 SmolLM2 runs) is sized to finish in under 15
+minutes on 2 cores: estimated 3-4 minutes a run on a quiet machine (start-up, then steps whose update trains
+16 trajectories padded to the longest, up to 576 tokens); not yet timed on a quiet machine.
 """
 
 from __future__ import annotations
@@ -160,14 +161,14 @@ def table(best: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="3 steps (1 warm-up, no tail), 2 runs per mode, no sweep")
+    p.add_argument("--quick", action="store_true", help="3 steps (1 warm-up, no tail), 1 run per mode, no sweep")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--turns", default=DEFAULT_TURNS, help="turns per trajectory, weight:min-max,... (long tail)")
     p.add_argument("--turn-lengths", default=TURN_LENGTHS, help="tokens per model turn, weight:min-max,...")
     p.add_argument("--tool-latency-s", type=float, default=0.2, help="seconds each tool call waits")
     add_run_args(p, PRESET, ROOT / "bench" / "results" / "agentic")
     args = p.parse_args(argv)
-    check_run_args(p, args)
+    check_run_args(p, args, quick_reps=1)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in args.modes:
         if m not in MODES:

@@ -331,16 +331,16 @@ def add_run_args(p: argparse.ArgumentParser, preset: str, out: Path) -> None:
                    help="read a run whose directory in --out holds a completed summary.json instead of running it")
 
 
-def check_run_args(p: argparse.ArgumentParser, args) -> None:
+def check_run_args(p: argparse.ArgumentParser, args, quick_reps: int = 2) -> None:
     """``add_run_args``' values: ``--split`` items into ``{mode: [Split]}``, ``--quick`` (3 steps, 1 warm-up, no
-    tail, 2 runs, no sweep), the window's bounds; a bad value is a usage error (exit 2)."""
+    tail, ``quick_reps`` runs, no sweep), the window's bounds; a bad value is a usage error (exit 2)."""
     splits: dict[str, list[Split]] = {}
     for item in args.split:
         mode, split = parse_split(p, item)
         splits.setdefault(mode, []).append(split)
     args.split = splits
     if args.quick:
-        args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 3, 1, 0, 2, "none"
+        args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 3, 1, 0, quick_reps, "none"
     if not (1 <= args.warmup_steps and 0 <= args.tail_steps and args.warmup_steps + args.tail_steps < args.steps):
         p.error(f"need --warmup-steps >= 1, --tail-steps >= 0 and their sum < --steps={args.steps}")
 
