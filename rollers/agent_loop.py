@@ -25,8 +25,13 @@ does the engine's context length. A turn cut by the budget ends the trajectory (
 its action still answered by the environment, so it is scored); an observation that does not fit, or
 ``rollout.max_turns`` answered turns, ends it too (``length`` / the last turn's own reason).
 
-**Seeds.** Each turn samples with ``sample_seed(rollout.seed, uid, index, tokens so far)``: the trajectory
-does not depend on batch composition, roller or schedule (``fully-async`` at ``max_staleness=0`` equals ``sync``).
+**Forced lengths** (``rollout.forced_response_lengths``, throughput benchmarks: ``bench/agentic_bench.py``):
+each sampled turn decodes exactly L tokens, EOS ignored, L drawn from the mixture per (uid, sample index,
+turn number), so every schedule decodes the same turns.
+
+**Seeds.** Each turn samples with ``sample_seed(rollout.seed, uid, index, tokens so far)``, and the environment
+gets ``environment_seed(rollout.seed, uid, index)`` (``EnvContext.seed``): the trajectory does not depend on batch
+composition, roller or schedule (``fully-async`` at ``max_staleness=0`` equals ``sync``).
 
 **Failures.** An environment, tool or reward that raises or times out, or a turn aborted more than
 ``rollout.max_resubmits`` times, gives a trajectory with ``error`` set (the roller fails its group and counts
@@ -39,7 +44,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -55,7 +60,8 @@ from rollers.environments import (
     EnvironmentFailure,
     StepResult,
 )
-from rollers.roller import PromptGroup, build_response_fields, sample_seed
+from rollers.response_fields import forced_response_length, sample_seed
+from rollers.roller import PromptGroup, build_response_fields
 
 _PLACEHOLDER = "\x00OBSERVATION\x00"
 
@@ -133,6 +139,17 @@ class _TurnAborted(Exception):
     pass
 
 
+def _seed_key(group: PromptGroup) -> str:
+    """What a group's seeds derive from: its ``seed_key`` (validation rounds) or its uid, as in single-turn."""
+    return group.seed_key or group.uid
+
+
+def environment_seed(rollout_seed: int, key: str, index: int) -> int:
+    """The seed of sample ``index``'s environment (``EnvContext.seed``; 62 bits) in group ``key`` (its uid, or
+    ``seed_key``): depends on (``rollout.seed``, key, index) only, and differs from the turns' sampling seeds."""
+    return sample_seed(rollout_seed, f"environment:{key}", index)
+
+
 class AgentLoop:
     """Runs trajectories for a roller (see the module docstring). ``rollout``: the config (``environment``,
     ``max_turns``, ``env_timeout_s``, ``env_max_concurrency``, sampling); ``tokenizer``: decodes turns and
@@ -143,7 +160,7 @@ class AgentLoop:
         self.rollout, self.tokenizer, self.stop_ids = rollout, tokenizer, stop_ids
         self.spec = ENVIRONMENTS.get(rollout.environment)
         self.context = EnvContext(AsyncReward(reward_fn, rollout.env_max_concurrency, rollout.env_timeout_s),
-                                  rollout.env_timeout_s)
+                                  rollout.env_timeout_s, self.spec.resolve_options(rollout.env_kwargs))
         self.formatter = ObservationFormatter(tokenizer)
         self.num_turns = 0
         self.num_trajectories = 0
@@ -164,7 +181,8 @@ class AgentLoop:
         call). Returns it with ``error`` set on an environment failure or too many aborts."""
         traj = Trajectory(request_id=request_id, prompt_tokens=len(group.input_ids))
         try:
-            env = self.spec.make(self.context)
+            seed = environment_seed(self.rollout.seed, _seed_key(group), index)
+            env = self.spec.make(replace(self.context, seed=seed))
         except Exception as exc:  # a user's factory may fail in any way: its trajectory fails
             traj.error = f"environment {self.spec.name!r} could not be built: {type(exc).__name__}: {exc}"
             return traj
@@ -250,21 +268,28 @@ class AgentLoop:
                     max_seq_len: int | None) -> str:
         """One model turn, resubmitted with its partial output after each abort; returns its finish_reason."""
         cfg = self.rollout
+        budget = self._room(traj, group, max_seq_len)
+        forced = None if greedy or group.validation else \
+            forced_response_length(cfg, f"{group.uid}/turn{traj.num_turns}", index)
+        limit = budget if forced is None else min(forced, budget)
+        start = len(traj.output_ids)
         for attempt in range(cfg.max_resubmits + 1):
-            room = self._room(traj, group, max_seq_len)
             sampling = SamplingParams(
-                max_new_tokens=room, temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p,
-                top_k=cfg.top_k, seed=sample_seed(cfg.seed, group.uid, index, len(traj.output_ids)),
-                stop_token_ids=self.stop_ids)
+                max_new_tokens=limit - (len(traj.output_ids) - start), temperature=0.0 if greedy else cfg.temperature,
+                top_p=cfg.top_p, top_k=cfg.top_k,
+                seed=sample_seed(cfg.seed, _seed_key(group), index, len(traj.output_ids)),
+                stop_token_ids=self.stop_ids if forced is None else (), ignore_eos=forced is not None)
             request = GenerationRequest(f"{traj.request_id}/t{traj.num_turns}/{attempt}",
                                         tuple(group.input_ids) + tuple(traj.output_ids), sampling)
             out = await generate(request)
             traj.append(out.output_ids, out.output_log_probs, out.weight_versions)
-            if out.finish_reason != "abort":
-                return out.finish_reason
-            if len(out.output_ids) >= room:
-                return "length"
-            self.num_turn_resubmits += 1
+            generated = len(traj.output_ids) - start
+            if out.finish_reason == "abort" and generated < limit:  # paused by a weight update: resubmit
+                self.num_turn_resubmits += 1
+                continue
+            if forced is not None and generated >= limit:  # a forced turn that got its length is a stop
+                return "stop" if limit < budget else "length"
+            return "length" if out.finish_reason == "abort" else out.finish_reason
         raise _TurnAborted(f"turn {traj.num_turns} aborted {cfg.max_resubmits + 1} times (rollout.max_resubmits)")
 
     def build_fields(self, outputs: Sequence[Trajectory], scores: Sequence[float], pad_token_id: int,

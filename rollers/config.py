@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.env import AUTO_THREADS, check_num_threads, check_ray_resources
 from rollers.engine import check_sampling
@@ -32,13 +33,15 @@ class RolloutConfig:
     the mixture (a bucket by weight, then uniform in ``[min_tokens, max_tokens]``) with a generator seeded
     by (``seed``, uid, sample index), so the same prompt and sample get the same length in every schedule,
     roller and run (``rollers.roller.forced_response_length``). Rewards score the text as usual. Empty (the
-    default): responses end at EOS or ``max_response_length``.
+    default): responses end at EOS or ``max_response_length``. With an ``environment`` each model turn is
+    forced instead, its length drawn per (uid, sample index, turn number) (``bench/agentic_bench.py``).
 
     Multi-turn (``rollers.agent_loop``): ``environment`` names a registered environment
     (``rollers.environments.ENVIRONMENTS``, or ``module:name``); empty (the default) = single-turn. A
     trajectory has at most ``max_turns`` model turns, and ``max_response_length`` bounds all its tokens (model
     and environment); ``env_timeout_s`` bounds each environment call, tool call and reward call (seconds);
-    ``env_max_concurrency`` is how many reward calls one roller runs at once.
+    ``env_max_concurrency`` is how many reward calls one roller runs at once; ``env_kwargs``: options of the
+    environment (the keys its spec declares, ``rollers.environments.EnvironmentSpec.options``).
     """
 
     n: int = 4
@@ -55,6 +58,7 @@ class RolloutConfig:
     max_turns: int = 4
     env_timeout_s: float = 30.0
     env_max_concurrency: int = 8
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         self._check_environment()
@@ -78,13 +82,15 @@ class RolloutConfig:
             raise ValueError(f"rollout.env_timeout_s must be > 0 (seconds), got {self.env_timeout_s}")
         if self.env_max_concurrency < 1:
             raise ValueError(f"rollout.env_max_concurrency must be >= 1, got {self.env_max_concurrency}")
+        if not isinstance(self.env_kwargs, dict):
+            raise ValueError(f"rollout.env_kwargs must be a mapping of option -> value, got {self.env_kwargs!r}")
+        if self.env_kwargs and not self.environment:
+            raise ValueError(f"rollout.env_kwargs={self.env_kwargs!r} configure an environment; set rollout.environment")
         if self.environment:
             from rollers.environments import ENVIRONMENTS
 
-            ENVIRONMENTS.get(self.environment)  # ValueError naming rollout.environment and the registered ones
-            if self.forced_response_lengths:
-                raise ValueError("rollout.forced_response_lengths is for single-turn benchmarks; it cannot be "
-                                 f"combined with rollout.environment={self.environment!r}")
+            # ValueError naming rollout.environment and the registered ones, or a rollout.env_kwargs key
+            ENVIRONMENTS.get(self.environment).resolve_options(self.env_kwargs)
 
     def _check_forced_lengths(self) -> None:
         for bucket in self.forced_response_lengths:

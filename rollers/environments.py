@@ -13,16 +13,27 @@ turn it answers; ``done`` ends the trajectory.
 Plug-ins. ``rollout.environment`` names an :class:`EnvironmentSpec` in ``ENVIRONMENTS`` (or ``module:name``
 of a module that registers one, ``common/registry.py``). Its ``make(ctx)`` builds one environment per
 trajectory from an :class:`EnvContext`: the reward (``rollout.reward`` resolved by the controller, wrapped
-in an :class:`AsyncReward` with a concurrency limit and a timeout) and the per-call timeout. A user one::
+in an :class:`AsyncReward` with a concurrency limit and a timeout), the per-call timeout, the trajectory's
+``seed`` (from ``rollout.seed``, uid and sample index: the same sample meets the same environment in every
+schedule and run) and ``options``: ``rollout.env_kwargs`` over the defaults the spec declares (an unknown
+key or a value of another type is refused when the config is read). A user one::
 
     from rollers.environments import EnvContext, register_environment
 
-    @register_environment("my_game")
+    @register_environment("my_game", options={"max_guesses": 5})
     def my_game(ctx: EnvContext) -> Environment:
-        return MyGame(ctx.reward)
+        return MyGame(ctx.reward, ctx.options["max_guesses"], ctx.seed)
 
 Built in: ``calculator`` (a :class:`ToolEnvironment` with ``rollers.tools.calculator``: the model may call
-it any number of times; its first answer without a tool call is scored with the task's reward).
+it any number of times; its first answer without a tool call is scored with the task's reward), and ``gem``:
+any environment of GEM (``gem-llm``, axon-rl's gym-style text environments for LLMs: games, reasoning-gym
+tasks, tool use), through the adapter ``rollers.env_adapters.gem``, imported only when used (the optional
+extra ``hflow-async[gem]``). GEM was chosen among the public environment libraries that install here
+(measured with ``pip install --dry-run`` against this project's dependencies, 2026-12): ``gem-llm`` adds 4
+packages, is text-in/text-out gym-style, and its number games, puzzles and ``rg:`` tasks run offline;
+``textarena`` adds 10 (an OpenAI client among them) and its word games call ``nltk.download`` at import
+(GEM's word games, hangman/wordle/word search, need that NLTK data too: not offline); ``verifiers`` adds 38
+and ``openenv-core`` 58 (web servers, MCP, gradio), both built around chat messages and HTTP sandboxes.
 
 Failures: an environment whose ``reset``/``step`` raises or runs past ``rollout.env_timeout_s``, a tool
 that does (``rollers.tools.ToolError``), or a reward that raises, returns NaN or times out fails its
@@ -35,8 +46,9 @@ import abc
 import asyncio
 import inspect
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from common.registry import Registry
 from rollers.tools import Tool, calculator, call_tool, parse_tool_call
@@ -106,11 +118,15 @@ class AsyncReward:
 
 @dataclass(frozen=True)
 class EnvContext:
-    """What an environment factory gets: ``reward`` (the task's reward as an :class:`AsyncReward`) and
-    ``timeout_s`` (``rollout.env_timeout_s``, for calls it makes itself, e.g. tools)."""
+    """What an environment factory gets: ``reward`` (the task's reward as an :class:`AsyncReward`),
+    ``timeout_s`` (``rollout.env_timeout_s``, for calls it makes itself, e.g. tools), ``options`` (the
+    spec's options: its defaults overridden by ``rollout.env_kwargs``) and ``seed`` (this trajectory's,
+    ``rollers.agent_loop.environment_seed`` of (``rollout.seed``, uid, sample index); 62 bits)."""
 
     reward: AsyncReward
     timeout_s: float
+    options: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
 
 
 EnvFactory = Callable[[EnvContext], Environment]
@@ -118,21 +134,46 @@ EnvFactory = Callable[[EnvContext], Environment]
 
 @dataclass(frozen=True)
 class EnvironmentSpec:
-    """An environment plug-in: ``make(ctx)`` builds one :class:`Environment` per trajectory."""
+    """An environment plug-in: ``make(ctx)`` builds one :class:`Environment` per trajectory; ``options``:
+    the ``rollout.env_kwargs`` keys it accepts, with their defaults (JSON-like values); ``check(options)``:
+    validates the resolved options when the config is read (raises ValueError naming the key)."""
 
     name: str
     make: EnvFactory
+    options: Mapping[str, Any] = field(default_factory=dict)
+    check: Callable[[dict[str, Any]], None] | None = None
+
+    def resolve_options(self, env_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` overridden by ``env_kwargs``. Raises ValueError naming ``rollout.env_kwargs.KEY`` for a
+        key the spec does not declare, or a value whose type differs from the default's (an int is accepted
+        for a float; a default of None accepts anything)."""
+        for key, value in env_kwargs.items():
+            if key not in self.options:
+                raise ValueError(f"rollout.env_kwargs.{key}: environment {self.name!r} has no such option; "
+                                 f"accepted: {sorted(self.options)}")
+            default = self.options[key]
+            ok = default is None or isinstance(value, type(default)) or (
+                isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool))
+            if not ok or (isinstance(value, bool) and not isinstance(default, bool) and default is not None):
+                raise ValueError(f"rollout.env_kwargs.{key}={value!r}: environment {self.name!r} expects a "
+                                 f"{type(default).__name__} (default {default!r})")
+        options = {**self.options, **env_kwargs}
+        if self.check is not None:
+            self.check(options)
+        return options
 
 
 ENVIRONMENTS: Registry[EnvironmentSpec] = Registry("environment", "rollout.environment")
 
 
-def register_environment(name: str) -> Callable[[EnvFactory], EnvFactory]:
-    """Decorator registering ``fn(ctx) -> Environment`` as the environment ``name`` (returns ``fn``).
-    Raises ValueError on a duplicate name."""
+def register_environment(name: str, options: Mapping[str, Any] | None = None,
+                         check: Callable[[dict[str, Any]], None] | None = None) -> Callable[[EnvFactory], EnvFactory]:
+    """Decorator registering ``fn(ctx) -> Environment`` as the environment ``name`` with the ``options``
+    (``rollout.env_kwargs`` keys and defaults) it accepts and their ``check`` (``EnvironmentSpec``); returns
+    ``fn``. Raises ValueError on a duplicate name."""
 
     def wrap(fn: EnvFactory) -> EnvFactory:
-        ENVIRONMENTS.register(name, EnvironmentSpec(name, fn))
+        ENVIRONMENTS.register(name, EnvironmentSpec(name, fn, dict(options or {}), check))
         return fn
 
     return wrap
@@ -167,3 +208,20 @@ class ToolEnvironment(Environment):
 def calculator_environment(ctx: EnvContext) -> Environment:
     """``calculator``: a :class:`ToolEnvironment` with the ``calculator`` tool (``rollers.tools``)."""
     return ToolEnvironment([calculator], ctx.reward, ctx.timeout_s)
+
+
+def _check_gem(options: dict[str, Any]) -> None:
+    # imports gem-llm: only when the gem environment is chosen
+    from rollers.env_adapters.gem import check_options
+
+    check_options(options)
+
+
+@register_environment("gem", options={"env_id": "game:GuessTheNumber-v0-easy", "env_kwargs": {},
+                                      "observation_role": "user"}, check=_check_gem)
+def gem_environment(ctx: EnvContext) -> Environment:
+    """``gem``: the GEM environment ``env_id`` (built with ``env_kwargs``), ``rollers.env_adapters.gem``;
+    needs ``gem-llm`` (``pip install 'hflow-async[gem]'``)."""
+    from rollers.env_adapters.gem import GemEnvironment  # the optional extra is imported only when used
+
+    return GemEnvironment.from_context(ctx)

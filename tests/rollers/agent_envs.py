@@ -41,8 +41,12 @@ class ScriptedTurns(Environment):
         return StepResult(reward=await self.ctx.reward(action, self.ground_truth), done=True)
 
 
+SEEDS: list[int] = []  # EnvContext.seed of every scripted_turns trajectory built in this process
+
+
 @register_environment("scripted_turns")
 def scripted_turns(ctx: EnvContext) -> Environment:
+    SEEDS.append(ctx.seed)
     return ScriptedTurns(ctx)
 
 

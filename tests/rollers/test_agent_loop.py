@@ -9,8 +9,10 @@ import torch
 
 from common import schema
 from common.models import ModelConfig, apply_chat_template, load_tokenizer
-from rollers.agent_loop import ObservationFormatter
+from rollers.agent_loop import ObservationFormatter, environment_seed
 from rollers.config import RolloutConfig
+from rollers.environments import EnvironmentSpec
+from rollers.response_fields import forced_response_length
 from rollers.rewards import tiny_repeat_reward
 from rollers.roller import FailedGroup, GroupResult, PromptGroup, Roller
 from rollers.torch_engine import TorchEngine
@@ -20,6 +22,7 @@ from tests.rollers.test_roller import ScriptedEngine
 
 N = 4
 ENV = "tests.rollers.agent_envs:"
+_BUILT_IN = ("calculator", "gem")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,11 @@ def short_turn_stops(tok) -> tuple[int, ...]:
 
 
 async def _roll(model, tok, groups, environment, engine=None, **rollout_kwargs):
+    """Roll ``groups`` through a Roller; ``environment``: a name in ``agent_envs``, or ``module:name`` /
+    a built-in name when it contains no test-env name (``gem``)."""
     rollout_kwargs = {"n": N, "max_response_length": 64, "seed": 5, **rollout_kwargs}
-    rollout = RolloutConfig(environment=ENV + environment, **rollout_kwargs)
+    spec = environment if environment in _BUILT_IN else ENV + environment
+    rollout = RolloutConfig(environment=spec, **rollout_kwargs)
     engine = engine or TorchEngine(model, tok, max_batch_slots=16)
     channel = LocalGroupChannel()
     for group in groups:
@@ -196,8 +202,34 @@ def test_environment_config_is_checked():
         RolloutConfig(max_turns=0)
     with pytest.raises(ValueError, match="rollout.env_timeout_s"):
         RolloutConfig(env_timeout_s=0)
-    with pytest.raises(ValueError, match="forced_response_lengths"):
-        RolloutConfig(environment="calculator", forced_response_lengths=[[1, 1, 2]])
+    with pytest.raises(ValueError, match=r"rollout.env_kwargs.depth: environment 'calculator' has no such option"):
+        RolloutConfig(environment="calculator", env_kwargs={"depth": 1})
+    with pytest.raises(ValueError, match="set rollout.environment"):
+        RolloutConfig(env_kwargs={"turns": 2})
+    spec = EnvironmentSpec("x", lambda ctx: None, {"turns": 2, "latency_s": 0.5, "name": "a"})
+    assert spec.resolve_options({"latency_s": 1}) == {"turns": 2, "latency_s": 1, "name": "a"}
+    for bad in ({"turns": "2"}, {"turns": True}, {"name": 3}):
+        with pytest.raises(ValueError, match=f"rollout.env_kwargs.{next(iter(bad))}="):
+            spec.resolve_options(bad)
+
+
+def test_forced_turn_lengths_and_the_environment_seed_are_per_sample(model, tok):
+    """With rollout.forced_response_lengths each model turn decodes its own drawn length (EOS ignored, per uid,
+    sample index and turn), and each trajectory's environment gets environment_seed(rollout.seed, uid, index)."""
+    agent_envs.SEEDS.clear()
+    results, roller = run(_roll(model, tok, [make_group(tok, 0)], "scripted_turns", max_response_length=96,
+                                forced_response_lengths=[[1, 2, 9]]))
+    assert roller.drain_failures() == [] and len(results) == 1
+    rollout = RolloutConfig(n=N, seed=5, forced_response_lengths=[[1, 2, 9]], max_response_length=96)
+    lengths = []
+    for i in range(N):
+        mask = results[0].fields[schema.RESPONSE_MASK][i].tolist()
+        model_spans = [end - start for v, start, end in _spans(mask) if v == 1]
+        expected = [forced_response_length(rollout, f"uid0/turn{k}", i) for k in range(agent_envs.SCRIPT_TURNS + 1)]
+        assert model_spans == expected
+        lengths += expected
+    assert len(set(lengths)) > 1  # the draws differ, so the check above pins which draw each turn got
+    assert sorted(agent_envs.SEEDS) == sorted(environment_seed(5, "uid0", i) for i in range(N))
 
 
 def test_observation_formatter_follows_the_chat_template(tok):

@@ -39,9 +39,10 @@ class Served:
     model: ModelConfig
 
 
-@pytest.fixture(scope="module", params=["torch", pytest.param("sglang", marks=pytest.mark.gpu)])
-def served(request):
-    if request.param == "torch":
+def launch_served(request, kind: str) -> Served:
+    """Start an SGLang-API server of ``kind`` (``torch``: ours with the tiny model; ``sglang``: a real one with
+    SmolLM2, skipped where SGLang is not installed), stopped by ``request``'s finalizer; its ``Served``."""
+    if kind == "torch":
         model = ModelConfig(path="tiny")
         launcher = SGLangLauncher("torch", model, max_batch_slots=8, startup_timeout_s=TIMEOUT_S,
                                   extra_args=("--max-body-bytes", str(MAX_BODY_BYTES)))
@@ -52,7 +53,12 @@ def served(request):
         launcher = SGLangLauncher("sglang", model, mem_fraction=0.3, startup_timeout_s=600)
     request.addfinalizer(lambda: asyncio.run(launcher.stop()))
     url = asyncio.run(launcher.start())
-    return Served(url, request.param, model)
+    return Served(url, kind, model)
+
+
+@pytest.fixture(scope="module", params=["torch", pytest.param("sglang", marks=pytest.mark.gpu)])
+def served(request):
+    return launch_served(request, request.param)
 
 
 @pytest.fixture
