@@ -20,6 +20,7 @@ import datetime
 import ipaddress
 import socket
 
+import psutil
 import torch.distributed as dist
 
 from common.node import node_ip_address
@@ -96,3 +97,32 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def interface_of(address: str) -> str:
+    """The name of this machine's network interface on whose IPv4 network ``address`` lies
+    (``psutil.net_if_addrs``: each interface's addresses with their netmasks): one that holds ``address``
+    itself first, else the most specific network holding it, as a route lookup would pick. Loopback
+    addresses give the loopback interface (``lo`` holds ``127.0.0.1/8``, so ``127.0.0.2`` is on it too).
+    What ``GLOO_SOCKET_IFNAME`` names for a gloo group that must use ``address`` (``trainers.fsdp``).
+    Raises ValueError naming ``address`` when it is not an IPv4 address or no interface's network holds
+    it (the error lists the interfaces' networks)."""
+    try:
+        target = ipaddress.IPv4Address(address)
+    except ipaddress.AddressValueError:
+        raise ValueError(f"an interface is looked up by IPv4 address, got {address!r}") from None
+    best: tuple[bool, int, str] | None = None  # (holds the exact address, prefix length, interface name)
+    seen = []
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            if addr.family != socket.AF_INET or not addr.netmask:
+                continue
+            network = ipaddress.IPv4Interface(f"{addr.address}/{addr.netmask}").network
+            seen.append(f"{name} {addr.address}/{network.prefixlen}")
+            if target in network:
+                key = (ipaddress.IPv4Address(addr.address) == target, network.prefixlen, name)
+                best = key if best is None or key[:2] > best[:2] else best
+    if best is None:
+        raise ValueError(f"no network interface of this machine is on the network of {address}: the "
+                         f"interfaces hold {', '.join(seen) or 'no IPv4 address'}")
+    return best[2]

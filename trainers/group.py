@@ -13,9 +13,10 @@ Rendezvous (``rendezvous_host``): when every rank is on one Ray node, rank 0's a
 its node's loopback and the ranks meet at ``127.0.0.1:port``; when the placement group spreads them over
 several Ray nodes (``PACK`` fills one node first), rank 0 binds ``trainer.host`` (``node``: its own Ray
 node address, resolved in rank 0's process) and the ranks meet at the address rank 0 reports. The store
-listens on that one address only (``common.net.tcp_store``); gloo/NCCL then connect rank to rank on the
-interfaces their own settings pick (gloo: the host name's address or ``GLOO_SOCKET_IFNAME``; NCCL:
-``NCCL_SOCKET_IFNAME``).
+listens on that one address only (``common.net.tcp_store``); gloo/NCCL then connect rank to rank: gloo on
+the interface each rank finds on the rendezvous address's network (loopback: ``lo``; a rank on another
+network: its Ray node address's interface), unless ``GLOO_SOCKET_IFNAME`` is set (``trainers.fsdp.
+gloo_interface``); NCCL on the interface its own ``NCCL_SOCKET_IFNAME`` picks.
 
 Errors: an exception raised inside any rank reaches the caller as the original exception (same type and
 message) with a note naming the rank and method. A rank whose process dies fails the call at once with

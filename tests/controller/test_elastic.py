@@ -1,11 +1,12 @@
 """The elastic roller pool end to end (real Ray actors, TransferQueue and weight-plane processes, the tiny
 model): a roller killed mid-run (in each mode) or hung in a weight sync is replaced, its groups re-issued,
 and every prompt is still trained exactly once (uid accounting over the whole run, from metrics.jsonl); a
-resize reports its join times; a storage unit killed mid-run fails the run at once, naming it, and
-``--resume`` finishes it."""
+resize (scale 1 -> 2 -> 1, with the torch engine and, marker ``gpu``, with real SGLang servers) reports its
+join times; a storage unit killed mid-run fails the run at once, naming it, and ``--resume`` finishes it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import signal
@@ -115,19 +116,20 @@ def test_bad_fault_spec_names_the_key(spec):
         FaultSpec.parse(spec)
 
 
-@pytest.mark.slow
-@pytest.mark.long
-def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
-    # roller0 is slowed (1.5 s per group taken) so the run outlasts both requests on a loaded machine.
-    num_steps = 6
+def scale_up_then_down(tmp_path: Path, num_steps: int, *overrides: str, wait_s: float = 300.0) -> None:
+    """A ``fully-async`` run of ``num_steps`` with one roller, paced (roller0 slowed to 1.5 s per group taken)
+    so the run outlasts the requests: a wrong token and a pool of 0 are refused, ``scale 2`` adds roller1
+    holding weights no older than roller0's (idempotently), ``scale 1`` drains roller0, one the job started
+    with; then the join timings and every prompt trained exactly once. ``overrides`` pick the engine;
+    ``wait_s`` bounds the wait for the admin endpoint and for the job's end."""
     cfg = load_config(mode="fully-async", preset="tiny", overrides=[
         f"run_dir={tmp_path}", "metrics.progress=false", *SMALL, "rollers.num_replicas=1",
-        f"trainer.total_steps={num_steps}", "rollers.fault_injection=[roller0:slow:group=1:1.5]"])
+        f"trainer.total_steps={num_steps}", "rollers.fault_injection=[roller0:slow:group=1:1.5]", *overrides])
     outcome: dict = {}
     job = threading.Thread(target=lambda: outcome.update(code=run_job(cfg)))
     job.start()
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + wait_s
         while not (tmp_path / ADDRESS_FILE).exists():
             assert job.is_alive() and time.monotonic() < deadline, "the job never served its admin endpoint"
             time.sleep(0.5)
@@ -146,7 +148,7 @@ def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
         down = request_scale(tmp_path, 1)  # drains the oldest: one the job started with
         assert [(r["name"], r["state"]) for r in down["rollers"]] == [("roller1", "active")]
     finally:
-        job.join(timeout=400)
+        job.join(timeout=wait_s + 100)
     assert outcome["code"] == EXIT_OK
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {("scale_up", "roller1"), ("scale_down", "roller0")} <= set(events(steps))
@@ -157,6 +159,30 @@ def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
     assert join["join_to_first_trained_s"] is not None and join["join_to_first_trained_s"] >= join["join_to_active_s"]
     assert not (tmp_path / ADDRESS_FILE).exists()  # the endpoint went with the job
     assert_every_prompt_trained_once(steps, num_steps)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
+    scale_up_then_down(tmp_path, 6)
+
+
+# Real SGLang servers, one launched by each roller (rollers.sglang_launcher), all sharing the GPU with the
+# trainer rank; SmolLM2-135M (SGLang loads a model directory, not the in-memory tiny model), whose chat
+# template makes the prompts longer than the tiny preset's 32 tokens.
+SGLANG = ("rollers.engine=sglang", "rollers.sglang_launch=sglang", "rollers.sglang_mem_fraction=0.2",
+          "model.path=smollm2-135m-instruct", "data.max_prompt_length=128")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_scale_up_then_down_with_sglang_servers(tmp_path, ray_cluster):
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed on this GPU machine (pip install 'sglang>=0.5,<0.6')")
+    # A joining roller first starts its SGLang server (a minute or more): twice the steps (and prompts) of
+    # the CPU test keep roller0 busy past both requests.
+    scale_up_then_down(tmp_path, 12, *SGLANG, f"data.size={B * 12}", wait_s=1200.0)
 
 
 @pytest.mark.slow
