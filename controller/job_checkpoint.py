@@ -363,6 +363,7 @@ class JobCheckpointer:
         from controller.runtime import PARTITION
         from trainers.sample_store import restore_samples
 
+        started = time.monotonic()
         state = JobState.read(path)
         await asyncio.to_thread(st.rt.trainer.load_checkpoint, str(path))
         trainer_weight_version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
@@ -387,6 +388,7 @@ class JobCheckpointer:
                     st.refill_depth[new["uid"]] = st.refill_depth.pop(old)
             st._track(fed)
         self.last_saved_step = state.step
-        logger.info("resumed from %s: step %d, weight_version %d, %d groups buffered, %d re-issued", path,
-                    state.step, state.weight_version, len(set(uids)), len(state.in_flight_uids))
+        logger.info("resumed from %s in %.1fs: step %d, weight_version %d, %d groups buffered, %d re-issued", path,
+                    time.monotonic() - started, state.step, state.weight_version, len(set(uids)),
+                    len(state.in_flight_uids))
         return state
