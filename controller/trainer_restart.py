@@ -112,8 +112,8 @@ async def restart_trainer(st, path: Path) -> None:
         await asyncio.to_thread(st.rt.trainer.load_checkpoint, str(path))
         loaded_weight_version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
         if loaded_weight_version != state.weight_version:
-            raise ValueError(f"{path}: the trainer checkpoint has weight_version {loaded_weight_version}, its job.json says "
-                             f"{state.weight_version}")
+            raise ValueError(f"{path}: the trainer checkpoint has weight_version {loaded_weight_version}, "
+                             f"its job.json says {state.weight_version}")
         unreachable = await st.rt.pool.rewire(st.rt.trainer)
     if unreachable:
         await st.keeper.recover(unreachable)
