@@ -1,6 +1,8 @@
 """One registry per extension point: the single source of truth for its names.
 
-Used by the trainers (below) and the weight plane (``checkpointengine.backend``: weight-sync backends).
+Each registry is owned by the package that implements its plug-ins: the trainers' (below), weight-sync
+backends (``checkpointengine.backend``), samplers (``transferqueue.samplers``), rewards
+(``rollers.rewards``), environments (``rollers.environments``) and tasks (``controller.tasks``).
 Each extension point of the trainers (advantage estimators, policy losses, KL estimators, loss
 aggregation modes) is a typed plug-in object — a small frozen dataclass carrying its function *and* its
 wiring (e.g. an estimator's ``needs_critic``) — registered under a name in one :class:`Registry`. Config

@@ -142,11 +142,11 @@ class PromptFeeder:
         for i, tag in enumerate(meta.tags):
             prompt = self._prompt_of(str(tag[schema.UID]))
             rows.append({
-                "uid": tag[schema.UID],
+                schema.UID: tag[schema.UID],
                 "prompt": prompt.text,
                 "response": batch[schema.RESPONSE_TEXT][i],
-                "ground_truth": prompt.ground_truth,
-                "reward": float(tag[schema.REWARD]),
+                schema.GROUND_TRUTH: prompt.ground_truth,
+                schema.REWARD: float(tag[schema.REWARD]),
                 **{k: tag.get(k) for k in schema.DUMP_TAGS if k not in (schema.UID, schema.REWARD)},
             })
         return rows

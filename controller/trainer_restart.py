@@ -110,10 +110,10 @@ async def restart_trainer(st, path: Path) -> None:
     async with st.trainer_lock:  # a roller joining meanwhile waits, then gets the restored weights
         await asyncio.to_thread(st.rt.restart_trainer)
         await asyncio.to_thread(st.rt.trainer.load_checkpoint, str(path))
-        version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
-        if version != state.weight_version:
-            raise ValueError(f"{path}: the trainer checkpoint has weight_version {version}, its job.json says "
-                             f"{state.weight_version}")
+        loaded_weight_version = await asyncio.to_thread(st.rt.trainer.get_weight_version)
+        if loaded_weight_version != state.weight_version:
+            raise ValueError(f"{path}: the trainer checkpoint has weight_version {loaded_weight_version}, "
+                             f"its job.json says {state.weight_version}")
         unreachable = await st.rt.pool.rewire(st.rt.trainer)
     if unreachable:
         await st.keeper.recover(unreachable)
@@ -149,16 +149,16 @@ async def _take_back_steps(st, step: int) -> int:
     return len(uids)
 
 
-async def _replace_newer_rollers(st, version: int) -> int:
-    """Replace every live roller that holds a weight version newer than ``version`` (the replacement joins at
-    ``version``; not counted against ``rollers.max_restarts``); returns how many once every replaced process
+async def _replace_newer_rollers(st, weight_version: int) -> int:
+    """Replace every live roller that holds weights newer than ``weight_version`` (the replacement joins at
+    ``weight_version``; not counted against ``rollers.max_restarts``); returns how many once every replaced process
     is gone (so nothing it generated can still reach the TransferQueue) and its last take's long-poll has
     ended at the index (a poll parked there by a roller that Ray already reports dead would take the next
     prompt row put with it, unseen by the orphan look that follows)."""
-    newer = [m for m in st.rt.pool.live() if m.weight_version > version]
+    newer = [m for m in st.rt.pool.live() if m.weight_version > weight_version]
     for member in newer:
         logger.warning("roller %s holds weight_version %d, newer than the restored %d: replaced", member.name,
-                       member.weight_version, version)
+                       member.weight_version, weight_version)
         st.rt.pool.retire(member.name)
         st.keeper.event("down", "replacement", member.name)
         st.keeper.spawn("replacement")
@@ -184,8 +184,8 @@ async def _wait_gone(pool, member, timeout_s: float = GONE_TIMEOUT_S) -> None:
     raise RuntimeError(f"roller {member.name} still answers {timeout_s:.0f} s after it was killed")
 
 
-async def _drop_newer_samples(st, version: int) -> int:
-    """Drop every group in the TransferQueue with a token of a weight version newer than ``version`` and re-issue
+async def _drop_newer_samples(st, weight_version: int) -> int:
+    """Drop every group in the TransferQueue with a token of weights newer than ``weight_version`` and re-issue
     its prompt (``Stages.reissue``); returns how many (metadata only)."""
     from controller.runtime import PARTITION
 
@@ -194,10 +194,10 @@ async def _drop_newer_samples(st, version: int) -> int:
     for info in infos:
         by_uid.setdefault(str(info["tags"][schema.UID]), []).append(info)
     newer = {uid: group for uid, group in by_uid.items()
-             if any(int(s["tags"].get(schema.MAX_WEIGHT_VERSION, -1)) > version for s in group)}
+             if any(int(s["tags"].get(schema.MAX_WEIGHT_VERSION, -1)) > weight_version for s in group)}
     for uid, group in newer.items():
         await st.reissue(uid, [s["id"] for s in group], f"generated with weights newer than the restored "
-                         f"weight_version {version}", dropped=len(group))
+                         f"weight_version {weight_version}", dropped=len(group))
     return len(newer)
 
 

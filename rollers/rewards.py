@@ -2,8 +2,10 @@
 
 Every reward function has the signature ``fn(response_text: str, ground_truth: dict) -> float``; the
 ground truth is the small JSON-able object a task attaches to each prompt (``controller.tasks``).
-``build_reward_fn(spec)`` picks one: ``reasoning_gym`` (that task's ``score_answer``), ``tiny_repeat``
-(first-word match), ``math_verify``, or a user function ``module:function``. ``rollout.reward=auto`` is
+The built-ins are plug-ins of the ``REWARDS`` registry (``common.registry``), registered with
+``@register_reward("name")``: ``reasoning_gym`` (that task's ``score_answer``), ``tiny_repeat`` (first-word
+match), ``math_verify``. ``build_reward_fn(spec)`` picks one by name, or ``module:name`` from outside the
+package: a reward the module registers under ``name``, else the module's function ``name``. ``rollout.reward=auto`` is
 resolved by the controller, which knows ``data.task`` (``controller.tasks.resolve_reward``: each task
 names its reward), before the rollers see it.
 
@@ -29,8 +31,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from common.registry import Registry
+
 RewardFn = Callable[[str, dict], float]
-REWARD_KINDS = ("reasoning_gym", "tiny_repeat", "math_verify")
+REWARDS: Registry[RewardFn] = Registry("reward", "rollout.reward")
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering ``fn(response_text, ground_truth) -> float`` as the reward ``name`` (returns
+    ``fn`` unchanged). Raises ValueError on a duplicate or malformed name."""
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        REWARDS.register(name, fn)
+        return fn
+
+    return wrap
 
 # A number: optional sign glued to it (ASCII, unicode minus, en dash), optional $, thousands groups, decimals.
 _NUM = r"[-+\u2212\u2013]?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
@@ -94,6 +109,7 @@ def _rg_scorer(task: str):
     return reasoning_gym.get_score_answer_fn(task)
 
 
+@register_reward("reasoning_gym")
 def reasoning_gym_reward(response_text: str, ground_truth: dict) -> float:
     """reasoning-gym: ``extract_answer`` then the task's own ``score_answer(answer, entry)`` (in [0, 1]).
 
@@ -104,6 +120,7 @@ def reasoning_gym_reward(response_text: str, ground_truth: dict) -> float:
     return float(_rg_scorer(ground_truth["task"])(extract_answer(response_text), entry))
 
 
+@register_reward("tiny_repeat")
 def tiny_repeat_reward(response_text: str, ground_truth: dict) -> float:
     """``tiny_repeat``: 1.0 when the response's first word is ``ground_truth["answer"]``, else 0.0."""
     words = response_text.split()
@@ -136,6 +153,7 @@ def _quiet_math_verify() -> None:
             log.addFilter(_DISABLED_TIMEOUT_NOTICE)
 
 
+@register_reward("math_verify")
 def math_verify_reward(response_text: str, ground_truth: dict) -> float:
     """GSM8K-style numeric check with math-verify (Kydlíček et al., HuggingFace ``math-verify``).
 
@@ -165,8 +183,9 @@ def math_verify_reward(response_text: str, ground_truth: dict) -> float:
 
 
 def load_user_reward(spec: str) -> RewardFn:
-    """Import ``module:function`` (e.g. ``my_pkg.rewards:score``); raises ValueError if it is not callable
-    or cannot be imported, naming the spec."""
+    """Import ``module:name`` (e.g. ``my_pkg.rewards:score``): the reward the module registers as ``name``,
+    else its function ``name``; raises ValueError if it is not callable or cannot be imported, naming the
+    spec."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"rollout.reward={spec!r}: a user reward must look like 'module:function'")
@@ -175,7 +194,7 @@ def load_user_reward(spec: str) -> RewardFn:
     except Exception as exc:  # the user's module may fail to import in any way: a config error either way
         raise ValueError(f"rollout.reward={spec!r}: cannot import {module_name!r}: "
                          f"{type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, attr, None)
+    fn = REWARDS.get(attr) if attr in REWARDS else getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"rollout.reward={spec!r}: {module_name!r} has no callable {attr!r}")
     try:
@@ -191,19 +210,12 @@ def load_user_reward(spec: str) -> RewardFn:
 def build_reward_fn(spec: str) -> RewardFn:
     """The reward function for ``spec`` (``rollout.reward`` with ``auto`` already resolved by the controller,
     ``controller.tasks.resolve_reward``). Raises ValueError for ``auto`` or an unknown spec."""
-    builtin = {
-        "reasoning_gym": reasoning_gym_reward,
-        "tiny_repeat": tiny_repeat_reward,
-        "math_verify": math_verify_reward,
-    }
-    if spec in builtin:
-        return builtin[spec]
-    if ":" in spec:
+    if isinstance(spec, str) and ":" in spec:
         return load_user_reward(spec)
     if spec == "auto":
         raise ValueError("rollout.reward='auto' must be resolved from data.task by the controller "
                          "(controller.tasks.resolve_reward) before it reaches the rollers")
-    raise ValueError(f"rollout.reward={spec!r} is not one of {['auto', *REWARD_KINDS]} nor 'module:function'")
+    return REWARDS.get(spec)
 
 
 # ------------------------------------------------------------------------------------------- scoring

@@ -51,7 +51,13 @@ from rollers.engine import (
     RequestError,
 )
 from rollers.kv_cache import SlotKVCache
-from rollers.model_limits import attention_window, collect_eos_ids, position_limit
+from rollers.model_limits import (
+    attention_window,
+    check_request_fits,
+    collect_eos_ids,
+    position_limit,
+    staged_weights,
+)
 from rollers.sampling import RowSampling, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -215,18 +221,7 @@ class TorchEngine(Engine):
             raise ValueError(
                 f"weight_version must increase: got {weight_version}, engine has {self._weight_version}"
             )
-        targets = self._model.state_dict(keep_vars=True)
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, tensor in named_tensors:
-            if name not in targets:
-                raise KeyError(f"load_weights: unknown tensor {name!r} (not in the model's state_dict)")
-            target = targets[name]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                    f"{tuple(target.shape)}"
-                )
-            staged.append((target, tensor))
+        staged = staged_weights(self._model, named_tensors)
         with torch.no_grad():
             for target, tensor in staged:
                 target.copy_(tensor)
@@ -322,21 +317,7 @@ class TorchEngine(Engine):
         ``[0, vocab_size)``, ``top_k`` at most ``vocab_size``, and a prompt shorter than ``max_seq_len`` (at
         least one token of room). ``max_new_tokens`` beyond the room is not an error: the response ends
         with ``finish_reason="length"`` when prompt + response reach ``max_seq_len``."""
-        rid, sampling, vocab = request.request_id, request.sampling, self._vocab_size
-        if len(request.input_ids) >= self._max_seq_len:
-            raise ValueError(
-                f"request {rid!r}: prompt of {len(request.input_ids)} tokens leaves no room for a response "
-                f"within max_seq_len={self._max_seq_len} (the model's context length)"
-            )
-        bad = [t for t in request.input_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {rid!r}: stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        if sampling.top_k > vocab:
-            raise ValueError(f"request {rid!r}: top_k={sampling.top_k} exceeds the vocabulary size {vocab} "
-                             "(use -1 to turn top-k off)")
+        check_request_fits(request, self._vocab_size, self._max_seq_len)
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.output.finish_reason = reason

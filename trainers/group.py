@@ -31,8 +31,6 @@ from __future__ import annotations
 import ipaddress
 import time
 
-import torch
-
 from common import schema
 from common.env import LOOPBACK
 from common.models import ModelConfig
@@ -179,10 +177,6 @@ class TrainerGroup:
     def get_weight_version(self) -> int:
         """The trainer's ``weight_version`` (completed actor updates; the same on every rank)."""
         return self.call("get_weight_version")[0]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full policy weights (HF names, tied weights once), gathered on rank 0."""
-        return self.call("full_state_dict")[0]
 
     def save_checkpoint(self, path: str) -> None:
         """Every rank writes its shards of one DCP checkpoint directory (``trainers/checkpoint.py``)."""

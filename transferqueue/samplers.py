@@ -6,8 +6,10 @@ all of whose samples are ready. It returns the chosen ids (``batch_size`` of the
 when it cannot fill the batch; the index then waits (long-poll) or answers empty with that reason.
 
 Built in: ``sequential``, ``group_complete`` (whole ``uid`` groups only) and ``seqlen_balanced``
-(reorders a batch so its ``num_ranks`` equal chunks carry balanced token counts). Add one with
-``register_sampler(name, sampler)`` in a module listed in ``transferqueue.sampler_modules``.
+(reorders a batch so its ``num_ranks`` equal chunks carry balanced token counts), the plug-ins of the
+``SAMPLERS`` registry (``common.registry``). Add one with ``register_sampler(name, sampler)`` in a module
+listed in ``transferqueue.sampler_modules`` (the index imports those at start; a request names a registered
+sampler only, never a module to import).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 from collections.abc import Hashable, Iterator
 from typing import Protocol
 
+from common.registry import Registry
 from transferqueue.records import chunk_sizes
 
 
@@ -105,9 +108,9 @@ class SeqlenBalancedSampler:
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"seqlen_balanced needs options.num_ranks >= 1, got {num_ranks!r}")
         base = options.get("base", "sequential")
-        if base == "seqlen_balanced" or base not in SAMPLERS:
+        if base not in SAMPLERS or isinstance(SAMPLERS.get(base), SeqlenBalancedSampler):
             raise ValueError(f"seqlen_balanced: unknown base sampler {base!r}")
-        ids = SAMPLERS[base].select(view, batch_size, options)
+        ids = SAMPLERS.get(base).select(view, batch_size, options)
         if isinstance(ids, str):
             return ids
         # more ranks than samples leave ranks empty either way: the same order, with work and memory bound
@@ -116,27 +119,27 @@ class SeqlenBalancedSampler:
         return [ids[p] for p in order]
 
 
-SAMPLERS: dict[str, Sampler] = {
-    "sequential": SequentialSampler(),
-    "group_complete": GroupCompleteSampler(),
-    "seqlen_balanced": SeqlenBalancedSampler(),
-}
+SAMPLERS: Registry[Sampler] = Registry("sampler", "get_meta sampler")
 
 
 def register_sampler(name: str, sampler: Sampler) -> None:
     """Make ``sampler`` available as ``get_meta(..., sampler=name)`` in this process (the index process).
-    Raises ValueError when the name is taken or the object has no ``select``."""
-    if name in SAMPLERS:
-        raise ValueError(f"sampler {name!r} is already registered")
+    Raises ValueError when the name is taken or malformed, or the object has no ``select``."""
     if not callable(getattr(sampler, "select", None)):
         raise ValueError(f"sampler {name!r} must have a select(view, batch_size, options) method")
-    SAMPLERS[name] = sampler
+    SAMPLERS.register(name, sampler)
+
+
+register_sampler("sequential", SequentialSampler())
+register_sampler("group_complete", GroupCompleteSampler())
+register_sampler("seqlen_balanced", SeqlenBalancedSampler())
 
 
 def get_sampler(name: str) -> Sampler:
-    try:
-        return SAMPLERS[name]
-    except KeyError:
-        raise ValueError(f"unknown sampler {name!r}; registered: {sorted(SAMPLERS)}") from None
+    """The registered sampler ``name`` (a request's value: no ``module:name`` import in the index); raises
+    ValueError naming it and the registered samplers otherwise."""
+    if not isinstance(name, str) or name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; registered: {SAMPLERS.names()}")
+    return SAMPLERS.get(name)
 
 

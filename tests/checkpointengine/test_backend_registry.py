@@ -20,9 +20,9 @@ NAMED = [("model.w", torch.arange(600.0).view(20, 30)), ("model.ids", torch.aran
 
 def test_config_validates_against_the_registry_and_lists_its_names():
     assert {"shm", "zmq", "broadcast", "disk"} <= set(backend_names())
-    with pytest.raises(ValueError, match=r"checkpointengine.backend='nfs' is not one of \['broadcast', 'disk', "
-                                         r"'shm', 'zmq'"):
+    with pytest.raises(ValueError, match=r"checkpointengine.backend='nfs' is not one of ") as refused:
         CheckpointEngineConfig(backend="nfs")
+    assert str(backend_names()) in str(refused.value)  # every registered name, a backend added later too
     with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
         CheckpointEngineConfig(backend="no_such_module:x")
     assert get_backend("shm").supports_shards and not get_backend("zmq").supports_shards

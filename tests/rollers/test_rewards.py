@@ -124,6 +124,21 @@ def test_user_reward_module_function(monkeypatch):
     assert fn("abc", {"n": 3}) == 1.0 and fn("ab", {"n": 3}) == 0.0
 
 
+def test_a_reward_registered_by_a_module_from_outside(monkeypatch):
+    """``module:name`` imports the module; a reward it registers under ``name`` is the one chosen (over a
+    module attribute of that name), as for every registry's plug-ins."""
+    from rollers.rewards import REWARDS, register_reward
+
+    module = types.ModuleType("my_registered_rewards")
+    module.halved = lambda text, gt: 0.0  # shadowed by the registered plug-in of the same name
+    monkeypatch.setitem(sys.modules, "my_registered_rewards", module)
+    monkeypatch.setattr(REWARDS, "_items", dict(REWARDS._items))  # the registration ends with the test
+    fn = register_reward("halved")(lambda text, gt: len(text) / 2)
+    assert build_reward_fn("my_registered_rewards:halved") is fn and build_reward_fn("halved") is fn
+    with pytest.raises(ValueError, match="'halved' is already registered"):
+        register_reward("halved")(fn)
+
+
 @pytest.mark.parametrize(
     "spec, match",
     [
@@ -148,7 +163,8 @@ def test_build_reward_fn_auto_by_task(tmp_path):
     assert build_reward_fn(resolve_reward("auto", "tiny_repeat")) is tiny_repeat_reward
     assert build_reward_fn(resolve_reward("auto", str(tmp_path / "d.jsonl"))) is math_verify_reward
     assert resolve_reward("math_verify", "tiny_repeat") == "math_verify"
-    with pytest.raises(ValueError, match="rollout.reward='bogus'"):
+    with pytest.raises(ValueError, match=r"rollout.reward='bogus' is not one of \['math_verify', 'reasoning_gym', "
+                                         r"'tiny_repeat'"):
         build_reward_fn(resolve_reward("bogus", "chain_sum"))
     with pytest.raises(ValueError, match="resolved from data.task"):
         build_reward_fn("auto")

@@ -18,6 +18,10 @@ class TensorTrainerGroup(TrainerGroup):
     """The worker's stages over a whole batch: sharded by ``uid`` group to the ranks, results gathered back
     in the caller's sample order (per-sample fields) or from rank 0 (metrics)."""
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights (HF names, tied weights once), gathered on rank 0 and passed to the caller."""
+        return self.call("full_state_dict")[0]
+
     def _shards(self, batch: dict) -> list[RankShard]:
         if schema.UID not in batch:
             raise ValueError(f"a trainer batch needs {schema.UID!r} to be sharded by prompt group; has {sorted(batch)}")

@@ -181,3 +181,15 @@ def test_params_come_from_the_config():
     cfg = AlgorithmConfig(policy_loss="sapo", sapo_tau_pos=1.5, sapo_tau_neg=2.5)
     params = PolicyLossParams.from_config(cfg)
     assert (params.sapo_tau_pos, params.sapo_tau_neg, params.clip_ratio_low) == (1.5, 2.5, 0.2)
+
+
+def test_a_policy_loss_from_outside_the_package_by_module_name():
+    # tests/trainers/plugin_policy_loss.py: l = -A r, token mean of -1.5, -0.5, -1.0 | 2.2, 1.4.
+    spec = "tests.trainers.plugin_policy_loss:unclipped"
+    AlgorithmConfig(policy_loss=spec)  # validated against the registry, the module imported by the lookup
+    loss, m, grad = run(spec)
+    assert loss == pytest.approx((-1.5 - 0.5 - 1.0 + 2.2 + 1.4) / 5)
+    assert m["pg_clipfrac"] == 0.0
+    assert torch.allclose(grad, torch.tensor([[-1.5, -0.5, -1.0], [2.2, 1.4, 0.0]], dtype=torch.float64) / 5)
+    with pytest.raises(ValueError, match="registered no policy loss named 'nope'"):
+        AlgorithmConfig(policy_loss="tests.trainers.plugin_policy_loss:nope")
