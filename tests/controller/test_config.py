@@ -7,7 +7,10 @@ from controller.config import HFlowConfig, available_presets, load_config, to_ya
 def test_presets_ship_and_load():
     assert {"tiny", "smollm2-reasoning"} <= set(available_presets())
     assert load_config(preset="tiny").model.path == "tiny"
-    assert load_config().model.path == "smollm2-135m-instruct"  # embedded default
+    default = load_config()
+    assert default.model.path == "smollm2-135m-instruct"  # embedded default
+    # make run shows a held-out curve: validation before the first step, in between and at the end
+    assert default.data.val_size >= 32 and 0 < default.trainer.val_every < default.trainer.total_steps
 
 
 def test_override_and_mode():
