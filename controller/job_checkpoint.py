@@ -49,6 +49,10 @@ TMP_PREFIX = ".tmp_"
 # Test hook, "STEP:SECONDS": the save of step STEP pauses SECONDS after writing everything and before the
 # rename, so a test's kill lands in the middle of a save. Unset in real runs.
 PAUSE_ENV = "HFLOW_TEST_CHECKPOINT_PAUSE"
+# Test hook, "STEP:SECONDS": the save of step STEP waits SECONDS before it looks at the TransferQueue (the
+# feeder lock held: nothing is admitted meanwhile, the rollers finish the groups admitted already), so a
+# test's checkpoint certainly holds the groups generated ahead of training. Unset in real runs.
+HOLD_ENV = "HFLOW_TEST_CHECKPOINT_HOLD"
 
 # Config keys a resume may not change: each would break a promise of the run (the prompt stream and its
 # uids, the samples per group, the saved trainer parts, the staleness accounting). Prefixes cover a section.
@@ -267,6 +271,7 @@ class JobCheckpointer:
             shutil.rmtree(leftover, ignore_errors=True)
         tmp = self.root / f"{TMP_PREFIX}step_{st.step}"
         st.rt.trainer.save_checkpoint(str(tmp))
+        self._test_pause(HOLD_ENV, st.step, "holding {}s before its snapshot")
         buffered, in_flight = self._snapshot(st)
         num_bytes = st.rt.trainer.execute(save_samples, buffered.to_wire(), self._saved_fields(buffered),
                                           str(tmp / SAMPLES_DIR))[0]
@@ -280,7 +285,7 @@ class JobCheckpointer:
             refill_depth=dict(st.refill_depth), reason=reason, saved_at=time.time(), num_sample_bytes=num_bytes,
             config=to_dict(self.cfg))
         (tmp / JOB_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1) + "\n")
-        self._test_pause(st.step)
+        self._test_pause(PAUSE_ENV, st.step, "written, pausing {}s before the rename")
         _fsync_tree(tmp)
         final = self.root / f"step_{st.step}"
         if final.exists():  # a step trained again after a resume from an earlier checkpoint
@@ -298,10 +303,11 @@ class JobCheckpointer:
         return final
 
     @staticmethod
-    def _test_pause(step: int) -> None:
-        pause_step, _, pause_s = os.environ.get(PAUSE_ENV, "").partition(":")
+    def _test_pause(env: str, step: int, what: str) -> None:
+        """The test hooks ``PAUSE_ENV`` and ``HOLD_ENV``: sleep when ``env`` names ``step`` (saying ``what``)."""
+        pause_step, _, pause_s = os.environ.get(env, "").partition(":")
         if pause_step and int(pause_step) == step:
-            print(f"hflow-async: checkpoint of step {step} written, pausing {pause_s}s before the rename", flush=True)
+            print(f"hflow-async: checkpoint of step {step} {what.format(pause_s)}", flush=True)
             time.sleep(float(pause_s))
 
     def _saved_fields(self, buffered) -> list[str]:

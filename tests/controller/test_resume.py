@@ -1,13 +1,20 @@
 """Checkpoint and resume a whole job (controller/job_checkpoint.py), with real ``hflow-async`` processes.
 
 One chain on the tiny model, fully-async with generation ahead of training (8 prompts, batch 2, 2 epochs =
-8 steps, max_staleness 1, long forced responses so groups are still in flight at a checkpoint):
+8 steps, max_staleness 1, long forced responses), each edge case of issue 15 made certain:
 
 1. SIGKILL while the checkpoint of step 2 is being written (a test hook pauses that save before its
-   rename): step 1's checkpoint stays whole, step 2's is only a ``.tmp_`` directory.
-2. ``--resume`` (from step 1), SIGTERM once a step is trained: exit 143 and a checkpoint written by the stop.
-3. ``--resume`` again, to the end: every prompt trained exactly once per epoch (uid accounting over
-   ``metrics.jsonl``), ``weight_version`` = step on every row, staleness within the bound.
+   rename): step 1's checkpoint stays whole, step 2's is only a ``.tmp_`` directory. The roller generates
+   2 groups at once and holds its 4th group (``s1.p1``) 10 s before generating it (fault injection ``slow``):
+   step 1's checkpoint has that group in flight (a long response in flight at the checkpoint).
+2. ``--resume`` (from step 1: the groups in flight re-issued) to the checkpoint of step 4, where epoch 1's
+   data ends exactly on a batch boundary; a test hook holds that save 10 s before its snapshot, so epoch 2's
+   first batch is generated and untrained in it (a checkpoint after a generation, before its training);
+   SIGTERM during that save: the job stops once it is written, exit 143.
+3. ``--resume`` again, into epoch 2 and to the end: every prompt trained exactly once per epoch (uid
+   accounting over ``metrics.jsonl``), the in-flight group under its re-issued uid, the buffered batch first
+   with the weight version it was generated with, ``weight_version`` = step on every row, staleness within
+   the bound.
 
 The same stop (SIGTERM mid-run) and resume in ``sync`` (staleness 0) and ``one-step-off`` (staleness <= 1).
 A trainer rank killed (SIGKILL) with ``trainer.max_restarts=1``: the trainer group alone restarts from the
@@ -31,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from controller.config import load_config, to_dict, to_yaml
-from controller.job_checkpoint import CHECKPOINTS, JOB_FILE, PAUSE_ENV, JobState, list_checkpoints
+from controller.job_checkpoint import CHECKPOINTS, HOLD_ENV, JOB_FILE, PAUSE_ENV, JobState, list_checkpoints
 from tests.controller._cli_job import CliJob
 
 RUN_TIMEOUT_S = 420  # Ray, the TransferQueue servers and the pools start on a loaded 2-core machine
@@ -75,31 +82,46 @@ def base_uid(uid: str) -> str:
 @pytest.mark.timeout(4 * RUN_TIMEOUT_S)
 def test_kill_mid_save_then_sigterm_then_resume_trains_every_prompt_once(tmp_path):
     run_dir = tmp_path / "run"
-    # 1. SIGKILL in the middle of the save of step 2.
-    code, out, err = run([*JOB, f"run_dir={run_dir}"], until=lambda o: "checkpoint of step 2 written, pausing" in o,
-                         **{PAUSE_ENV: "2:300"})
+    # 1. SIGKILL in the middle of the save of step 2. Two groups generated at once (4 slots, n=2): the 4th
+    # group (s1.p1) is taken once groups 1 and 2 are done, when step 1 can train, and held 10 s ungenerated.
+    held = ["rollers.max_batch_slots=4", "rollers.fault_injection=[roller0:slow:group=4:10]"]
+    code, out, err = run([*JOB, *held, f"run_dir={run_dir}"],
+                         until=lambda o: "checkpoint of step 2 written, pausing" in o, **{PAUSE_ENV: "2:300"})
     assert code == -signal.SIGKILL, err[-3000:]
     assert sorted(list_checkpoints(run_dir)) == [1]
     assert (run_dir / CHECKPOINTS / ".tmp_step_2" / JOB_FILE).is_file()  # the unfinished save, not taken
     first = JobState.read(run_dir / CHECKPOINTS / "step_1")
     assert first.weight_version == 1
-    # Generation runs ahead: the 2 groups admitted beyond step 1's are buffered or still in flight.
-    assert len(first.buffered_uids) + len(first.in_flight_uids) == 2, first
+    # Edge case: a long response in flight at the checkpoint. Generation runs ahead: step 2's groups are
+    # buffered or still in flight, the held one certainly in flight.
+    assert "s1.p1" in first.in_flight_uids, first
+    assert sorted(first.buffered_uids + first.in_flight_uids) == ["s1.p0", "s1.p1"], first
 
-    # 2. Resume from step 1; SIGTERM once it has trained a step. No periodic save: the stop writes one.
-    code, out, err = run(["--resume", str(run_dir), "trainer.save_every=100"],
-                         until=lambda o: STEP_LINE.search(o) is not None, sig=signal.SIGTERM)
+    # 2. Resume from step 1 (no fault, the default slots); SIGTERM during the save of step 4, held 10 s before
+    # its snapshot: the stop takes effect once that save is written (no second one).
+    code, out, err = run(["--resume", str(run_dir), "rollers.fault_injection=[]", "rollers.max_batch_slots=128"],
+                         until=lambda o: "checkpoint of step 4 holding" in o, sig=signal.SIGTERM,
+                         **{HOLD_ENV: "4:10"})
     assert code == 128 + signal.SIGTERM, err[-3000:]
     assert "(step 1, weight_version 1)" in out
-    stopped_at = max(list_checkpoints(run_dir))
-    stop = JobState.read(run_dir / CHECKPOINTS / f"step_{stopped_at}")
-    assert stopped_at >= 2 and stop.reason == "stopped by SIGTERM" and stop.weight_version == stopped_at
+    assert max(list_checkpoints(run_dir)) == 4, out[-2000:]
+    stop = JobState.read(run_dir / CHECKPOINTS / "step_4")
+    assert stop.weight_version == 4 and stop.reason == "every trainer.save_every steps", stop
     assert not list((run_dir / CHECKPOINTS).glob(".tmp_*")), "a save removes a leftover temporary directory"
+    # Edge cases: epoch 1's 8 prompts end exactly at step 4's batch boundary; the checkpoint falls after a
+    # generation (epoch 2's first batch, admitted once the rollers held version 3) and before its training.
+    assert stop.feeder["num_fed"] == 10 and not stop.feeder["exhausted"], stop.feeder
+    assert stop.buffered_uids == ["s4.p0", "s4.p1"] and stop.in_flight_uids == [], stop
 
-    # 3. Resume to the end.
+    # 3. Resume to the end (epoch 2).
     code, out, err = run(["--resume", str(run_dir)])
     assert code == 0, err[-3000:]
-    assert_every_prompt_once(run_dir, 8, MAX_STALENESS)  # 8 prompts x 2 epochs
+    rows = assert_every_prompt_once(run_dir, 8, MAX_STALENESS)  # 8 prompts x 2 epochs
+    trained_as = {u for r in rows for u in r["uids"] if base_uid(u) in first.in_flight_uids}
+    assert trained_as and all(u != base_uid(u) for u in trained_as), trained_as  # re-issued, under fresh uids
+    # The buffered batch is step 5's, with the weight version it was generated with (3; trained by 4).
+    assert {base_uid(u) for u in rows[4]["uids"]} == {"s4.p0", "s4.p1"}, rows[4]["uids"]
+    assert rows[4]["staleness_mean"] == rows[4]["staleness_max"] == 1, rows[4]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["num_steps"] == 8, (summary, err[-3000:])
 
