@@ -121,8 +121,7 @@ KEY_DOCS: dict[str, str] = {
     "trainer.max_grad_norm": "gradient clipping by global norm",
     "trainer.save_every": "job checkpoint (for --resume RUN_DIR) every N steps, at a stop and at the end; 0 = never",
     "trainer.keep_checkpoints": "job checkpoints kept (the latest); 0 = all",
-    "trainer.max_restarts": "trainer-group restarts from the latest job checkpoint after losing a trainer rank "
-                            "(rollers keep running); 0 = fail",
+    "trainer.max_restarts": "restarts of the trainer group alone from the latest job checkpoint; 0 = fail",
     "trainer.val_every": "validate every N trainer steps (also before the first and after the last); 0 = only "
                          "those two",
     "trainer.num_threads": "torch threads per trainer rank",
