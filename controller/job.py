@@ -281,7 +281,7 @@ def _open_report(cfg: HFlowConfig, run_dir: Path, kept_rows: list[dict]):
 
     report = RunReport(run_dir, cfg.trainer.total_steps, progress=cfg.metrics.progress,
                        trackers=Trackers(cfg.metrics, run_dir, to_dict(cfg)))
-    report.steps.extend(kept_rows)
+    report.restore(kept_rows)
     return report
 
 

@@ -167,6 +167,12 @@ class RunReport:
                 f"{record['samples_per_s']:.1f} samples/s | step {record.get('step_s', float('nan')):.1f}s"
             )
 
+    def restore(self, rows: list[dict[str, Any]]) -> None:
+        """Take back the ``metrics.jsonl`` rows kept from before a resume or a restart (already in the file):
+        validation rounds (``"validation": true``) to ``validations``, trainer steps to ``steps``."""
+        for row in rows:
+            (self.validations if row.get("validation") else self.steps).append(row)
+
     def rewind(self, step: int) -> list[dict[str, Any]]:
         """Forget the steps after ``step`` (a trainer restart from that step's checkpoint trains them again):
         ``metrics.jsonl`` keeps the rows up to it and moves the others to ``metrics.superseded.jsonl``
@@ -180,6 +186,7 @@ class RunReport:
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         forgotten = [r for r in self.steps if r["step"] > step]
         self.steps = [r for r in self.steps if r["step"] <= step]
+        self.validations = [r for r in self.validations if r["step"] <= step]  # as truncate_metrics moved them
         return forgotten
 
     def log_validation(self, record: dict[str, Any]) -> None:

@@ -132,6 +132,36 @@ def test_summary_plot_and_prometheus_take_the_validation_rounds(tmp_path):
     assert value("hflow_val_pass_at_k", {"k": "4"}) == 0.8 and value("hflow_val_reward_mean", {"kind": "sampled"}) == 0.4
 
 
+def test_a_resumed_report_takes_back_its_validation_rounds_and_a_rewind_forgets_later_ones(tmp_path):
+    """``metrics.jsonl`` rows kept from before a resume mix steps and validation rounds (the default preset
+    validates): each goes back where it belongs, so the summary is written (a validation row read as a
+    step once made ``finish`` fail on its missing ``reward_mean``)."""
+    from controller.job import _open_report
+    from controller.job_checkpoint import truncate_metrics
+
+    report = RunReport(tmp_path, total_steps=4, progress=False)
+    report.log_validation(_round(0, 0.1, 0.0))
+    for step in (1, 2, 3):
+        report.log_step({"step": step, "reward_mean": 0.1, "weight_version": step, "staleness_mean": 0,
+                         "staleness_max": 0, "samples_per_s": 1.0})
+        if step != 1:
+            report.log_validation(_round(step, 0.1 * step, 0.0))
+    report.close()
+    cfg = load_config(preset="tiny", overrides=[f"run_dir={tmp_path}", "metrics.progress=false", "trainer.total_steps=4"])
+    resumed = _open_report(cfg, tmp_path, truncate_metrics(tmp_path, 2))  # a resume from step 2
+    assert [r["step"] for r in resumed.steps] == [1, 2]
+    assert [r["weight_version"] for r in resumed.validations] == [0, 2]
+    resumed.log_step({"step": 3, "reward_mean": 0.3, "weight_version": 3, "staleness_mean": 0, "staleness_max": 0,
+                      "samples_per_s": 1.0})
+    resumed.log_validation(_round(3, 0.4, 0.5))
+    assert [r["step"] for r in resumed.rewind(2)] == [3]  # a trainer restart from step 2
+    assert [r["weight_version"] for r in resumed.validations] == [0, 2]
+    summary = resumed.finish({"status": "completed"})
+    resumed.close()
+    assert summary["num_steps"] == 2 and summary["num_val_rounds"] == 2 and summary["val_accuracy_last"] == 0.2
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
 def read_tensorboard(log_dir) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value)] from the event files under ``log_dir``, with tensorboard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
