@@ -132,13 +132,7 @@ class RollerPool:
             m.weight_version = int((await self.call(m, "ping"))["weight_version"])
 
         results = await asyncio.gather(*(attach(m) for m in members), return_exceptions=True)
-        lost = []
-        for m, result in zip(members, results, strict=True):
-            if isinstance(result, RollerLost):
-                lost.append(result)
-            elif isinstance(result, BaseException):
-                lost.append(RollerLost(m.name, "weight_sync", f"re-attach raised {type(result).__name__}: {result}"))
-        return lost
+        return [x for m, r in zip(members, results, strict=True) if (x := _failed(m, r, "weight_sync", "re-attach"))]
 
     # -------------------------------------------------------------------------------------- queries
 
@@ -184,10 +178,9 @@ class RollerPool:
         results = await asyncio.gather(*(self.call(m, "ping") for m in members), return_exceptions=True)
         lost = []
         for m, result in zip(members, results, strict=True):
-            if isinstance(result, RollerLost):
-                lost.append(result)
-            elif isinstance(result, BaseException):
-                lost.append(RollerLost(m.name, "died", f"ping raised {type(result).__name__}: {result}"))
+            failed = _failed(m, result, "died", "ping")
+            if failed is not None:
+                lost.append(failed)
             else:
                 m.held_uids = list(result["held_uids"])
                 if not result["running"] and m.state == ACTIVE:
@@ -350,6 +343,16 @@ class RollerPool:
             ray.wait(refs, num_returns=len(refs), timeout=30)
             for m in members:
                 ray.kill(m.actor, no_restart=True)
+
+
+def _failed(m: Member, result, reason: str, call: str) -> RollerLost | None:
+    """``result`` of ``call`` on member ``m`` (from ``asyncio.gather(..., return_exceptions=True)``) as the
+    RollerLost it means (``reason`` when the call raised anything else), or None when it succeeded."""
+    if isinstance(result, RollerLost):
+        return result
+    if isinstance(result, BaseException):
+        return RollerLost(m.name, reason, f"{call} raised {type(result).__name__}: {result}")
+    return None
 
 
 async def find_orphans(tq, prompt_partition: str, limit: int, held_by_live: Callable,
