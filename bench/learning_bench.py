@@ -122,8 +122,8 @@ def plot(curves: dict[str, dict], target: float, path: Path) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="smollm2-reasoning")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 60, --quick 24)")
-    p.add_argument("--val-every", type=int, default=None, help="steps between rounds (default 10, --quick 6)")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 60, --quick 12: the main job's)")
+    p.add_argument("--val-every", type=int, default=None, help="steps between rounds (default 10, --quick 4)")
     p.add_argument("--val-size", type=int, default=None, help="held-out prompts (default 64, --quick 32)")
     p.add_argument("--val-n", type=int, default=4, help="samples per held-out prompt (val.n)")
     p.add_argument("--target", type=float, default=None, help="time-to-accuracy target (default 2 x acc0)")
@@ -133,7 +133,7 @@ def parse_args(argv=None):
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
-    for key, full, quick in (("steps", 60, 24), ("val_every", 10, 6), ("val_size", 64, 32)):
+    for key, full, quick in (("steps", 60, 12), ("val_every", 10, 4), ("val_size", 64, 32)):
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
     return args
