@@ -182,19 +182,6 @@ def _add_sglang_targets(targets, cfg: HFlowConfig, rt) -> None:
         targets.update(sglang={m.name: u for m, u in zip(members, urls, strict=True) if u})
 
 
-def _restart_point(cfg: HFlowConfig, lost: BaseException, summary: dict) -> Path:
-    """The job checkpoint to restart every pool from after ``lost`` (a ``TrainerRankLost`` outside the schedule,
-    where the trainer cannot restart alone: ``controller.trainer_restart``); counts the restart in ``summary``.
-    Re-raises ``lost`` when ``trainer.max_restarts`` are used up or there is no checkpoint."""
-    from controller.trainer_restart import RESTARTS_KEY, restart_point
-
-    path = restart_point(cfg, lost, summary.get(RESTARTS_KEY, 0))
-    summary[RESTARTS_KEY] = summary.get(RESTARTS_KEY, 0) + 1
-    print(f"hflow-async: {lost}; restarting the pools from {path} (restart {summary[RESTARTS_KEY]} of "
-          f"trainer.max_restarts={cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
-    return path
-
-
 def _prepare_resume(cfg: HFlowConfig, step: int | None):
     """``job_checkpoint.prepare_resume`` with its ValueError as a StartError."""
     from controller.job_checkpoint import prepare_resume
@@ -366,6 +353,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
 
     from controller.job_checkpoint import truncate_metrics
     from controller.metrics import JobMetrics
+    from controller.trainer_restart import restart_point
     from trainers.group import TrainerRankLost
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -419,12 +407,12 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
               flush=True)
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
               f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, run dir {run_dir}", flush=True)
-        while True:  # _restart_point re-raises once trainer.max_restarts are used up
+        while True:  # restart_point re-raises once trainer.max_restarts are used up
             try:
                 asyncio.run(_run_schedule(cfg, rt, metrics, report, summary, resume_from))
                 break
-            except TrainerRankLost as lost:
-                resume_from = _restart_point(cfg, lost, summary)
+            except TrainerRankLost as lost:  # outside the schedule: the trainer cannot restart alone
+                resume_from = restart_point(cfg, lost, summary, "the pools")
                 rt.close()
                 rt = None
                 report.close()

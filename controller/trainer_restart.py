@@ -59,19 +59,24 @@ RESTARTS_KEY = "num_trainer_restarts"  # in the run's counters (summary.json): r
 GONE_TIMEOUT_S = 60.0  # a replaced roller's process is gone within this after it was killed
 
 
-def restart_point(cfg, lost: BaseException, num_restarts: int) -> Path:
-    """The job checkpoint to restart the trainer from after ``lost`` (a ``TrainerRankLost``), when restart
-    ``num_restarts + 1`` is allowed; re-raises ``lost`` when ``trainer.max_restarts`` are used up or there is
-    no job checkpoint yet (a line says so)."""
+def restart_point(cfg, lost: BaseException, counts: dict, what: str, then: str = "") -> Path:
+    """The job checkpoint to restart ``what`` (e.g. "the trainer group") from after ``lost`` (a
+    ``TrainerRankLost``); counts the restart in ``counts[RESTARTS_KEY]`` (the job's, shared by both kinds of
+    restart) and prints one line, ending in ``then``. Re-raises ``lost`` when ``trainer.max_restarts`` are
+    used up or there is no job checkpoint yet (a line says so)."""
     from controller.job_checkpoint import list_checkpoints
 
     found = list_checkpoints(cfg.run_dir)
-    if num_restarts >= cfg.trainer.max_restarts or not found:
+    if counts.get(RESTARTS_KEY, 0) >= cfg.trainer.max_restarts or not found:
         if cfg.trainer.max_restarts and not found:
             print("hflow-async: no job checkpoint to restart from yet (trainer.save_every="
                   f"{cfg.trainer.save_every})", file=sys.stderr, flush=True)
         raise lost
-    return found[max(found)]
+    path = found[max(found)]
+    counts[RESTARTS_KEY] = counts.get(RESTARTS_KEY, 0) + 1
+    print(f"hflow-async: {lost}; restarting {what} from {path} (restart {counts[RESTARTS_KEY]} of "
+          f"trainer.max_restarts={cfg.trainer.max_restarts}){then}", file=sys.stderr, flush=True)
+    return path
 
 
 async def run_with_restarts(st, schedule: Callable[..., Awaitable[None]], counts: dict) -> None:
@@ -86,11 +91,7 @@ async def run_with_restarts(st, schedule: Callable[..., Awaitable[None]], counts
             await schedule(st)
             return
         except TrainerRankLost as lost:
-            path = restart_point(st.cfg, lost, counts.get(RESTARTS_KEY, 0))
-            counts[RESTARTS_KEY] = counts.get(RESTARTS_KEY, 0) + 1
-            print(f"hflow-async: {lost}; restarting the trainer group from {path} (restart "
-                  f"{counts[RESTARTS_KEY]} of trainer.max_restarts={st.cfg.trainer.max_restarts}); the rollers "
-                  "keep running", file=sys.stderr, flush=True)
+            path = restart_point(st.cfg, lost, counts, "the trainer group", "; the rollers keep running")
             await restart_trainer(st, path)
 
 
