@@ -21,14 +21,16 @@ samples (``--steps`` × B × n); only ``--mode`` and the split differ.
   samples/s, trained tokens/s, trainer idle (waiting for data), roller idle, weight-sync share, staleness
   mean/max, wall time; per mode the median of its best split's runs and the spread (min-max).
 * **limit_sps** = cores / (core-seconds per trained sample of generation + of training), each measured
-  alone: the generation and update phases of the sync runs (the other phase idles), × the cores the phase
-  held (replicas × threads, or trainer threads, at most ``os.cpu_count()``); the best split's value.
+  alone, what the machine could do if both kept every core busy (``limit``): generation at full batch
+  occupancy (the decode curve measured alone × mean response tokens, + the per-group overhead fitted to the
+  sync runs), × the roller's threads; training from the sync runs' update phase (the rollers idle) × the
+  trainer's threads; the cheapest split of each.
 * **simulator calibration** (``calibration`` in the JSON, per split): the torch engine's decode step by
   batch occupancy (measured alone, ``decode_calibration``), per-sample training and weight-sync seconds
   (medians of that split's runs), per-group overhead (sync runs' generation phase minus the simulated
   decode time). ``python bench/schedule_sim.py validate bench/results/modes_bench.json`` compares.
 * **TRL** (``bench/trl_peer.py``): the main workload through ``GRPOTrainer`` in ``bench/.envs/trl``,
-  one process with every core; ``--no-trl`` skips it (``trl_sps=nan``).
+  one process with every core, ``--reps`` runs (median, spread); ``--no-trl`` skips it (``trl_sps=nan``).
 
 Outputs in ``--out`` (default ``bench/results/``, git-ignored): ``modes_bench.json``, ``modes_bench.md``
 (the table), ``modes_bench.png`` (samples/s per mode, and a timeline of trainer/roller busy intervals per
@@ -92,10 +94,12 @@ def splits_for(mode: str, cores: int) -> list[Split]:
     """The small sweep of ``mode`` on ``cores`` cores, its usual best first."""
     if mode == "sync":  # the phases alternate: each may take every core
         splits = [Split(1, cores, cores), Split(1, 1, 1), Split(cores, 1, cores)]
-    else:  # the phases overlap: split the cores, or oversubscribe them (the trainer every core: training
-        # scales with cores and CPU decoding hardly does, see bench/recorded/)
+    else:  # the phases overlap: split the cores, or the trainer every core with the roller half on top (training
+        # scales with cores and CPU decoding hardly does, see bench/recorded/), or both every core; ``auto``'s
+        # choice first (controller.resources: split for one-step-off, the trainer every core for fully-async)
         half = max(1, cores // 2)
-        splits = [Split(1, half, max(1, cores - half)), Split(1, half, cores), Split(1, cores, cores),
+        split, on_top = Split(1, half, max(1, cores - half)), Split(1, half, cores)
+        splits = [*((on_top, split) if mode == "fully-async" else (split, on_top)), Split(1, cores, cores),
                   Split(max(2, cores - 1), 1, 1)]
     return list(dict.fromkeys(splits))
 
@@ -214,22 +218,40 @@ def bench_workload(name: str, args, cores: int, overrides: list[str] | None = No
     return {"best": best, "runs": all_runs}
 
 
-def limit(runs: list[dict], cores: int) -> dict:
-    """``limit_sps`` from the sync runs' phases (see the module docstring); nan without a sync run."""
-    gen, train, used = [], [], []
-    for r in runs:
-        if "error" in r or r["mode"] != "sync" or not r["gen_phase_s"]:
-            continue
-        s = r["split"]
-        used.append(s["key"])
-        per_step = r["samples_per_step"]
-        gen.append(statistics.median(r["gen_phase_s"]) / per_step * min(cores, s["num_replicas"] * s["roller_threads"]))
-        train.append(statistics.median(r["update_s"]) / per_step * min(cores, s["trainer_threads"]))
-    if not gen:
+def mean_tokens(spec: dict) -> float:
+    """Mean response tokens per sample of a ``sim_workload`` spec (observed lengths, or buckets' midpoints)."""
+    if spec["empirical"]:
+        return statistics.fmean(spec["lengths"])
+    return sum(w * (lo + hi) / 2 for w, lo, hi in spec["lengths"]) / sum(w for w, _, _ in spec["lengths"])
+
+
+def limit(name: str, wl: dict, calibration: dict, cores: int) -> dict:
+    """``limit_sps`` of workload ``name`` (see the module docstring); nan without a sync run.
+
+    Generation, core-seconds per sample: a roller's threads × (the decode step at full occupancy ÷ the batch
+    slots × mean response tokens + the per-group overhead ÷ n), the decode curve measured alone
+    (``calibrate``), the overhead (prefill, scoring, data plane) fitted to the workload's sync runs; the
+    cheapest thread count. Full occupancy, not the sync runs' generation phase, which on a long tail holds
+    batch slots idle while its longest responses finish. Training: the sync runs' update phase (the rollers
+    idle) × the trainer's threads, per sample; the cheapest split."""
+    splits = {r["split"]["key"]: r["split"] for r in wl["runs"] if "error" not in r}
+    sync_keys = sorted({r["split"]["key"] for r in wl["runs"] if "error" not in r and r["mode"] == "sync"})
+    costs = {key.split("/", 1)[1]: c for key, c in calibration.items() if key.startswith(f"{name}/")}
+    if not sync_keys or not costs:
         return {"limit_sps": math.nan}
-    cs_gen, cs_train = min(gen), min(train)
-    return {"limit_sps": cores / (cs_gen + cs_train), "core_s_per_sample_gen": cs_gen,
-            "core_s_per_sample_train": cs_train, "cores": cores, "from_sync_splits": sorted(set(used))}
+    spec = wl["sim_workload"]
+    tokens = mean_tokens(spec)
+    decode = min(splits[k]["roller_threads"] * (c["decode_base_s"] / c["max_batch_slots"] + c["decode_per_seq_s"])
+                 for k, c in costs.items())
+    overhead = min(splits[k]["roller_threads"] * costs[k]["group_overhead_s"] / spec["n"]
+                   for k in sync_keys if k in costs)
+    train = min(statistics.median(r["update_s"]) / r["samples_per_step"] * min(cores, r["split"]["trainer_threads"])
+                for r in wl["runs"] if "error" not in r and r["mode"] == "sync" and r["update_s"])
+    cs_gen = decode * tokens + overhead
+    return {"limit_sps": cores / (cs_gen + train), "core_s_per_sample_gen": cs_gen,
+            "core_s_per_sample_gen_decode": decode * tokens, "core_s_per_sample_gen_overhead": overhead,
+            "core_s_per_sample_train": train, "mean_response_tokens": tokens, "cores": cores,
+            "from_sync_splits": sync_keys}
 
 
 def sim_workload(name: str, runs: list[dict], args, cfg) -> dict:
@@ -311,10 +333,24 @@ def trl_peer(args, cfg, cores: int) -> dict:
             "max_response_length": cfg.rollout.max_response_length, "temperature": cfg.rollout.temperature,
             "lr": cfg.trainer.lr, "num_steps": args.steps, "warmup_steps": args.warmup_steps,
             "num_threads": cores, "seed": cfg.rollout.seed}
-    log("TRL GRPOTrainer: running")
-    res = run_trl(spec, args.out / "runs" / "trl", args.run_timeout, log)
-    log(f"  TRL: {res.get('samples_per_s', res.get('error'))}")
-    return res
+    runs = []
+    for rep in range(args.reps):
+        out_dir = args.out / "runs" / "trl" / f"rep{rep}"
+        done = out_dir / "trl_result.json"
+        if args.reuse_runs and done.exists():
+            res = json.loads(done.read_text())
+        else:
+            log(f"TRL GRPOTrainer rep {rep}: running")
+            res = run_trl(spec, out_dir, args.run_timeout, log)
+        log(f"  TRL rep {rep}: {res.get('samples_per_s', res.get('error'))}")
+        runs.append(res)
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = {k: statistics.median(r[k] for r in ok) for k in ("samples_per_s", "tokens_per_s", "window_s", "wall_s")
+           if all(r.get(k) is not None for r in ok)}
+    return dict(out, spread_sps=[min(r["samples_per_s"] for r in ok), max(r["samples_per_s"] for r in ok)],
+                num_runs=len(ok), runs=runs)
 
 
 def add_run_args(p: argparse.ArgumentParser, preset: str, out: Path) -> None:
@@ -399,11 +435,12 @@ def main(argv=None) -> None:
     for name in args.workloads:
         cfg = load_config(preset=args.preset, overrides=workload_overrides(name, args) + list(args.set))
         wl = bench_workload(name, args, cores)
-        wl["limit"] = limit(wl["runs"], cores)
         wl["sim_workload"] = sim_workload(name, wl["runs"], args, cfg)
         results["workloads"][name] = wl
     cfg = load_config(preset=args.preset, overrides=workload_overrides("main", args) + list(args.set))
     results.update(calibrate(results, args, cfg))
+    for name, wl in results["workloads"].items():
+        wl["limit"] = limit(name, wl, results["calibration"], cores)
     results["trl"] = {"error": "skipped (--no-trl)"} if args.no_trl else trl_peer(args, cfg, cores)
     results["elapsed_s"] = time.monotonic() - T0
     line = write_outputs(results, args.out)

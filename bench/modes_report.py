@@ -63,8 +63,9 @@ def table(results: dict) -> str:
             trl = results.get("trl", {})
             sps = trl.get("samples_per_s")
             lines.append(f"| TRL GRPOTrainer | 1 process, {results['cores']} threads | "
-                         + (f"{sps:.3f} | {sps / lim:.0%} | {trl.get('tokens_per_s') or math.nan:.1f} | | | | | "
-                            f"{trl['window_s']:.0f} | {trl['wall_s']:.0f} | 1 |" if sps
+                         + (f"{sps:.3f} ({trl['spread_sps'][0]:.3f}-{trl['spread_sps'][1]:.3f}) | {sps / lim:.0%} | "
+                            f"{trl.get('tokens_per_s') or math.nan:.1f} | | | | | "
+                            f"{trl['window_s']:.0f} | {trl['wall_s']:.0f} | {trl['num_runs']} |" if sps
                             else f"{trl.get('error')} | | | | | | | | | |"))
         lines += ["", "every run, in order (the first run of each split is its sweep run):", ""]
         for r in wl["runs"]:

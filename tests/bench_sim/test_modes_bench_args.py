@@ -5,6 +5,7 @@ moved, which only a full run noticed)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -40,15 +41,43 @@ def test_only_a_completed_run_of_the_same_length_is_reused(tmp_path):
 def test_the_trl_peer_gets_the_jobs_own_prompts_and_settings(tmp_path, monkeypatch):
     import trl_peer
 
-    seen = {}
-    monkeypatch.setattr(trl_peer, "run_trl", lambda spec, out_dir, timeout_s, log: seen.update(spec) or
-                        {"samples_per_s": 1.0})
-    args = modes_bench.parse_args(["--preset", "tiny", "--out", str(tmp_path), "--steps", "4"])
+    seen, rates = {}, iter([1.0, 3.0, 2.0])
+
+    def fake_run(spec, out_dir, timeout_s, log):
+        seen.update(spec)
+        out_dir.mkdir(parents=True)
+        res = {"samples_per_s": next(rates), "tokens_per_s": 10.0, "window_s": 5.0, "wall_s": 9.0}
+        (out_dir / "trl_result.json").write_text(json.dumps(res))
+        return res
+
+    monkeypatch.setattr(trl_peer, "run_trl", fake_run)
+    args = modes_bench.parse_args(["--preset", "tiny", "--out", str(tmp_path), "--steps", "4", "--reps", "3"])
     cfg = load_config(preset="tiny")
-    assert modes_bench.trl_peer(args, cfg, 2) == {"samples_per_s": 1.0}
+    res = modes_bench.trl_peer(args, cfg, 2)  # --reps runs: their median and spread
+    assert (res["samples_per_s"], res["spread_sps"], res["num_runs"]) == (2.0, [1.0, 3.0], 3)
+    monkeypatch.setattr(trl_peer, "run_trl", lambda *a: pytest.fail("a completed TRL run is run again"))
+    args.reuse_runs = True
+    assert modes_bench.trl_peer(args, cfg, 2)["spread_sps"] == [1.0, 3.0]
     assert len(seen["records"]) == cfg.data.size
     assert (seen["n"], seen["prompts_per_step"], seen["num_steps"]) == (cfg.rollout.n, cfg.data.train_batch_size, 4)
     assert seen["num_threads"] == 2 and seen["max_response_length"] == cfg.rollout.max_response_length
     reward_fn = trl_peer.build_reward(seen)  # what the worker in the TRL venv calls
     record = seen["records"][0]
     assert reward_fn("no answer here", record["ground_truth"]) == 0.0
+
+
+def test_the_limit_counts_generation_at_full_occupancy_and_training_alone():
+    # One sync split (1 roller x 2 threads, trainer 2 threads), 4 samples per group: decode 0.1 s + 0.01 s per
+    # sequence at 10 slots = 0.02 s per token per sequence, x 2 threads x 10 tokens = 0.4 core-s; overhead
+    # 0.2 s per group x 2 threads / 4 = 0.1 core-s; training 2 s per 4-sample step x 2 threads = 1.0 core-s.
+    split = {"key": "r1x2-t2", "num_replicas": 1, "roller_threads": 2, "trainer_threads": 2}
+    wl = {"runs": [{"mode": "sync", "split": split, "update_s": [2.0, 2.0, 9.0], "samples_per_step": 4}],
+          "sim_workload": {"empirical": False, "lengths": [[3, 5, 5], [1, 25, 25]], "n": 4}}
+    calibration = {"main/r1x2-t2": {"decode_base_s": 0.1, "decode_per_seq_s": 0.01, "max_batch_slots": 10,
+                                    "group_overhead_s": 0.2}}
+    lim = modes_bench.limit("main", wl, calibration, 2)
+    assert lim["mean_response_tokens"] == pytest.approx(10.0)
+    assert lim["core_s_per_sample_gen"] == pytest.approx(0.5)
+    assert lim["core_s_per_sample_train"] == pytest.approx(1.0)
+    assert lim["limit_sps"] == pytest.approx(2 / 1.5)
+    assert math.isnan(modes_bench.limit("longtail", wl, calibration, 2)["limit_sps"])  # no costs measured there
