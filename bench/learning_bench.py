@@ -8,8 +8,11 @@ accuracy (pass@1 at the training temperature, ``val.n`` samples per prompt) and 
 
 Time axis: seconds from the run's first generation (the earliest roller busy interval of
 ``timeline.json``) to the end of the update that produced the evaluated ``weight_version`` (0 s for the
-initial weights), so start-up and validation's own wall time are not counted. Sample axis: samples trained
-up to that version. **Time to accuracy** (how PipelineRL and AReaL compare schedules): the first evaluated
+initial weights), less the time the trainer waited while a validation round ran (``validation_wait_s``):
+validation is measurement, not training, and rollers take its prompts first, so in every mode a round
+delays the data of the next update; in ``fully-async`` the trainer keeps training from its buffer meanwhile
+and only its starved part is taken out. Start-up is not counted either. Sample axis: samples trained up to
+that version. **Time to accuracy** (how PipelineRL and AReaL compare schedules): the first evaluated
 version whose sampled held-out accuracy reaches ``--target`` (default: twice the initial accuracy, 0.5
 when that is 0); ``nan`` when a mode never gets there.
 
@@ -21,6 +24,8 @@ samples, one line per mode), the run directories under ``learning_runs/``, and t
            tta_s_fully_async=… target=…
 
 ``--quick``: fewer steps and held-out prompts (a first look, not a result). Results need a quiet machine.
+``--reuse-runs``: a mode whose completed run is in ``--out`` is read, not run again (to rerun one mode after a
+change, delete its run directory).
 Smoke-test with the tiny preset: ``python bench/learning_bench.py --quick --preset tiny --steps 4
 --val-every 2 --val-size 8 --set data.size=64 data.train_batch_size=8 trainer.ppo_mini_batch_size=8``.
 """
@@ -49,6 +54,10 @@ def log(msg: str) -> None:
 def run_mode(mode: str, args) -> Path:
     """Run ``mode``; its run directory. Raises RuntimeError naming the log when the run fails."""
     run_dir = args.out / "learning_runs" / mode
+    summary = run_dir / "summary.json"
+    if args.reuse_runs and summary.exists() and json.loads(summary.read_text()).get("status") == "completed":
+        log(f"{mode}: reusing the completed run in {run_dir}")
+        return run_dir
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -78,17 +87,46 @@ def read_curve(run_dir: Path) -> dict:
     timeline = json.loads((run_dir / "timeline.json").read_text())
     busy = [start for intervals in timeline["rollers"].values() for start, _ in intervals]
     origin = min(busy) if busy else timeline["update"][0][0]
+    vals = sorted((r for r in rows if r.get("validation")), key=lambda r: r["weight_version"])
+    # A round starts with the sync that made its version current (version 0: at the first generation).
+    rounds = [(start, start + r["val/duration_s"]) for r in vals
+              for start in [0.0 if r["weight_version"] == 0 else timeline["sync"][r["weight_version"] - 1][1] - origin]]
+    trainer_busy = [(a - origin, b - origin) for a, b in timeline["update"] + timeline["sync"]]
     points = []
-    for r in sorted((r for r in rows if r.get("validation")), key=lambda r: r["weight_version"]):
+    for r in vals:
         v = r["weight_version"]
+        end = 0.0 if v == 0 else timeline["update"][v - 1][1] - origin
+        waited = validation_wait_s(rounds, trainer_busy, end)
         points.append({
             "weight_version": v,
-            "time_s": 0.0 if v == 0 else timeline["update"][v - 1][1] - origin,
+            "time_s": end - waited,
+            "validation_wait_s": waited,
             "samples": sum(steps[s]["num_samples"] for s in range(1, v + 1)),
             "accuracy": r.get("val/accuracy"),
             "accuracy_greedy": r.get("val/accuracy_greedy"),
         })
     return {"points": points, "wall_s": json.loads((run_dir / "summary.json").read_text())["wall_s"]}
+
+
+def validation_wait_s(rounds: list[tuple[float, float]], busy: list[tuple[float, float]], until: float) -> float:
+    """Seconds before ``until`` that lie in a validation round (``rounds``: ``[start, end]``) and outside every
+    trainer busy interval (``busy``: updates and weight syncs); all on one clock."""
+    def covered(a: float, b: float) -> float:  # seconds of [a, b] inside the union of ``busy``
+        total, cursor = 0.0, a
+        for s, e in sorted(busy):
+            s, e = max(s, cursor), min(e, b)
+            if e > s:
+                total, cursor = total + e - s, e
+        return total
+
+    spans = sorted((s, min(e, until)) for s, e in rounds if s < until)
+    merged: list[list[float]] = []
+    for s, e in spans:  # overlapping rounds (fully-async) count once
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return sum((e - s) - covered(s, e) for s, e in merged)
 
 
 def time_to_accuracy(points: list[dict], target: float) -> float:
@@ -132,6 +170,8 @@ def parse_args(argv=None):
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run (key=value)")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="read a mode's completed run in --out instead of running it again (rerun one mode: delete its run)")
     args = p.parse_args(argv)
     for key, full, quick in (("steps", 60, 12), ("val_every", 10, 4), ("val_size", 64, 32)):
         if getattr(args, key) is None:
