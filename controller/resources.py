@@ -4,15 +4,29 @@
 
     sync           generate ──> train ──> generate ...   the phases alternate: each pool may use every core
                    rollers: cores // num_replicas threads each; trainer: cores // num_ranks per rank
-    one-step-off,  generate ═══╗                          the phases overlap: the cores are split
-    fully-async    train    ═══╝                          half to the rollers, half (+ an odd core) to the trainer
+    one-step-off   generate ═══╗                          the phases overlap, cores split: half to the
+                   train    ═══╝                          rollers, half (+ an odd core) to the trainer
+    fully-async    generate ═══╗                          the trainer every core, the rollers half of them
+                   train    ═══╝                          on top (oversubscribed while they decode)
 
-Why half and half: on the main job (SmolLM2-135M, ``chain_sum``, 16 samples of <= 32 tokens per step) a
-step's generation and its training cost about the same at equal threads (issue 20: ~12 s and ~11 s at 2
-threads); where they overlap the trainer is the bottleneck, so the odd core goes to it. An explicit
-integer for one pool is kept as given, and ``auto`` on the other pool then gets the cores left (at least
-one thread). ``cores`` is ``common.env.available_cores()``: the machine the controller runs on (one-node
-jobs). Ray's CPU counts are logical and do not enter.
+Training scales with cores and is the bottleneck of the overlapping modes here; decoding is bound by reading
+the weights and gains little from threads (``bench/modes_bench.py``'s calibration, 2 cores: a training
+sample 0.69 s at 2 threads, 1.27 s at 1; a decode step 0.08-0.16 s at either). So the trainer gains from
+every core while the rollers idle, and loses badly while they decode (two trainer threads on a core shared
+with a roller wait on each other). Measured on 2 cores, quiet (bench/README.md):
+
+* main job without validation (3 runs each): ``r1x1-t2`` (trainer 2 threads, roller 1 on top) beat a core
+  each (``r1x1-t1``) by ~20% in both modes (one-step-off 0.93 vs 0.78, fully-async 0.97 vs 0.81 samples/s);
+* the default preset with validation (``bench/learning_bench.py --quick``, one run each): an update that
+  overlaps a validation round (160 held-out samples on the roller) takes 60-68 s at ``r1x1-t2`` instead of
+  ~25 s. ``fully-async`` still gains (time to 12 updates, validation waits left out: 377 s vs 398 s at
+  ``r1x1-t1``); ``one-step-off``, which also waits for each round before its next weight sync, loses
+  (427 s vs 354 s).
+
+Hence the split for ``one-step-off`` and the oversubscription for ``fully-async``. An explicit integer for
+one pool is kept as given, and ``auto`` on the other pool then gets the cores left (at least one thread).
+``cores`` is ``common.env.available_cores()``: the machine the controller runs on (one-node jobs). Ray's CPU
+counts are logical and do not enter.
 """
 
 from __future__ import annotations
@@ -37,7 +51,9 @@ class ThreadPlan:
     chosen: str  # "auto" / "explicit" per pool, e.g. "rollers auto, trainer explicit"
 
     def describe(self, mode: str) -> str:
-        share = "phases alternate, every core to each" if mode not in OVERLAPPING_MODES else "phases overlap, cores split"
+        share = ("phases alternate, every core to each" if mode not in OVERLAPPING_MODES
+                 else "phases overlap, cores split" if mode == "one-step-off"
+                 else "phases overlap, the trainer every core, rollers half on top")
         return (f"threads: {self.num_replicas} roller(s) x {self.roller_threads}, {self.num_ranks} trainer rank(s) x "
                 f"{self.trainer_threads} on {self.num_cores} cores ({mode}: {share}; {self.chosen})")
 
@@ -58,7 +74,7 @@ def plan_threads(cfg: HFlowConfig, num_cores: int | None = None) -> ThreadPlan:
         roller_cores = trainer_cores = cores
     elif roller == AUTO_THREADS and trainer == AUTO_THREADS:
         roller_cores = max(replicas, cores // 2)
-        trainer_cores = max(ranks, cores - roller_cores)
+        trainer_cores = cores if cfg.mode == "fully-async" else max(ranks, cores - roller_cores)
     elif roller == AUTO_THREADS:
         roller_cores = cores - int(trainer) * ranks
         trainer_cores = 0

@@ -16,10 +16,17 @@ def _cfg(mode: str, *overrides: str):
 
 
 @pytest.mark.parametrize("cores,rollers,trainer", [(2, 1, 1), (3, 1, 2), (16, 8, 8), (1, 1, 1)])
-def test_overlapping_modes_split_the_cores(cores, rollers, trainer):
-    for mode in ("one-step-off", "fully-async"):
-        plan = plan_threads(_cfg(mode), num_cores=cores)
-        assert (plan.roller_threads, plan.trainer_threads) == (rollers, trainer), mode
+def test_one_step_off_splits_the_cores(cores, rollers, trainer):
+    plan = plan_threads(_cfg("one-step-off"), num_cores=cores)
+    assert (plan.roller_threads, plan.trainer_threads) == (rollers, trainer)
+    assert "cores split" in plan.describe("one-step-off")
+
+
+@pytest.mark.parametrize("cores,rollers,trainer", [(2, 1, 2), (3, 1, 3), (16, 8, 16), (1, 1, 1)])
+def test_fully_async_gives_the_trainer_every_core_and_the_rollers_half_on_top(cores, rollers, trainer):
+    plan = plan_threads(_cfg("fully-async"), num_cores=cores)
+    assert (plan.roller_threads, plan.trainer_threads) == (rollers, trainer)
+    assert "the trainer every core" in plan.describe("fully-async")
 
 
 def test_sync_gives_every_core_to_each_phase():
