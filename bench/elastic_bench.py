@@ -1,9 +1,12 @@
 """Elastic roller pool benchmark: one ``fully-async`` job whose generation is the bottleneck, scaled from 1 to
 2 rollers part-way through, then back to 1.
 
-The job (``--preset``, default ``tiny``) runs in this process (its own local Ray cluster) with one roller
-and ``rollout.forced_response_lengths`` making every response ``--response-tokens`` long (EOS ignored), so
-generation dominates. After ``--scale-at`` steps the benchmark asks ``controller.admin.request_scale(run_dir,
+The job (``--preset``, default ``tiny``) runs in this process (its own local Ray cluster) with one roller,
+``rollout.forced_response_lengths`` making every response ``--response-tokens`` long (default 128, EOS
+ignored) and ``rollers.max_batch_slots=--batch-slots`` (default 4: a roller decodes 4 sequences at a time, as
+a KV-cache budget bounds it on a GPU), so generation dominates: with the tiny model one update of 64 samples
+takes ~0.4 s, their generation ~6 s on one roller. With the tiny model's own defaults (4 tokens, 128 slots)
+a step takes 0.1 s, and the job ends before a new roller (~6 s to join) could matter. After ``--scale-at`` steps the benchmark asks ``controller.admin.request_scale(run_dir,
 2)`` (what ``hflow-async scale --rollers 2`` does) and, ``--keep`` steps after the new roller joined, asks for
 1 again (the oldest roller, one the job started with, drains and leaves).
 
@@ -79,10 +82,12 @@ def _first_trained_s(run_dir: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--scale-at", type=int, default=12, help="steps before the scale-up request")
-    parser.add_argument("--keep", type=int, default=12, help="steps with 2 rollers before the scale-down")
-    parser.add_argument("--response-tokens", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=44)
+    parser.add_argument("--scale-at", type=int, default=16, help="steps before the scale-up request")
+    parser.add_argument("--keep", type=int, default=20, help="steps with 2 rollers before the scale-down")
+    parser.add_argument("--response-tokens", type=int, default=128)
+    parser.add_argument("--batch-slots", type=int, default=4,
+                        help="rollers.max_batch_slots: sequences a roller decodes at once (as a KV cache bounds it)")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--quick", action="store_true", help="a few short steps: proves the script runs")
     args = parser.parse_args(argv)
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     L = args.response_tokens
     cfg = load_config(mode="fully-async", preset=args.preset, overrides=[
         f"run_dir={run_dir}", "metrics.progress=false", f"trainer.total_steps={args.steps}",
-        "rollers.num_replicas=1", "rollers.max_replicas=2", f"rollout.max_response_length={L}",
+        "rollers.num_replicas=1", "rollers.max_replicas=2", f"rollers.max_batch_slots={args.batch_slots}",
+        f"rollout.max_response_length={L}",
         f"rollout.forced_response_lengths=[[1,{L},{L}]]", "data.train_batch_size=8",
         "trainer.ppo_mini_batch_size=8", *(["rollers.fault_injection=[roller0:slow:group=1:1.0]"] * args.quick)])
     outcome: dict = {}
