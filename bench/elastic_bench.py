@@ -5,10 +5,11 @@ The job (``--preset``, default ``tiny``) runs in this process (its own local Ray
 ``rollout.forced_response_lengths`` making every response ``--response-tokens`` long (default 128, EOS
 ignored) and ``rollers.max_batch_slots=--batch-slots`` (default 4: a roller decodes 4 sequences at a time, as
 a KV-cache budget bounds it on a GPU), so generation dominates: with the tiny model one update of 64 samples
-takes ~0.4 s, their generation ~6 s on one roller. With the tiny model's own defaults (4 tokens, 128 slots)
-a step takes 0.1 s, and the job ends before a new roller (~6 s to join) could matter. After ``--scale-at`` steps the benchmark asks ``controller.admin.request_scale(run_dir,
-2)`` (what ``hflow-async scale --rollers 2`` does) and, ``--keep`` steps after the new roller joined, asks for
-1 again (the oldest roller, one the job started with, drains and leaves).
+takes ~0.4 s, their generation ~6.5 s on one roller. With the tiny model's own defaults (4 tokens, 128
+slots) a step takes 0.1 s, and the job ends before a new roller (~8 s to join) could matter. After
+``--scale-at`` steps the benchmark asks ``controller.admin.request_scale(run_dir, 2)`` (what ``hflow-async
+scale --rollers 2`` does) and, ``--keep`` steps after the new roller joined, asks for 1 again (the oldest
+roller, one the job started with, drains and leaves).
 
 Reported (from ``metrics.jsonl`` and the requests' own timing):
 
