@@ -43,6 +43,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from modes_runs import overlap_s  # noqa: E402
+
 MODES = ("sync", "one-step-off", "fully-async")
 T0 = time.monotonic()
 
@@ -88,9 +92,11 @@ def read_curve(run_dir: Path) -> dict:
     busy = [start for intervals in timeline["rollers"].values() for start, _ in intervals]
     origin = min(busy) if busy else timeline["update"][0][0]
     vals = sorted((r for r in rows if r.get("validation")), key=lambda r: r["weight_version"])
-    # A round starts with the sync that made its version current (version 0: at the first generation).
-    rounds = [(start, start + r["val/duration_s"]) for r in vals
-              for start in [0.0 if r["weight_version"] == 0 else timeline["sync"][r["weight_version"] - 1][1] - origin]]
+    rounds = []
+    for r in vals:  # a round starts with the sync that made its version current (version 0: the first generation)
+        v = r["weight_version"]
+        start = 0.0 if v == 0 else timeline["sync"][v - 1][1] - origin
+        rounds.append((start, start + r["val/duration_s"]))
     trainer_busy = [(a - origin, b - origin) for a, b in timeline["update"] + timeline["sync"]]
     points = []
     for r in vals:
@@ -109,24 +115,9 @@ def read_curve(run_dir: Path) -> dict:
 
 
 def validation_wait_s(rounds: list[tuple[float, float]], busy: list[tuple[float, float]], until: float) -> float:
-    """Seconds before ``until`` that lie in a validation round (``rounds``: ``[start, end]``) and outside every
-    trainer busy interval (``busy``: updates and weight syncs); all on one clock."""
-    def covered(a: float, b: float) -> float:  # seconds of [a, b] inside the union of ``busy``
-        total, cursor = 0.0, a
-        for s, e in sorted(busy):
-            s, e = max(s, cursor), min(e, b)
-            if e > s:
-                total, cursor = total + e - s, e
-        return total
-
-    spans = sorted((s, min(e, until)) for s, e in rounds if s < until)
-    merged: list[list[float]] = []
-    for s, e in spans:  # overlapping rounds (fully-async) count once
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return sum((e - s) - covered(s, e) for s, e in merged)
+    """Seconds before ``until`` that lie in a validation round (``rounds``: ``[start, end]``, overlapping rounds
+    count once) and outside every trainer busy interval (``busy``: updates and weight syncs); one clock."""
+    return overlap_s(rounds + busy, -math.inf, until) - overlap_s(busy, -math.inf, until)
 
 
 def time_to_accuracy(points: list[dict], target: float) -> float:

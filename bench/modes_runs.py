@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 
-def _overlap(intervals, t0: float, t1: float) -> float:
+def overlap_s(intervals, t0: float, t1: float) -> float:
     """Seconds of ``intervals`` (``[start, end]`` pairs, possibly overlapping) inside ``[t0, t1]``."""
     clipped = sorted((max(s, t0), min(e, t1)) for s, e in intervals if e > t0 and s < t1)
     total, cur_s, cur_e = 0.0, None, None
@@ -67,9 +67,9 @@ def read_run(run_dir: Path, warmup_steps: int, tail_steps: int) -> dict:
     kept = steps[warmup_steps:last]
     samples = sum(s["num_samples"] for s in kept)
     tokens = sum(s["num_samples"] * s["response_length_mean"] for s in kept)
-    sync_t = _overlap(syncs, t0, t1)
+    sync_t = overlap_s(syncs, t0, t1)
     rollers = timeline["rollers"]
-    roller_busy = [_overlap(iv, t0, t1) / window for iv in rollers.values()]
+    roller_busy = [overlap_s(iv, t0, t1) / window for iv in rollers.values()]
     gen_phases = []
     if summary.get("mode") == "sync":  # the phases alternate: generation is sync end → next update start
         for k in range(max(warmup_steps, 1), last):
@@ -84,7 +84,7 @@ def read_run(run_dir: Path, warmup_steps: int, tail_steps: int) -> dict:
         "num_samples": samples,
         "samples_per_s": samples / window,
         "tokens_per_s": tokens / window,
-        "trainer_idle_share": 1 - (_overlap(updates, t0, t1) + sync_t) / window,
+        "trainer_idle_share": 1 - (overlap_s(updates, t0, t1) + sync_t) / window,
         "roller_idle_share": 1 - sum(roller_busy) / len(roller_busy) if roller_busy else None,
         "sync_share": sync_t / window,
         "staleness_mean": statistics.fmean(s["staleness_mean"] for s in kept),
