@@ -13,7 +13,6 @@ partition's parked requests are retried: a dead consumer never takes samples wit
 from __future__ import annotations
 
 import importlib
-import logging
 import time
 from dataclasses import asdict
 from itertools import repeat
@@ -24,8 +23,6 @@ from transferqueue.config import TransferQueueConfig
 from transferqueue.index import MetadataIndex
 from transferqueue.records import Consume, IndexStats
 from transferqueue.server import Reply, RouterServer
-
-logger = logging.getLogger(__name__)
 
 
 def _ids_or_none(value, what: str) -> list[int] | None:
@@ -138,11 +135,7 @@ class IndexServer(RouterServer):
             if not len(meta):
                 meta.reason = f"timed out after {header.get('timeout_s')} s: {meta.reason}"
             reply = {"ok": True, "rid": header.get("rid"), "meta": meta.to_wire()}
-        if not self.send(identity, reply):
-            try:
-                self.undelivered(header, reply)
-            except Exception:  # noqa: BLE001 - from tick(), outside the request loop's guard: never end the loop
-                logger.exception("giving back the samples of an undelivered get_meta failed")
+        self.reply(identity, header, reply)
         self.parked_bytes -= size
         return True
 

@@ -6,10 +6,10 @@
                   <--[header, *frames]--                       reply later from ``tick()``
 
 Every failure inside ``handle`` (malformed message, bad ids, unknown op) becomes an error reply
-``{"ok": False, "error": ...}`` and the loop keeps serving. Replies go through ``send``; a reply to a peer
+``{"ok": False, "error": ...}`` and the loop keeps serving. Replies go through ``reply``: a reply to a peer
 that is gone (ROUTER_MANDATORY: its process died and its connection closed) or whose queue is full is
-dropped, and ``undelivered`` lets the server undo what the request did (the index gives the samples of an
-undelivered ``get_meta`` back). The loop wakes at least every ``tick_s`` for timers.
+dropped (``send``), and ``undelivered`` lets the server undo what the request did (the index gives the
+samples of an undelivered ``get_meta`` back). The loop wakes at least every ``tick_s`` for timers.
 """
 
 from __future__ import annotations
@@ -100,6 +100,17 @@ class RouterServer:
             logger.info("dropping a reply (rid %s): its peer is gone", header.get("rid"))
         return False
 
+    def reply(self, identity: bytes, request: dict, header: dict, frames: list | tuple = ()) -> None:
+        """``send`` the reply ``header`` to ``request``; when it cannot be delivered, ``undelivered`` undoes
+        the request. A failure there is logged, never raised: replies to parked requests are sent from
+        ``tick``, outside the request loop's guard, and the loop must keep serving."""
+        if self.send(identity, header, frames):
+            return
+        try:
+            self.undelivered(request, header)
+        except Exception:  # noqa: BLE001 - logged; the peer is gone, so there is no one to tell
+            logger.exception("undoing the undelivered reply to %s failed", request.get("op"))
+
     # -- loop
     def serve_forever(self) -> None:
         """Serve until ``stop()``. Python's automatic cyclic GC is off in the loop: a full collection over a
@@ -144,8 +155,7 @@ class RouterServer:
             if reply is not None:
                 head, frames = reply
                 head.update(ok=True, rid=rid)
-                if not self.send(identity, head, frames):
-                    self.undelivered(header, head)
+                self.reply(identity, header, head, frames)
             if self.after_reply is not None:  # e.g. join a p2p group or start sends the reply announced
                 self.after_reply()
         except Exception as exc:  # every failure becomes an error reply; the loop keeps serving
