@@ -16,16 +16,22 @@ that version. **Time to accuracy** (how PipelineRL and AReaL compare schedules):
 version whose sampled held-out accuracy reaches ``--target`` (default: twice the initial accuracy, 0.5
 when that is 0); ``nan`` when a mode never gets there.
 
-Outputs in ``--out`` (default ``bench/results/``, git-ignored): ``learning_bench.json`` (per mode: the
-curve, final accuracy, time to accuracy), ``learning_bench.png`` (accuracy over wall time and over trained
-samples, one line per mode), the run directories under ``learning_runs/``, and the last line::
+``--reps`` runs of every mode (default 3, ``--quick`` 1), in rounds (each round runs every mode once, so a
+drift of the machine touches all modes alike); the RESULT keys are medians over the runs: ``acc0`` over every
+run's initial round (the same weights), ``acc_*`` and ``tta_s_*`` per mode (a run that never reaches the target
+counts as slower than any that does; ``nan`` when the median one does not).
+
+Outputs in ``--out`` (default ``bench/results/``, git-ignored): ``learning_bench.json`` (per mode: each run's
+curve, final accuracy and time to accuracy, and their median and range), ``learning_bench.png`` (accuracy over
+wall time and over trained samples, one line per run, a colour per mode), the run directories
+``learning_runs/rep<i>/<mode>``, and the last line::
 
     RESULT acc0=… acc_sync=… acc_one_step_off=… acc_fully_async=… tta_s_sync=… tta_s_one_step_off=…
-           tta_s_fully_async=… target=…
+           tta_s_fully_async=… target=… reps=…
 
-``--quick``: fewer steps and held-out prompts (a first look, not a result). Results need a quiet machine.
-``--reuse-runs``: a mode whose completed run is in ``--out`` is read, not run again (to rerun one mode after a
-change, delete its run directory).
+``--quick``: fewer steps and held-out prompts and one run per mode (a first look, not a result: a result needs
+the median of at least three runs on a quiet machine). ``--reuse-runs``: a completed run in ``--out`` is read,
+not run again (to rerun one, delete its run directory).
 Smoke-test with the tiny preset: ``python bench/learning_bench.py --quick --preset tiny --steps 4
 --val-every 2 --val-size 8 --set data.size=64 data.train_batch_size=8 trainer.ppo_mini_batch_size=8``.
 """
@@ -37,6 +43,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -55,12 +62,12 @@ def log(msg: str) -> None:
     print(f"[{time.monotonic() - T0:6.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def run_mode(mode: str, args) -> Path:
-    """Run ``mode``; its run directory. Raises RuntimeError naming the log when the run fails."""
-    run_dir = args.out / "learning_runs" / mode
+def run_mode(mode: str, rep: int, args) -> Path:
+    """Run ``mode``'s ``rep``-th run; its run directory. Raises RuntimeError naming the log when the run fails."""
+    run_dir = args.out / "learning_runs" / f"rep{rep}" / mode
     summary = run_dir / "summary.json"
     if args.reuse_runs and summary.exists() and json.loads(summary.read_text()).get("status") == "completed":
-        log(f"{mode}: reusing the completed run in {run_dir}")
+        log(f"{mode} rep{rep}: reusing the completed run in {run_dir}")
         return run_dir
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -70,7 +77,7 @@ def run_mode(mode: str, args) -> Path:
            f"trainer.val_every={args.val_every}", f"val.n={args.val_n}", f"run_dir={run_dir}",
            "metrics.progress=false", *args.set]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    log(f"{mode}: running")
+    log(f"{mode} rep{rep}: running")
     log_path = run_dir.parent / f"{mode}.log"
     with open(log_path, "w") as out:
         try:
@@ -79,7 +86,7 @@ def run_mode(mode: str, args) -> Path:
         except subprocess.TimeoutExpired:
             code = "timeout"
     if code != 0:
-        raise RuntimeError(f"{mode} run failed ({code}); log: {log_path}")
+        raise RuntimeError(f"{mode} rep{rep} run failed ({code}); log: {log_path}")
     return run_dir
 
 
@@ -125,17 +132,30 @@ def time_to_accuracy(points: list[dict], target: float) -> float:
     return next((p["time_s"] for p in points if p["accuracy"] is not None and p["accuracy"] >= target), math.nan)
 
 
-def plot(curves: dict[str, dict], target: float, path: Path) -> None:
+def median_spread(values: list[float]) -> dict:
+    """``{median, min, max}`` of ``values``. ``nan`` (a run that never reached the target) counts as slower than
+    any number, so the median is ``nan`` when a middle run is one; ``min``/``max`` are over the numbers."""
+    ordered = sorted(math.inf if math.isnan(v) else v for v in values)
+    mid = statistics.median(ordered) if ordered else math.inf
+    numbers = [v for v in ordered if v != math.inf]
+    return {"median": math.nan if mid == math.inf else mid,
+            "min": min(numbers, default=math.nan), "max": max(numbers, default=math.nan)}
+
+
+def plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for mode, curve in curves.items():
-        pts = curve["points"]
-        ax_t.plot([p["time_s"] for p in pts], [p["accuracy"] for p in pts], marker="o", markersize=3, label=mode)
-        ax_s.plot([p["samples"] for p in pts], [p["accuracy"] for p in pts], marker="o", markersize=3, label=mode)
+    for i, (mode, runs) in enumerate(curves.items()):
+        for rep, curve in enumerate(runs):
+            pts = curve["points"]
+            style = {"marker": "o", "markersize": 3, "color": f"C{i}", "alpha": 0.8 if len(runs) == 1 else 0.6,
+                     "label": mode if rep == 0 else None}
+            ax_t.plot([p["time_s"] for p in pts], [p["accuracy"] for p in pts], **style)
+            ax_s.plot([p["samples"] for p in pts], [p["accuracy"] for p in pts], **style)
     for ax, xlabel in ((ax_t, "wall time from first generation (s)"), (ax_s, "trained samples")):
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.3f}")
         ax.set_xlabel(xlabel)
@@ -156,6 +176,7 @@ def parse_args(argv=None):
     p.add_argument("--val-size", type=int, default=None, help="held-out prompts (default 64, --quick 32)")
     p.add_argument("--val-n", type=int, default=4, help="samples per held-out prompt (val.n)")
     p.add_argument("--target", type=float, default=None, help="time-to-accuracy target (default 2 x acc0)")
+    p.add_argument("--reps", type=int, default=None, help="runs per mode (default 3, --quick 1)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--quick", action="store_true", help="fewer steps and held-out prompts: a first look")
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run (key=value)")
@@ -164,30 +185,45 @@ def parse_args(argv=None):
     p.add_argument("--reuse-runs", action="store_true",
                    help="read a mode's completed run in --out instead of running it again (rerun one mode: delete its run)")
     args = p.parse_args(argv)
-    for key, full, quick in (("steps", 60, 12), ("val_every", 10, 4), ("val_size", 64, 32)):
+    for key, full, quick in (("steps", 60, 12), ("val_every", 10, 4), ("val_size", 64, 32), ("reps", 3, 1)):
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
+    if args.reps < 1:
+        p.error(f"--reps must be at least 1, got {args.reps}")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    curves = {mode: read_curve(run_mode(mode, args)) for mode in args.modes}
-    first = curves[args.modes[0]]["points"]
-    acc0 = first[0]["accuracy"] if first and first[0]["weight_version"] == 0 else math.nan
+    curves: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for rep in range(args.reps):  # rounds: every mode once per round
+        for mode in args.modes:
+            curves[mode].append(read_curve(run_mode(mode, rep, args)))
+    initial = [run["points"][0]["accuracy"] for runs in curves.values() for run in runs
+               if run["points"] and run["points"][0]["weight_version"] == 0]
+    acc0 = median_spread(initial)["median"] if initial else math.nan
     target = args.target if args.target is not None else min(1.0, 2 * acc0) if acc0 > 0 else 0.5
-    results = {"acc0": acc0, "target": target, "args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
-    for mode, curve in curves.items():
-        pts = curve["points"]
-        results["modes"][mode] = {**curve, "final_accuracy": pts[-1]["accuracy"] if pts else math.nan,
-                                  "tta_s": time_to_accuracy(pts, target)}
+    results = {"acc0": acc0, "acc0_runs": initial, "target": target, "reps": args.reps,
+               "args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
+    for mode, runs in curves.items():
+        for run in runs:
+            pts = run["points"]
+            run["final_accuracy"] = pts[-1]["accuracy"] if pts else math.nan
+            run["tta_s"] = time_to_accuracy(pts, target)
+        results["modes"][mode] = {"final_accuracy": median_spread([r["final_accuracy"] for r in runs]),
+                                  "tta_s": median_spread([r["tta_s"] for r in runs]), "runs": runs}
+        m = results["modes"][mode]
+        log(f"{mode}: final accuracy {m['final_accuracy']['median']:.3f} ({m['final_accuracy']['min']:.3f}-"
+            f"{m['final_accuracy']['max']:.3f}), time to {target:.3f}: {m['tta_s']['median']:.1f} s "
+            f"({m['tta_s']['min']:.1f}-{m['tta_s']['max']:.1f}) over {len(runs)} run(s)")
     (args.out / "learning_bench.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
     plot(curves, target, args.out / "learning_bench.png")
+    key = {m: m.replace("-", "_") for m in args.modes}
     fields = [f"acc0={acc0:.4f}"]
-    fields += [f"acc_{m.replace('-', '_')}={results['modes'][m]['final_accuracy']:.4f}" for m in args.modes]
-    fields += [f"tta_s_{m.replace('-', '_')}={results['modes'][m]['tta_s']:.1f}" for m in args.modes]
-    print("RESULT " + " ".join(fields) + f" target={target:.4f}", flush=True)
+    fields += [f"acc_{key[m]}={results['modes'][m]['final_accuracy']['median']:.4f}" for m in args.modes]
+    fields += [f"tta_s_{key[m]}={results['modes'][m]['tta_s']['median']:.1f}" for m in args.modes]
+    print("RESULT " + " ".join(fields) + f" target={target:.4f} reps={args.reps}", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,49 @@ def test_curve_times_samples_and_time_to_accuracy(tmp_path):
     assert [p["time_s"] for p in points] == pytest.approx([0.0, 12.0, 32.0])
     assert learning_bench.time_to_accuracy(points, 0.3) == pytest.approx(12.0)
     assert math.isnan(learning_bench.time_to_accuracy(points, 0.9))
+
+
+def test_median_over_runs_counts_a_run_that_never_got_there_as_slowest():
+    nan = math.nan
+    assert learning_bench.median_spread([30.0, 10.0, 20.0]) == {"median": 20.0, "min": 10.0, "max": 30.0}
+    assert learning_bench.median_spread([10.0, nan, 20.0]) == {"median": 20.0, "min": 10.0, "max": 20.0}
+    assert math.isnan(learning_bench.median_spread([10.0, nan, nan])["median"])
+    assert learning_bench.median_spread([10.0, 20.0])["median"] == 15.0
+    assert math.isnan(learning_bench.median_spread([10.0, nan])["median"])
+    assert all(math.isnan(v) for v in learning_bench.median_spread([nan]).values())
+
+
+def test_reps_default_to_three_and_one_for_quick():
+    assert learning_bench.parse_args([]).reps == 3
+    assert learning_bench.parse_args(["--quick"]).reps == 1
+    assert learning_bench.parse_args(["--quick", "--reps", "3"]).reps == 3
+    with pytest.raises(SystemExit):
+        learning_bench.parse_args(["--reps", "0"])
+
+
+def _fake_run(run_dir, acc1: float, update_end: float) -> None:
+    """A completed two-version run: initial accuracy 0.1, ``acc1`` after one update ending at ``update_end``."""
+    run_dir.mkdir(parents=True)
+    rows = [{"step": 0, "validation": True, "weight_version": 0, "val/duration_s": 0.0, "val/accuracy": 0.1},
+            {"step": 1, "weight_version": 1, "num_samples": 8},
+            {"step": 1, "validation": True, "weight_version": 1, "val/duration_s": 0.0, "val/accuracy": acc1}]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (run_dir / "timeline.json").write_text(json.dumps({
+        "rollers": {"roller0": [[0.0, 5.0]]}, "update": [[5.0, update_end]], "sync": [[update_end, update_end]]}))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "wall_s": update_end}))
+
+
+def test_reused_runs_give_medians_per_mode(tmp_path, capsys):
+    acc = {"sync": (0.3, 0.1, 0.4), "one-step-off": (0.5, 0.6, 0.2), "fully-async": (0.1, 0.1, 0.3)}
+    for rep in range(3):
+        for mode, values in acc.items():
+            _fake_run(tmp_path / "learning_runs" / f"rep{rep}" / mode, values[rep], 10.0 + rep)
+    learning_bench.main(["--reps", "3", "--reuse-runs", "--out", str(tmp_path)])
+    result = capsys.readouterr().out.strip().splitlines()[-1]
+    # Target 2 x 0.1: sync reaches it in reps 0 and 2 (10 s, 12 s), one-step-off in all three, fully-async
+    # only in rep 2 (its median never gets there).
+    assert result == ("RESULT acc0=0.1000 acc_sync=0.3000 acc_one_step_off=0.5000 acc_fully_async=0.1000 "
+                      "tta_s_sync=12.0 tta_s_one_step_off=11.0 tta_s_fully_async=nan target=0.2000 reps=3")
+    saved = json.loads((tmp_path / "learning_bench.json").read_text())
+    assert saved["modes"]["sync"]["final_accuracy"] == {"median": 0.3, "min": 0.1, "max": 0.4}
+    assert len(saved["modes"]["sync"]["runs"]) == 3 and (tmp_path / "learning_bench.png").exists()
