@@ -153,6 +153,49 @@ def local_mini_batch_sizes(uid: Sequence[Any], groups_per_mini_batch: int) -> tu
     return order, sizes
 
 
+def length_order(batch: Mapping[str, Any]) -> list[int]:
+    """Sample indices of ``batch`` by the length of each sample's sequence, shortest first (stable): real
+    prompt tokens (``attention_mask``) plus the response up to its last valid token (``response_mask``).
+    Micro-batches cut in this order hold samples of similar length, so :func:`trim_padding` drops most of
+    their padding (verl's dynamic batch size rearranges by length for the same reason). Without a
+    ``response_mask`` (a forward-only batch may lack one) every response counts as full width."""
+    prompt = batch[schema.ATTENTION_MASK].sum(dim=1)
+    mask = _valid_responses(batch)
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    extent = (mask * cols).amax(dim=1) if mask.shape[1] else torch.zeros_like(prompt)
+    return torch.argsort(prompt.to(extent.device) + extent, stable=True).tolist()
+
+
+def _valid_responses(batch: Mapping[str, Any]) -> torch.Tensor:
+    """``(batch, response_len)`` bool: ``response_mask != 0``, or all true without a ``response_mask``."""
+    mask = batch.get(schema.RESPONSE_MASK)
+    return mask.ne(0) if mask is not None else torch.ones_like(batch[schema.RESPONSES], dtype=torch.bool)
+
+
+def trim_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``batch`` without the padding columns no sample needs: prompt columns left of every sample's first
+    real token (``input_ids``, ``attention_mask``: ``(batch, prompt_len)``, left-padded) and response columns
+    right of every sample's last valid token (``response_mask`` ≠ 0, none without one; at least one column is kept), cut from
+    every other tensor ``(batch, response_len, ...)`` — the schema's response fields and per-token outputs of
+    earlier stages. Exact for everything computed on valid tokens: positions ids count real tokens
+    (``trainers.fsdp.position_ids_from_mask``) and attention is causal, so a valid token never sees a cut
+    column. Per-token results come back narrower: ``(batch, kept_response_len)``."""
+    mask = _valid_responses(batch)
+    width = mask.shape[1]
+    valid = mask.any(dim=0).nonzero()
+    keep = max(int(valid.max()) + 1, 1) if len(valid) else min(width, 1)
+    real = batch[schema.ATTENTION_MASK].ne(0).any(dim=0).nonzero()
+    start = int(real.min()) if len(real) else 0
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in (schema.INPUT_IDS, schema.ATTENTION_MASK):
+            value = value[:, start:]
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width:
+            value = value[:, :keep]
+        out[key] = value
+    return out
+
+
 def micro_batch_slices(num_samples: int, micro_batch_size: int) -> list[slice]:
     """Consecutive slices of at most ``micro_batch_size`` samples covering ``range(num_samples)``."""
     return [slice(i, min(i + micro_batch_size, num_samples)) for i in range(0, num_samples, micro_batch_size)]

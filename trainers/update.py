@@ -7,6 +7,12 @@ forward. Gradients are summed over micro-batches (``backward`` accumulates) and 
 reduce-scatter with divide factor 1), so the step equals one step on the whole mini-batch however it is
 split: 1 micro-batch of 8 equals 8 of 1, and 2 ranks equal 1 rank.
 
+Micro-batches are cut from the mini-batch in :func:`trainers.batching.length_order` (samples of similar length
+together) and each is cut to its own longest sample (:func:`trainers.batching.trim_padding`): with long-tail
+lengths (multi-turn trajectories) most of the padding a batch-wide width would carry is never computed. The
+loss is a sum over samples, so the order changes nothing but float rounding; only plug-in losses with
+micro-batch-local statistics (``clip_cov``, ``kl_cov``) see other micro-batches.
+
 All ranks run the same number of forward/backward passes (every FSDP2 pass is collective): a rank with
 fewer micro-batches runs *filler* micro-batches — a copy of one of its samples with ``response_mask`` all
 zero, whose loss is exactly 0 and whose gradient is exactly 0.
@@ -27,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from common import schema
 from trainers import collectives
-from trainers.batching import batch_size, micro_batch_slices, select
+from trainers.batching import batch_size, length_order, micro_batch_slices, select, trim_padding
 from trainers.config import AlgorithmConfig
 from trainers.fsdp import response_log_probs, response_values
 from trainers.kl import kl_loss
@@ -71,13 +77,15 @@ def filler_sample(batch: dict) -> dict:
 
 
 def synced_micro_batches(mini: dict | None, micro_batch_size: int, filler: dict) -> Iterator[dict]:
-    """The micro-batches of ``mini`` (``None`` = this rank has no sample in it), then fillers up to the
-    largest micro-batch count of any rank. Collective (one all-reduce)."""
+    """The micro-batches of ``mini`` (``None`` = this rank has no sample in it): its samples in
+    ``length_order(mini)``, ``micro_batch_size`` at a time, each through ``trim_padding``; then fillers up to
+    the largest micro-batch count of any rank. Collective (one all-reduce)."""
     num = batch_size(mini) if mini else 0
     slices = micro_batch_slices(num, micro_batch_size)
     total = int(collectives.all_reduce([len(slices)], dist.ReduceOp.MAX)[0])
+    order = length_order(mini) if mini else []
     for i in range(total):
-        yield select(mini, range(slices[i].start, slices[i].stop)) if i < len(slices) else filler
+        yield trim_padding(select(mini, order[slices[i]]) if i < len(slices) else filler)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from common import net, schema
 from common.env import resolve_num_threads, set_torch_threads
@@ -38,7 +39,7 @@ from common.models import ModelConfig
 from trainers import checkpoint, collectives, export, fsdp
 from trainers.advantage_stage import compute_rank_advantages
 from trainers.advantages import ADV_ESTIMATORS
-from trainers.batching import as_batch_dict, batch_size, local_mini_batch_sizes, select
+from trainers.batching import as_batch_dict, batch_size, length_order, local_mini_batch_sizes, select
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.kl import make_kl_controller
 from trainers.rollout_corr import MismatchSums, can_skip_old_forward, is_on_policy
@@ -146,11 +147,18 @@ class TrainerWorker:
         return minis
 
     @torch.no_grad()
-    def _forward_all(self, batch: dict, fn) -> list[Any]:
-        """``fn(micro_batch)`` over this rank's micro-batches (plus synced fillers, whose results are dropped)."""
-        results = [fn(mb) for mb in synced_micro_batches(batch, self.trainer.ppo_micro_batch_size,
-                                                         filler_sample(batch))]
-        return results[: math.ceil(batch_size(batch) / self.trainer.ppo_micro_batch_size)]
+    def _forward_all(self, batch: dict, fn) -> tuple[torch.Tensor, ...]:
+        """``fn(micro_batch)`` over this rank's micro-batches (``synced_micro_batches``: length-sorted, trimmed;
+        fillers' results dropped). ``fn`` returns a tuple of per-token tensors ``(micro, kept_response_len)``;
+        returns them for the whole batch, in its order and at its width ``(batch, response_len)``, 0 on the
+        cut columns."""
+        micro = self.trainer.ppo_micro_batch_size
+        results = [fn(mb) for mb in synced_micro_batches(batch, micro, filler_sample(batch))]
+        results = results[: math.ceil(batch_size(batch) / micro)]
+        width = batch[schema.RESPONSES].shape[1]
+        inverse = torch.argsort(torch.tensor(length_order(batch)))
+        return tuple(torch.cat([F.pad(r[i], (0, width - r[i].shape[1])) for r in results])[inverse.to(self.device)]
+                     for i in range(len(results[0])))
 
     # ------------------------------------------------------------------------------------------- stages
 
@@ -161,9 +169,10 @@ class TrainerWorker:
         b = self._to_device(batch)
         require_fields(b, FORWARD_FIELDS, "compute_log_prob")
         out: dict[str, torch.Tensor] = {}
-        results = self._forward_all(b, lambda mb: fsdp.response_log_probs(self.policy, mb, self.temperature, True))
-        out[schema.OLD_LOG_PROBS] = torch.cat([lp for lp, _ in results]).cpu()
-        out["entropy"] = torch.cat([ent for _, ent in results]).cpu()
+        log_probs, entropy = self._forward_all(
+            b, lambda mb: fsdp.response_log_probs(self.policy, mb, self.temperature, True))
+        out[schema.OLD_LOG_PROBS] = log_probs.cpu()
+        out["entropy"] = entropy.cpu()
         fsdp.reshard(self.policy)
         return out | self.compute_ref_log_prob(b)
 
@@ -174,9 +183,9 @@ class TrainerWorker:
             return {}
         b = self._to_device(batch)
         require_fields(b, FORWARD_FIELDS, "compute_ref_log_prob")
-        refs = self._forward_all(b, lambda mb: fsdp.response_log_probs(self.reference, mb, self.temperature)[0])
+        (refs,) = self._forward_all(b, lambda mb: fsdp.response_log_probs(self.reference, mb, self.temperature)[:1])
         fsdp.reshard(self.reference)
-        return {schema.REF_LOG_PROB: torch.cat(refs).cpu()}
+        return {schema.REF_LOG_PROB: refs.cpu()}
 
     def compute_values(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """``values`` ``(batch, response_len)`` fp32 from the critic. Raises RuntimeError without a critic
@@ -186,7 +195,8 @@ class TrainerWorker:
                                "does not use one (gae does)")
         b = self._to_device(batch)
         require_fields(b, FORWARD_FIELDS, "compute_values")
-        values = torch.cat(self._forward_all(b, lambda mb: fsdp.response_values(self.critic, mb))).cpu()
+        (values,) = self._forward_all(b, lambda mb: (fsdp.response_values(self.critic, mb),))
+        values = values.cpu()
         fsdp.reshard(self.critic)
         return {schema.VALUES: values}
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common import schema
 from common.models import ModelConfig
@@ -106,6 +107,75 @@ def test_gradient_accumulation_1x8_equals_8x1(mode):
         g_one, g_eight = p_one.grad.full_tensor(), p_eight.grad.full_tensor()
         torch.testing.assert_close(g_eight, g_one, atol=1e-5 * g_one.abs().max().item(), rtol=1e-4, msg=name)
     assert_same_updates(before, one.full_state_dict(), before, eight.full_state_dict())
+
+
+def _more_padding(batch: dict, left: int = 3, right: int = 6) -> dict:
+    """``batch`` with ``left`` more prompt pad columns and ``right`` more response pad columns (0 in every
+    field): padding that no sample needs, as a long-tail batch's short samples carry."""
+    out = dict(batch)
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            prompt = key in (schema.INPUT_IDS, schema.ATTENTION_MASK)
+            out[key] = F.pad(value, (left, 0) if prompt else (0, right))
+    return out
+
+
+def _sequence_widths(batch: dict, micro: int) -> list[int]:
+    """What each micro-batch should be cut to: samples sorted by real prompt tokens + response extent,
+    ``micro`` at a time, each as wide as its longest real prompt plus its longest response."""
+    prompt = batch[schema.ATTENTION_MASK].sum(1).tolist()
+    extent = [int(row.nonzero().max()) + 1 for row in batch[schema.RESPONSE_MASK]]
+    order = sorted(range(len(prompt)), key=lambda i: prompt[i] + extent[i])
+    chunks = [order[i : i + micro] for i in range(0, len(order), micro)]
+    return [max(prompt[i] for i in c) + max(extent[i] for i in c) for c in chunks]
+
+
+def test_micro_batches_are_cut_to_their_own_longest_sample():
+    batch = make_batch(num_groups=2, n=4, prompt_len=6, response_len=5, seed=5)
+    padded = _more_padding(batch)
+    worker = make_worker(ppo_micro_batch_size=3)
+    widths: list[int] = []
+    hook = worker.policy.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        out = worker.compute_log_prob(padded)
+    finally:
+        hook.remove()
+    # The model never sees the 9 extra columns, nor the padding a batch-wide width would add.
+    assert widths == _sequence_widths(batch, 3)
+    assert sum(widths) < 3 * (padded[schema.INPUT_IDS].shape[1] + padded[schema.RESPONSES].shape[1])
+    # Results come back in the batch's order, at its width, 0 on the cut columns: the same as one
+    # untrimmed micro-batch of everything.
+    reference = make_worker(ppo_micro_batch_size=8).compute_log_prob(batch)
+    for key in (schema.OLD_LOG_PROBS, "entropy"):
+        assert out[key].shape == padded[schema.RESPONSES].shape
+        assert not out[key][:, 5:].any()
+        mask = batch[schema.RESPONSE_MASK].bool()
+        torch.testing.assert_close(out[key][:, :5][mask], reference[key][mask], atol=1e-5, rtol=0, msg=key)
+
+
+def test_a_forward_without_response_mask_keeps_every_response_column():
+    batch = make_batch(seed=7)
+    worker = make_worker(ppo_micro_batch_size=3)
+    with_mask = worker.compute_log_prob(batch)[schema.OLD_LOG_PROBS]
+    without = {k: v for k, v in batch.items() if k != schema.RESPONSE_MASK}
+    full = worker.compute_log_prob(without)[schema.OLD_LOG_PROBS]
+    mask = batch[schema.RESPONSE_MASK].bool()
+    assert full.shape == with_mask.shape and (full[~mask] != 0).all()  # padding positions computed too
+    torch.testing.assert_close(full[mask], with_mask[mask], atol=1e-5, rtol=0)
+
+
+def test_padding_no_sample_needs_changes_no_update():
+    algorithm = AlgorithmConfig(entropy_coeff=0.01)
+    plain = make_worker(ppo_micro_batch_size=3, algorithm=algorithm, lr=LINEAR_ADAM_LR)
+    padded = make_worker(ppo_micro_batch_size=3, algorithm=algorithm, lr=LINEAR_ADAM_LR)
+    linear_adam(plain), linear_adam(padded)
+    batch = with_training_fields(plain, make_batch(seed=6))
+    before = plain.full_state_dict()
+    m_plain, m_padded = plain.update_actor(batch), padded.update_actor(_more_padding(batch))
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/num_tokens"):
+        assert m_padded[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-6), key
+    assert_same_updates(before, plain.full_state_dict(), before, padded.full_state_dict())
 
 
 def test_every_trainable_parameter_changes():
