@@ -178,12 +178,12 @@ def parse_args(argv=None):
     p.add_argument("--target", type=float, default=None, help="time-to-accuracy target (default 2 x acc0)")
     p.add_argument("--reps", type=int, default=None, help="runs per mode (default 3, --quick 1)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--quick", action="store_true", help="fewer steps and held-out prompts: a first look")
+    p.add_argument("--quick", action="store_true", help="fewer steps and held-out prompts, one run per mode: a first look")
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run (key=value)")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--reuse-runs", action="store_true",
-                   help="read a mode's completed run in --out instead of running it again (rerun one mode: delete its run)")
+                   help="read a completed run in --out instead of running it again (to rerun one: delete its run directory)")
     args = p.parse_args(argv)
     for key, full, quick in (("steps", 60, 12), ("val_every", 10, 4), ("val_size", 64, 32), ("reps", 3, 1)):
         if getattr(args, key) is None:
