@@ -37,6 +37,9 @@ class WeightSyncError(RuntimeError):
         super().__init__(f"weight update to weight_version {weight_version} failed on {sorted(failures)}: "
                          f"{detail}")
 
+    def __reduce__(self):  # rebuilt from its own arguments: a Ray actor's exception reaches the caller intact
+        return type(self), (self.weight_version, self.failures)
+
 
 class WeightSyncTimeout(TimeoutError):
     """A wait of an update ran past its timeout (the message names the peer and the weight_version)."""
