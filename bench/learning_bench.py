@@ -202,7 +202,7 @@ def main(argv=None) -> None:
             curves[mode].append(read_curve(run_mode(mode, rep, args)))
     initial = [run["points"][0]["accuracy"] for runs in curves.values() for run in runs
                if run["points"] and run["points"][0]["weight_version"] == 0]
-    acc0 = median_spread(initial)["median"] if initial else math.nan
+    acc0 = median_spread(initial)["median"]  # nan without an initial round
     target = args.target if args.target is not None else min(1.0, 2 * acc0) if acc0 > 0 else 0.5
     results = {"acc0": acc0, "acc0_runs": initial, "target": target, "reps": args.reps,
                "args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}

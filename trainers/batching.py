@@ -183,7 +183,7 @@ def trim_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
     mask = _valid_responses(batch)
     width = mask.shape[1]
     valid = mask.any(dim=0).nonzero()
-    keep = max(int(valid.max()) + 1, 1) if len(valid) else min(width, 1)
+    keep = int(valid.max()) + 1 if len(valid) else min(width, 1)
     real = batch[schema.ATTENTION_MASK].ne(0).any(dim=0).nonzero()
     start = int(real.min()) if len(real) else 0
     out: dict[str, Any] = {}
