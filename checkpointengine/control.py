@@ -17,8 +17,10 @@ import zmq
 
 from checkpointengine.config import CheckpointEngineConfig
 from checkpointengine.protocol import (
+    NO_REQUEST,
     Abort,
     Ack,
+    Begin,
     Consumed,
     Fail,
     ProtocolError,
@@ -35,13 +37,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Round:
     """State of the update in flight: ``active`` targets still in it, the last bucket each consumed,
-    and each one's outcome (None = acked, else its error)."""
+    each one's outcome (None = acked, else its error) and the ``request`` of the Want each joined with."""
 
     weight_version: int
     targets: list[str]
     active: set[str]
     consumed: dict[str, int] = field(default_factory=dict)
     results: dict[str, str | None] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)
     started: bool = False  # every target's Want arrived; Consumed/Ack/Fail before that are stale
 
 
@@ -57,7 +60,7 @@ class ControlServer:
         self.cfg = cfg
         self.weight_version = -1
         self.roller_weight_versions: dict[str, int] = {}
-        self._wants: dict[str, int] = {}
+        self._wants: dict[str, Want] = {}  # each roller's latest Want not yet answered
         self._ctx = zmq.Context()
         self._auth = None
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -76,38 +79,54 @@ class ControlServer:
     def send_to(self, roller: str, msg, frames=()) -> None:
         self._sock.send_multipart([roller.encode(), encode(msg), *frames], copy=False)
 
-    def broadcast(self, rnd: Round, msg, frames=(), quiet: bool = False) -> None:
+    def broadcast(self, rnd: Round, msg, frames=()) -> None:
         """Send ``msg`` (+ raw ``frames``, zero-copy) to every target still in the round; an unreachable
-        one leaves the round with that error (unless ``quiet``, used for aborts)."""
+        one leaves the round with that error."""
         header = encode(msg)
         for roller in sorted(rnd.active - set(rnd.results)):
             try:
                 self._sock.send_multipart([roller.encode(), header, *frames], copy=False)
             except zmq.ZMQError as exc:
-                if not quiet:
-                    rnd.results[roller] = f"unreachable: {exc}"
-                    rnd.active.discard(roller)
+                rnd.results[roller] = f"unreachable: {exc}"
+                rnd.active.discard(roller)
 
     def await_wants(self, rnd: Round) -> None:
         """Until every target wants ``rnd.weight_version``; one wanting a later one leaves the round at once."""
         def pending() -> list[str]:
             for roller in list(rnd.active):
                 want = self._wants.get(roller)
-                if want is not None and want > rnd.weight_version:
-                    rnd.results[roller] = (f"wants weight_version {want} but the sender is sending "
+                if want is not None and want.weight_version > rnd.weight_version:
+                    rnd.results[roller] = (f"wants weight_version {want.weight_version} but the sender is sending "
                                            f"{rnd.weight_version}")
                     rnd.active.discard(roller)
-            return [r for r in rnd.active if self._wants.get(r) != rnd.weight_version]
+            return [r for r in rnd.active if getattr(self._wants.get(r), "weight_version", None) != rnd.weight_version]
 
         self._await(rnd, pending, "want")
         for roller in rnd.active:
-            self._wants.pop(roller, None)
+            rnd.requests[roller] = self._wants.pop(roller).request
         rnd.started = True
 
-    def forget_wants(self, rollers: list[str]) -> None:
-        """Drop the pending ``Want`` of ``rollers`` (their update was aborted: a roller retried asks again,
-        and its late ``Fail`` of the aborted update, sent before that new ``Want``, is then ignored)."""
-        for roller in rollers:
+    def begin(self, rnd: Round) -> None:
+        """Send each target still in the round the Begin of its own Want (``await_wants`` first)."""
+        for roller in sorted(rnd.active - set(rnd.results)):
+            try:
+                self.send_to(roller, Begin(rnd.weight_version, rnd.requests[roller]))
+            except zmq.ZMQError as exc:
+                rnd.results[roller] = f"unreachable: {exc}"
+                rnd.active.discard(roller)
+
+    def abort(self, rnd: Round, reason: str) -> None:
+        """Abort the round: each target still in it gets an Abort naming its Want (``NO_REQUEST`` when none
+        came), and pending Wants of the targets are dropped (a roller retried asks again, and its late
+        ``Fail`` of the aborted update, sent before that new ``Want``, is then ignored)."""
+        for roller in sorted(rnd.active - set(rnd.results)):
+            want = self._wants.get(roller)
+            request = rnd.requests.get(roller, want.request if want is not None else NO_REQUEST)
+            try:
+                self.send_to(roller, Abort(rnd.weight_version, reason, request))
+            except zmq.ZMQError:
+                pass  # gone: nothing waits there
+        for roller in rnd.targets:
             self._wants.pop(roller, None)
 
     def await_consumed(self, rnd: Round, index: int) -> None:
@@ -144,9 +163,9 @@ class ControlServer:
             self.roller_weight_versions[roller] = msg.have
             if msg.weight_version < self.weight_version or msg.weight_version <= msg.have:
                 reason = f"the sender is at weight_version {self.weight_version}; roller has {msg.have}"
-                self._sock.send_multipart([frames[0], encode(Abort(msg.weight_version, reason))])
+                self._sock.send_multipart([frames[0], encode(Abort(msg.weight_version, reason, msg.request))])
             else:
-                self._wants[roller] = msg.weight_version
+                self._wants[roller] = msg
         elif isinstance(msg, Consumed | Ack | Fail):
             if not rnd.started or msg.weight_version != rnd.weight_version or roller not in rnd.active:
                 return  # late message of an earlier update (a roller sends it before its next Want)

@@ -3,13 +3,19 @@
 One update of ``weight_version`` v between the sender (trainer rank 0) and each target roller::
 
     roller                         sender
-      | -- Want(v, have) -------->  |   roller paused and ready (shm attached / group joined)
-      | <------------- Begin(v) --  |   after every target wants v (timeout names the missing ones)
+      | -- Want(v, have, q) ----->  |   roller paused and ready (shm attached / group joined)
+      | <---------- Begin(v, q) --  |   after every target wants v (timeout names the missing ones)
       | <-- BucketReady(v, k) ----  |   payload: shm slot | zmq frame | broadcast | safetensors file
       | -- Consumed(v, k) ------->  |   the slot of bucket k may be reused (double buffering)
-      | <--------------- End(v) --  |   or Abort(v, reason): the roller keeps its old weight_version
+      | <--------------- End(v) --  |   or Abort(v, reason, q): the roller keeps its old weight_version
       | -- Ack(v) | Fail(v, e) -->  |   after load → commit → flush → resume
                                         (Broadcast only: GroupInit before Begin when the group changes.)
+
+``q`` (``request``) names one ``receive``: a fresh random number per Want, echoed by the Begin or Abort that
+answers it. The controller may retry a weight_version whose first attempt failed (``RollerPool.push_weights``),
+so a roller can find the Abort of an attempt it already gave up on queued ahead of its retry's Begin; it takes
+only the Begin and Abort of its own request (and, the sender's attempts being sequential on one socket, every
+message after its Begin is of its attempt).
 
 Headers are msgpack maps ``{"type": ..., fields}``; payloads are raw frames or shared memory. No pickle.
 """
@@ -49,6 +55,9 @@ class WeightSyncAborted(RuntimeError):
     """The sender aborted an update; the roller keeps its old weight_version."""
 
 
+NO_REQUEST = -1
+
+
 class ProtocolError(RuntimeError):
     """A malformed or unexpected control message."""
 
@@ -57,11 +66,13 @@ class ProtocolError(RuntimeError):
 class Want:
     weight_version: int
     have: int
+    request: int
 
 
 @dataclass(frozen=True)
 class Begin:
     weight_version: int
+    request: int
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,12 @@ class End:
 
 @dataclass(frozen=True)
 class Abort:
+    """``request``: the Want it answers; ``NO_REQUEST`` when the sender had none from this roller in the
+    attempt (the roller's own timeout then ends its wait)."""
+
     weight_version: int
     reason: str
+    request: int
 
 
 @dataclass(frozen=True)

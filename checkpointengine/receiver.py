@@ -10,6 +10,7 @@ resume) is the rollers' part: ``rollers.weight_update.apply_update``.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -73,6 +74,7 @@ class WeightReceiver:
             self._ctx.term()
             raise
         self._pool: dict[str, torch.Tensor] | None = {} if handle.reuse_receive_buffers else None
+        self._request = -2  # the current receive's (``protocol``); matches no Abort or Begin before the first
         self._stats = {"num_updates": 0, "num_failures": 0, "last_update_s": 0.0, "last_bytes": 0,
                        "total_bytes": 0, "last_error": ""}
 
@@ -93,7 +95,8 @@ class WeightReceiver:
         if weight_version <= self.weight_version:
             raise ValueError(f"roller {self.roller!r}: weight_version {weight_version} does not exceed the "
                              f"committed {self.weight_version}")
-        self._send(Want(weight_version, self.weight_version))
+        self._request = secrets.randbits(48)  # names this attempt: see ``protocol``
+        self._send(Want(weight_version, self.weight_version, self._request))
         self._await_begin(weight_version)
         unpacker = BucketUnpacker(self.device, self._pool)
         expected = 0
@@ -121,8 +124,12 @@ class WeightReceiver:
     def _await_begin(self, weight_version: int) -> None:
         while True:
             msg, _ = self._recv(weight_version, "begin")
-            if isinstance(msg, Begin) and msg.weight_version == weight_version:
+            if isinstance(msg, Begin) and msg.request == self._request:
                 return
+            if isinstance(msg, Begin | BucketReady | End):  # of an earlier attempt at this weight_version
+                logger.info("roller %s: dropping %s of an earlier attempt at weight_version %s", self.roller,
+                            type(msg).__name__, weight_version)
+                continue
             if not self._side.on_control(msg):
                 raise ProtocolError(f"weight_version {weight_version}: expected Begin, got {msg}")
 
@@ -142,10 +149,10 @@ class WeightReceiver:
             header, *frames = self._sock.recv_multipart(copy=False)
             msg = decode(header.bytes)
             if isinstance(msg, Abort):
-                if msg.weight_version == weight_version:
+                if msg.weight_version == weight_version and msg.request == self._request:
                     raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {weight_version} "
                                             f"aborted by the sender: {msg.reason}")
-                continue  # abort of an update this roller no longer waits for
+                continue  # abort of an attempt this roller no longer waits for
             if getattr(msg, "weight_version", weight_version) != weight_version:
                 logger.warning("roller %s: dropping %s of weight_version %s while waiting for %s",
                                self.roller, type(msg).__name__, msg.weight_version, weight_version)

@@ -34,7 +34,7 @@ from checkpointengine.bucket import RowShard, dtype_from_name
 from checkpointengine.config import CheckpointEngineConfig
 from checkpointengine.control import ControlServer, Round
 from checkpointengine.naming import WeightNameMapper
-from checkpointengine.protocol import Abort, Begin, End, WeightSyncError, WeightSyncHandle
+from checkpointengine.protocol import End, WeightSyncError, WeightSyncHandle
 from common.curve import make_job_keys
 from common.net import resolve_bind_host
 
@@ -186,7 +186,7 @@ class WeightSender:
                 self._check_weight_version(weight_version, targets)
                 self.control.await_wants(rnd)
                 self._side.before_begin(self, rnd)
-                self.control.broadcast(rnd, Begin(weight_version))
+                self.control.begin(rnd)
             except BaseException:
                 if agree is not None:
                     agree(False)  # the other ranks wait for this: release them
@@ -197,8 +197,7 @@ class WeightSender:
             self.control.broadcast(rnd, End(weight_version, num_buckets, num_bytes))
             self.control.await_results(rnd)
         except BaseException as exc:
-            self.control.broadcast(rnd, Abort(weight_version, f"{type(exc).__name__}: {exc}"), quiet=True)
-            self.control.forget_wants(rnd.targets)
+            self.control.abort(rnd, f"{type(exc).__name__}: {exc}")
             self._stats["num_failed_syncs"] += 1
             self._stats["last_error"] = f"{type(exc).__name__}: {exc}"
             raise

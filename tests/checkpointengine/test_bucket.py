@@ -181,8 +181,8 @@ def test_control_messages_round_trip_and_reject_garbage():
     entries = [TensorEntry("a.b", "bfloat16", (2, 3), 64, 12, (0, 12))]
     msg = BucketReady(7, 1, entries, 76, slot=1)
     assert decode(encode(msg)) == msg
-    assert decode(encode(Want(587, 586))) == Want(587, 586)
-    for junk in (b"\xc1", b"\x93\x01\x02\x03", encode(Want(1, 0)).replace(b"Want", b"Nope")):
+    assert decode(encode(Want(587, 586, 2**47 + 3))) == Want(587, 586, 2**47 + 3)
+    for junk in (b"\xc1", b"\x93\x01\x02\x03", encode(Want(1, 0, 7)).replace(b"Want", b"Nope")):
         with pytest.raises(ProtocolError):
             decode(junk)
 

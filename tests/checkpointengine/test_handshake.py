@@ -196,3 +196,71 @@ def test_new_roller_joining_mid_run_gets_the_current_version_first():
         assert r1.done == [1, 2]
     finally:
         sender.close()
+
+
+
+def test_a_retried_update_ignores_the_abort_of_the_attempt_it_replaces():
+    """The controller's retry of one weight_version after an attempt failed (``RollerPool.push_weights``): the
+    roller gave up on the first attempt before the sender's Abort reached it, so that Abort waits in its
+    socket when it asks again. The retry takes only what answers its own Want, and succeeds."""
+    sender = WeightSender(_cfg(timeout_s=1.0), ["r1", "ghost"])
+    receiver = WeightReceiver(dataclasses.replace(sender.handle, timeout_s=0.3), "r1")
+    outcomes: list = []
+
+    def attempt():
+        try:
+            got = dict(receiver.receive(1))
+            receiver.ack(1)
+            outcomes.append(torch.equal(got["model.w"], NAMED[0][1]))
+        except Exception as exc:
+            outcomes.append(exc)
+
+    try:
+        first = threading.Thread(target=attempt, daemon=True)
+        first.start()
+        with pytest.raises(WeightSyncTimeout, match="rollers \\['ghost'\\] did not want"):
+            sender.send(NAMED, 1)  # r1 gave up after 0.3 s; this Abort, at 1 s, stays queued for it
+        first.join(timeout=10)
+        assert isinstance(outcomes[0], WeightSyncTimeout) and "no begin" in str(outcomes[0]), outcomes
+        receiver.handle = dataclasses.replace(receiver.handle, timeout_s=10.0)
+        second = threading.Thread(target=attempt, daemon=True)
+        second.start()
+        assert sender.send(NAMED, 1, targets=["r1"]).acked == ["r1"]
+        second.join(timeout=10)
+        assert outcomes[1:] == [True] and receiver.weight_version == 1
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_receiver_takes_only_the_begin_and_abort_of_its_own_want():
+    """Against a raw ROUTER: a Begin and Aborts naming another request (an earlier attempt's) or none are passed
+    over; the Abort naming the receiver's own Want ends its receive."""
+    from checkpointengine.protocol import NO_REQUEST, Abort, Begin, Want, decode, encode
+
+    sender = WeightSender(_cfg(), ["r0"])
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    receiver = WeightReceiver(dataclasses.replace(sender.handle, control_address=f"tcp://127.0.0.1:{port}"), "r0")
+    outcome: list = []
+    waiting = threading.Thread(target=lambda: outcome.append(pytest.raises(WeightSyncAborted, list,
+                                                                           receiver.receive(1))), daemon=True)
+    try:
+        waiting.start()
+        assert router.poll(5000)
+        identity, header = router.recv_multipart()
+        want = decode(header)
+        assert isinstance(want, Want) and (want.weight_version, want.have) == (1, 0)
+        other = want.request + 1
+        for msg in (Begin(1, other), Abort(1, "an earlier attempt", other), Abort(1, "no want seen", NO_REQUEST),
+                    Abort(1, "yours", want.request)):
+            router.send_multipart([identity, encode(msg)])
+        waiting.join(timeout=10)
+        assert not waiting.is_alive() and "aborted by the sender: yours" in str(outcome[0].value)
+        assert receiver.weight_version == 0
+    finally:
+        receiver.close()
+        router.close(0)
+        ctx.term()
+        sender.close()
