@@ -1,6 +1,11 @@
 """The leader's control plane: a ZMQ ROUTER that every roller's DEALER (identity = roller name) talks
 to, the per-update round state, and the bounded waits of ``protocol``'s message flow.
 
+A roller whose connection closed (its process exited) leaves the update in flight within seconds, not after
+``timeout_s``: while waiting, the leader probes the targets it waits for (the ROUTER refuses a ``Probe`` to a
+name it has no connection to) and fails one that was connected before (its receiver's ``Hello`` came, even
+if read only now) and is refused for ``DISCONNECT_GRACE_S`` as disconnected.
+
 The ROUTER binds ``checkpointengine.host`` (loopback unless configured); it is the weight plane's one
 ZMQ socket that may leave the node (the ``zmq`` backend's buckets ride on it). With
 ``checkpointengine.curve`` it is a CURVE server admitting only the job's client key (``common.curve``).
@@ -23,6 +28,8 @@ from checkpointengine.protocol import (
     Begin,
     Consumed,
     Fail,
+    Hello,
+    Probe,
     ProtocolError,
     Want,
     WeightSyncTimeout,
@@ -32,6 +39,9 @@ from checkpointengine.protocol import (
 from common.curve import CurveKeys, serve_curve, start_authenticator
 
 logger = logging.getLogger(__name__)
+
+PROBE_EVERY_S = 0.5  # how often a waiting leader probes the targets it waits for
+DISCONNECT_GRACE_S = 2.0  # a target the ROUTER has no connection to for this long has left (a reconnect takes ms)
 
 
 @dataclass
@@ -61,6 +71,9 @@ class ControlServer:
         self.weight_version = -1
         self.roller_weight_versions: dict[str, int] = {}
         self._wants: dict[str, Want] = {}  # each roller's latest Want not yet answered
+        self._refused_since: dict[str, float] = {}  # roller → when a Probe to it was first refused (monotonic)
+        self._last_probe = -float("inf")
+        self._seen: set[str] = set()  # rollers ever connected: a message came, or a Probe was accepted
         self._ctx = zmq.Context()
         self._auth = None
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -142,11 +155,14 @@ class ControlServer:
         """Handle incoming messages until ``pending()`` (rollers still owing ``what``) is empty."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while missing := sorted(pending()):
+            self._drop_disconnected(rnd)
+            if not (missing := sorted(pending())):
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WeightSyncTimeout(f"weight_version {rnd.weight_version}: rollers {missing} did not {what} "
                                         f"within {self.cfg.timeout_s:.1f} s")
-            if self._sock.poll(min(left, 1.0) * 1000):
+            if self._sock.poll(min(left, PROBE_EVERY_S) * 1000):
                 self._handle_incoming(rnd)
 
     def _handle_incoming(self, rnd: Round) -> None:
@@ -159,6 +175,8 @@ class ControlServer:
         except ProtocolError as exc:
             logger.warning("weight sender: bad message from %s: %s", roller, exc)
             return
+        self._seen.add(roller)
+        self._refused_since.pop(roller, None)  # connected now
         if isinstance(msg, Want):
             self.roller_weight_versions[roller] = msg.have
             if msg.weight_version < self.weight_version or msg.weight_version <= msg.have:
@@ -166,6 +184,8 @@ class ControlServer:
                 self._sock.send_multipart([frames[0], encode(Abort(msg.weight_version, reason, msg.request))])
             else:
                 self._wants[roller] = msg
+        elif isinstance(msg, Hello):
+            return  # seen: what it is for
         elif isinstance(msg, Consumed | Ack | Fail):
             if not rnd.started or msg.weight_version != rnd.weight_version or roller not in rnd.active:
                 return  # late message of an earlier update (a roller sends it before its next Want)
@@ -177,6 +197,33 @@ class ControlServer:
                 rnd.results[roller] = msg.error
         else:
             logger.warning("weight sender: unexpected %s from %s", type(msg).__name__, roller)
+
+    def _drop_disconnected(self, rnd: Round) -> None:
+        """Probe each target still owed something in ``rnd`` (at most every ``PROBE_EVERY_S``). One that was
+        connected before (a message came from it, or a Probe was accepted) and to which the ROUTER has had no
+        connection for ``DISCONNECT_GRACE_S`` (a reconnecting receiver takes milliseconds) leaves the round as
+        disconnected. One never connected is left to ``timeout_s`` (a starting receiver may be slow to come)."""
+        now = time.monotonic()
+        if now - self._last_probe < PROBE_EVERY_S:
+            return
+        self._last_probe = now
+        for roller in sorted(rnd.active - set(rnd.results)):
+            try:
+                self.send_to(roller, Probe())
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    continue  # e.g. its queue is full: connected
+                since = self._refused_since.setdefault(roller, now)
+                if roller in self._seen and now - since >= DISCONNECT_GRACE_S:
+                    logger.warning("weight sender: roller %s has had no connection for %.1f s (weight_version %d)",
+                                   roller, now - since, rnd.weight_version)
+                    rnd.results[roller] = (f"disconnected: no connection for {now - since:.1f} s (its receiver "
+                                           "closed or its process exited)")
+                    rnd.active.discard(roller)
+                    self._wants.pop(roller, None)
+            else:
+                self._refused_since.pop(roller, None)
+                self._seen.add(roller)
 
     def close(self) -> None:
         """Close the socket, its CURVE authenticator and its context. Idempotent."""

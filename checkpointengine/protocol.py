@@ -3,6 +3,7 @@
 One update of ``weight_version`` v between the sender (trainer rank 0) and each target roller::
 
     roller                         sender
+      | -- Hello --------------->   |   once, on connecting
       | -- Want(v, have, q) ----->  |   roller paused and ready (shm attached / group joined)
       | <---------- Begin(v, q) --  |   after every target wants v (timeout names the missing ones)
       | <-- BucketReady(v, k) ----  |   payload: shm slot | zmq frame | broadcast | safetensors file
@@ -10,6 +11,7 @@ One update of ``weight_version`` v between the sender (trainer rank 0) and each 
       | <--------------- End(v) --  |   or Abort(v, reason, q): the roller keeps its old weight_version
       | -- Ack(v) | Fail(v, e) -->  |   after load → commit → flush → resume
                                         (Broadcast only: GroupInit before Begin when the group changes.)
+                                        (Probe, any time: receivers pass over it; see ``control``.)
 
 ``q`` (``request``) names one ``receive``: a fresh random number per Want, echoed by the Begin or Abort that
 answers it. The controller may retry a weight_version whose first attempt failed (``RollerPool.push_weights``),
@@ -106,6 +108,17 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Hello:
+    """A receiver's first message, on connecting: the sender knows the roller was connected (``Probe``)."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Sent by the sender only to learn whether a roller still has a connection (a roller's process that
+    exits closes it: ``control.ControlServer``); receivers pass over it."""
+
+
+@dataclass(frozen=True)
 class Consumed:
     weight_version: int
     index: int
@@ -135,7 +148,7 @@ class GroupInit:
 
 
 MESSAGES = {cls.__name__: cls
-            for cls in (Want, Begin, BucketReady, End, Abort, Consumed, Ack, Fail, GroupInit)}
+            for cls in (Hello, Want, Begin, BucketReady, End, Abort, Probe, Consumed, Ack, Fail, GroupInit)}
 
 
 def encode(msg) -> bytes:

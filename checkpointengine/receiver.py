@@ -27,6 +27,8 @@ from checkpointengine.protocol import (
     Consumed,
     End,
     Fail,
+    Hello,
+    Probe,
     ProtocolError,
     Want,
     WeightSyncAborted,
@@ -68,6 +70,7 @@ class WeightReceiver:
             if handle.curve is not None:
                 connect_curve(self._sock, handle.curve)
             self._sock.connect(handle.control_address)
+            self._sock.send(encode(Hello()))  # queued until connected; the sender learns the roller was there
             self._side = handle.plugin.receiver(handle, self.device)
         except BaseException:
             self._sock.close(0)
@@ -148,6 +151,8 @@ class WeightReceiver:
                 continue
             header, *frames = self._sock.recv_multipart(copy=False)
             msg = decode(header.bytes)
+            if isinstance(msg, Probe):
+                continue
             if isinstance(msg, Abort):
                 if msg.weight_version == weight_version and msg.request == self._request:
                     raise WeightSyncAborted(f"roller {self.roller!r}: update to weight_version {weight_version} "

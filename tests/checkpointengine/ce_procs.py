@@ -57,6 +57,19 @@ def roller_main(handle: dict, roller: str, script: list[tuple[int, str]], out, d
         receiver.close()
 
 
+def connect_then_exit(handle: dict, roller: str, out) -> None:
+    """A roller that connects its receiver, stays a second (its ``Hello`` goes out), reports, and exits
+    without ever asking for an update."""
+    import time
+
+    from checkpointengine import WeightReceiver, WeightSyncHandle
+
+    receiver = WeightReceiver(WeightSyncHandle.from_dict(handle), roller)
+    time.sleep(1.0)
+    receiver.close()
+    out.put((roller, -1, "exited", None))
+
+
 def shard_rank_main(rank: int, world: int, port: int, handle: dict | None, cfg_kwargs: dict, out) -> None:
     """One trainer rank of a gloo group writing its Shard(0) rows of ``shard_tensors()`` as version 1."""
     import torch.distributed as dist

@@ -101,7 +101,7 @@ def test_backend_update_sequence(backend, tmp_path):
         assert {(v, o) for _, v, o, _ in _collect(out, 2)} == {(3, "aborted")}
 
         sender.mapper = WeightNameMapper()
-        sender.cfg.timeout_s = 2.0
+        sender.cfg.timeout_s = 1.0  # r0's process exits after its script: under control.DISCONNECT_GRACE_S
         start = time.monotonic()
         with pytest.raises(WeightSyncTimeout, match="weight_version 4: rollers \\['r0'\\] did not ack"):
             sender.send(named, 4)
@@ -176,3 +176,58 @@ def test_shm_slots_vanish_when_the_sender_is_killed():
         proc.join(timeout=20)
     with pytest.raises(FileNotFoundError, match="gone"):
         ShmSlots.attach(paths, 4096)
+
+
+def test_a_roller_whose_process_exits_leaves_the_update_at_once():
+    """Roller processes that exited between updates without a Want for the next one (``dead`` after an update,
+    ``early`` before any: only its receiver's Hello came): the next update to them fails them as disconnected
+    within seconds (``control.DISCONNECT_GRACE_S``), not after ``timeout_s``, and the live roller gets it; so
+    does a later update, after one that did not target them."""
+    import threading
+
+    from checkpointengine import WeightReceiver
+
+    sender = WeightSender(CheckpointEngineConfig(backend="zmq", bucket_bytes=1024, timeout_s=60.0),
+                          ["r0", "dead", "early"])
+    out = CTX.Queue()
+    handle = sender.handle.to_dict()
+    procs = [CTX.Process(target=ce_procs.roller_main, args=(handle, "dead", [(1, "ack")], out), daemon=True),
+             CTX.Process(target=ce_procs.connect_then_exit, args=(handle, "early", out), daemon=True)]
+    receiver = WeightReceiver(sender.handle, "r0")
+    acked: list[int] = []
+
+    def live(versions):
+        for v in versions:
+            dict(receiver.receive(v))
+            receiver.ack(v)
+            acked.append(v)
+
+    try:
+        for p in procs:
+            p.start()
+        r0 = threading.Thread(target=live, args=([1, 2, 3, 4],), daemon=True)
+        r0.start()
+        named = _tensors()
+        assert sorted(sender.send(named, 1, targets=["r0", "dead"]).acked) == ["dead", "r0"]
+        assert sorted(item[1:3] for item in _collect(out, 2)) == [(-1, "exited"), (1, "ack")]
+        for p in procs:
+            p.join(timeout=30)  # their scripts are done: each closes its receiver and exits
+            assert p.exitcode == 0
+        for version, targets in ((2, None), (3, ["r0"]), (4, None)):
+            start = time.monotonic()
+            if targets is None:
+                with pytest.raises(WeightSyncError, match="failed on \\['dead', 'early'\\].*disconnected") as info:
+                    sender.send(named, version)
+                assert all("disconnected" in e for e in info.value.failures.values())
+            else:
+                assert sender.send(named, version, targets=targets).acked == ["r0"]
+            assert time.monotonic() - start < 10, version  # timeout_s is 60
+        r0.join(timeout=10)
+        assert acked == [1, 2, 3, 4]
+        assert sender.stats()["roller_weight_versions"] == {"r0": 4, "dead": 1}
+    finally:
+        receiver.close()
+        sender.close()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
