@@ -124,7 +124,7 @@ KEY_DOCS: dict[str, str] = {
     "trainer.max_restarts": "restarts of the trainer group alone from the latest job checkpoint; 0 = fail",
     "trainer.val_every": "validate every N trainer steps (also before the first and after the last); 0 = only "
                          "those two",
-    "trainer.num_threads": "torch threads per trainer rank",
+    "trainer.num_threads": "torch threads per trainer rank (the most: fully-async core lending yields decoding rollers' cores)",
     "trainer.use_reference": "keep a frozen reference policy (needed by KL loss or KL in reward)",
     "trainer.critic_lr": "the critic's learning rate (adv_estimator=gae only)",
     "trainer.device": "auto (cuda when each rank has a GPU) | cpu | cuda",

@@ -23,7 +23,11 @@ with a roller wait on each other). Measured on 2 cores, quiet (bench/README.md):
   ``r1x1-t1``); ``one-step-off``, which also waits for each round before its next weight sync, loses
   (427 s vs 354 s).
 
-Hence the split for ``one-step-off`` and the oversubscription for ``fully-async``. An explicit integer for
+Hence the split for ``one-step-off`` and the oversubscription for ``fully-async``, made cooperative by core
+lending (``common.core_lending``: the trainer runs with its threads minus those of the rollers decoding
+now, so ``trainer.num_threads`` is the most it uses) whenever the pools' threads exceed the cores, the
+rollers use the torch engine and the job starts its own one-node Ray cluster (``ray.address`` empty: every
+process on this machine). An explicit integer for
 one pool is kept as given, and ``auto`` on the other pool then gets the cores left (at least one thread).
 ``cores`` is ``common.env.available_cores()``: the machine the controller runs on (one-node jobs). Ray's CPU
 counts are logical and do not enter.
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from common.env import AUTO_THREADS, available_cores
+from common.env import AUTO_THREADS, available_cores, pins_ray_to_loopback
 from controller.config import HFlowConfig
 
 OVERLAPPING_MODES = ("one-step-off", "fully-async")
@@ -49,11 +53,13 @@ class ThreadPlan:
     num_replicas: int
     num_ranks: int
     chosen: str  # "auto" / "explicit" per pool, e.g. "rollers auto, trainer explicit"
+    core_lending: bool = False  # common.core_lending: the trainer takes the cores of idle rollers
 
     def describe(self, mode: str) -> str:
         share = ("phases alternate, every core to each" if mode not in OVERLAPPING_MODES
                  else "phases overlap, cores split" if mode == "one-step-off"
-                 else "phases overlap, the trainer every core, rollers half on top")
+                 else "phases overlap, the trainer every core, rollers half on top"
+                 + (", the trainer yielding theirs while they decode" if self.core_lending else ""))
         return (f"threads: {self.num_replicas} roller(s) x {self.roller_threads}, {self.num_ranks} trainer rank(s) x "
                 f"{self.trainer_threads} on {self.num_cores} cores ({mode}: {share}; {self.chosen})")
 
@@ -83,4 +89,6 @@ def plan_threads(cfg: HFlowConfig, num_cores: int | None = None) -> ThreadPlan:
         trainer_cores = cores - int(roller) * replicas
     roller_threads = max(1, roller_cores // replicas) if roller == AUTO_THREADS else int(roller)
     trainer_threads = max(1, trainer_cores // ranks) if trainer == AUTO_THREADS else int(trainer)
-    return ThreadPlan(cores, roller_threads, trainer_threads, replicas, ranks, chosen)
+    lending = (cfg.mode == "fully-async" and roller_threads * replicas + trainer_threads * ranks > cores
+               and cfg.rollers.engine == "torch" and pins_ray_to_loopback(cfg.ray.address))
+    return ThreadPlan(cores, roller_threads, trainer_threads, replicas, ranks, chosen, lending)

@@ -25,6 +25,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -89,8 +91,11 @@ class Runtime:
         # Seconds each start-up stage took. The rollers and the trainer start at the same time, so
         # rollers_s and trainer_s overlap (each is from its launch until it is ready).
         self.startup_s: dict[str, float] = {}
+        self.core_lending_dir: str | None = None  # common.core_lending, when the thread plan lends
         try:
             self.threads = plan_threads(cfg)
+            if self.threads.core_lending:
+                self.core_lending_dir = tempfile.mkdtemp(prefix="hflow-cores-")
             self._start(cfg, on_stage)
         except BaseException:
             self.close()
@@ -135,7 +140,7 @@ class Runtime:
 
         def make_roller(name: str):
             return roller_cls.remote(cfg.model, cfg.rollout, rollers_cfg, reward, channel, remax_baseline=remax,
-                                     roller_id=name)
+                                     roller_id=name, core_lending_dir=self.core_lending_dir)
 
         self.pool = RollerPool(cfg, make_roller)
         self.pool.place(n_rollers)
@@ -162,7 +167,7 @@ class Runtime:
         trainer_cfg = dataclasses.replace(cfg.trainer, num_threads=self.threads.trainer_threads)
         return TrainerGroup(trainer_cfg, cfg.algorithm, cfg.model, temperature=cfg.rollout.temperature,
                             max_response_length=cfg.rollout.max_response_length,
-                            tq_handle=self.tq_servers.handle.to_dict())
+                            tq_handle=self.tq_servers.handle.to_dict(), core_lending_dir=self.core_lending_dir)
 
     def restart_trainer(self) -> None:
         """Replace the trainer group with a new one (new processes and placement group, the initial weights;
@@ -259,6 +264,9 @@ class Runtime:
         if self.tq_servers is not None:
             self.tq_servers.shutdown()
             self.tq_servers = None
+        if self.core_lending_dir is not None:
+            shutil.rmtree(self.core_lending_dir, ignore_errors=True)
+            self.core_lending_dir = None
 
 
 class _StageClock:

@@ -31,7 +31,7 @@ class RollerActor:
     TransferQueue handle; the feeder puts only admitted groups). Use ``remote_roller(num_cpus)`` to get the Ray class."""
 
     def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, reward: str, channel_factory,
-                 *, remax_baseline: bool = False, roller_id: str = "roller0"):
+                 *, remax_baseline: bool = False, roller_id: str = "roller0", core_lending_dir: str | None = None):
         from common.env import resolve_num_threads, set_torch_threads
         from common.models import load_tokenizer
         from rollers.rewards import build_reward_fn
@@ -50,6 +50,7 @@ class RollerActor:
         self._run_task: asyncio.Task | None = None
         self.put_uids: deque[str] = deque(maxlen=PUT_LOG_SIZE)  # uids of the last groups put (recent_put_uids)
         self.faults = FaultInjector(roller_id, [FaultSpec.parse(f) for f in rollers_cfg.fault_injection])
+        self.core_lending_dir = core_lending_dir
         if rollers_cfg.engine == "torch":  # build now: a bad model fails the actor's construction
             self._set_engine(self._torch_engine())
 
@@ -57,8 +58,14 @@ class RollerActor:
         from common.models import load_model
         from rollers.torch_engine import TorchEngine
 
+        busy = None
+        if self.core_lending_dir is not None:  # the trainer takes this roller's cores while it idles
+            from common.core_lending import BusyFlag
+
+            busy = BusyFlag(self.core_lending_dir, self.roller_id, torch.get_num_threads())
         engine = TorchEngine(load_model(self.model_cfg), self.tokenizer,
-                             max_batch_slots=self.rollers_cfg.max_batch_slots, seed=self.rollout_cfg.seed)
+                             max_batch_slots=self.rollers_cfg.max_batch_slots, seed=self.rollout_cfg.seed,
+                             busy_flag=busy)
         self.rollout_cfg.check_model(engine.vocab_size)  # ValueError naming rollout.top_k
         return engine
 

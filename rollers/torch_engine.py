@@ -90,7 +90,8 @@ class TorchEngine(Engine):
     ``max_batch_slots``: sequences decoded together. ``max_seq_len``: prompt + response limit in tokens
     (default: the model's ``max_position_embeddings``). ``weight_version``: version of the initial
     weights. ``seed``: seeds the per-request generators of requests without ``SamplingParams.seed``.
-    Raises ValueError for bad sizes.
+    ``busy_flag``: a ``common.core_lending.BusyFlag``, set while requests are in flight and unpaused (the
+    trainer takes this process's cores otherwise); closed at shutdown. Raises ValueError for bad sizes.
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class TorchEngine(Engine):
         weight_version: int = 0,
         seed: int = 0,
         initial_kv_capacity: int = 128,
+        busy_flag=None,
     ):
         if max_batch_slots < 1:
             raise ValueError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
@@ -134,6 +136,7 @@ class TorchEngine(Engine):
         self._num_tokens_generated = 0
         self._num_forwards = 0
         self._num_prefill_tokens = 0
+        self._busy_flag = busy_flag
 
     # ------------------------------------------------------------------------------ public API
 
@@ -257,6 +260,8 @@ class TorchEngine(Engine):
             except asyncio.CancelledError:
                 pass
         self._cache.clear()
+        if self._busy_flag is not None:
+            self._busy_flag.close()
 
     def stats(self) -> dict[str, float]:
         """Counters: ``num_tokens_generated``, ``tokens_per_s`` (over busy time), ``busy_s``, ``uptime_s``,
@@ -360,9 +365,13 @@ class TorchEngine(Engine):
     async def _loop(self) -> None:
         while True:
             if self._paused or not (self._running or self._waiting):
+                if self._busy_flag is not None:
+                    self._busy_flag.set(False)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            if self._busy_flag is not None:
+                self._busy_flag.set(True)
             started = time.perf_counter()
             try:
                 with torch.no_grad():

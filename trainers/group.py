@@ -73,7 +73,8 @@ class TrainerGroup:
     """
 
     def __init__(self, trainer: TrainerConfig, algorithm: AlgorithmConfig, model: ModelConfig, *,
-                 temperature: float = 1.0, max_response_length: int | None = None, tq_handle: dict | None = None):
+                 temperature: float = 1.0, max_response_length: int | None = None, tq_handle: dict | None = None,
+                 core_lending_dir: str | None = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -102,7 +103,8 @@ class TrainerGroup:
             self.rendezvous: tuple[str, int] = tuple(
                 self._wait([self._actors[0].rendezvous_address.remote(host)], "rendezvous_address")[0])
             kwargs = {"trainer": trainer, "algorithm": algorithm, "model": model, "temperature": temperature,
-                      "max_response_length": max_response_length, "tq_handle": tq_handle}
+                      "max_response_length": max_response_length, "tq_handle": tq_handle,
+                      "core_lending_dir": core_lending_dir}
             backend = "nccl" if device == "cuda" else "gloo"
             self._wait([actor.setup.remote(
                 rank, self.num_ranks, *self.rendezvous, backend, trainer.timeout_s, kwargs)

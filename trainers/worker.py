@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import net, schema
+from common.core_lending import CoreLender
 from common.env import resolve_num_threads, set_torch_threads
 from common.models import ModelConfig
 from trainers import checkpoint, collectives, export, fsdp
@@ -86,13 +87,15 @@ class TrainerWorker:
     ``temperature``: ``rollout.temperature`` (log-probs of ``logits / T``; 0 = greedy, raw logits);
     ``max_response_length``: ``rollout.max_response_length``, the constant of ``seq-mean-token-sum-norm``.
     A critic is built when the advantage estimator ``needs_critic`` (gae); a reference model when
-    ``trainer.use_reference`` (needed by ``algorithm.use_kl_loss`` / ``use_kl_in_reward``). Raises
+    ``trainer.use_reference`` (needed by ``algorithm.use_kl_loss`` / ``use_kl_in_reward``).
+    ``core_lending_dir``: the job's core-lending directory (``common.core_lending``; None: threads fixed). Raises
     RuntimeError if the process group is not initialised, ValueError for a KL option without reference
     or for ``algorithm.overlong_buffer_len`` > 0 without a ``max_response_length`` at least that long.
     """
 
     def __init__(self, trainer: TrainerConfig, algorithm: AlgorithmConfig, model: ModelConfig, *,
-                 temperature: float = 1.0, max_response_length: int | None = None, tq_handle: dict | None = None):
+                 temperature: float = 1.0, max_response_length: int | None = None, tq_handle: dict | None = None,
+                 core_lending_dir: str | None = None):
         if not dist.is_initialized():
             raise RuntimeError("TrainerWorker needs torch.distributed initialised (trainers.fsdp.init_distributed)")
         if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) and not trainer.use_reference:
@@ -117,6 +120,12 @@ class TrainerWorker:
         if self.estimator.needs_critic:
             self.critic = fsdp.build_fsdp_model(model, fsdp.CRITIC, self.device)
             self.critic_optimizer, self.critic_scheduler = _make_optimizer(self.critic, trainer, trainer.critic_lr)
+        self.core_lender = None
+        if core_lending_dir is not None:  # before each forward (its backward runs as set there): common.core_lending
+            self.core_lender = CoreLender(core_lending_dir, torch.get_num_threads())
+            for module in (self.policy, self.reference, self.critic):
+                if module is not None:
+                    module.register_forward_pre_hook(self.core_lender.hook)
         self.kl_controller = make_kl_controller(algorithm)
         self.weight_version = 0
         self.tq_handle = tq_handle

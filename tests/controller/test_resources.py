@@ -58,3 +58,12 @@ def test_a_pool_started_on_its_own_resolves_auto_to_every_core():
     assert resolve_num_threads(3) == 3
     with pytest.raises(ValueError, match="'auto'"):
         resolve_num_threads("3")
+
+
+def test_core_lending_only_for_fully_async_oversubscribing_one_node():
+    for cfg in (_cfg("fully-async"), _cfg("fully-async", "rollers.num_threads=1", "trainer.num_threads=2")):
+        plan = plan_threads(cfg, num_cores=2)
+        assert plan.core_lending and "yielding theirs while they decode" in plan.describe("fully-async")
+    for cfg in (_cfg("sync"), _cfg("one-step-off"), _cfg("fully-async", "rollers.num_threads=1", "trainer.num_threads=1"),
+                _cfg("fully-async", "ray.address=127.0.0.1:6379"), _cfg("fully-async", "rollers.engine=sglang")):
+        assert not plan_threads(cfg, num_cores=2).core_lending, cfg.mode

@@ -346,3 +346,33 @@ def test_greedy_and_log_probs_on_gpu():
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled.output_ids, device="cuda")[:, None])
     torch.testing.assert_close(torch.tensor(sampled.output_log_probs), expected[:, 0].cpu(), atol=1e-4, rtol=0)
 
+
+
+def test_the_busy_flag_is_set_while_requests_are_in_flight_and_closed_at_shutdown(tiny):
+    """``busy_flag`` (``common.core_lending``): busy while the engine decodes, idle once nothing is in flight."""
+    model, tok, prompts = tiny
+
+    class Flag:
+        def __init__(self):
+            self.calls, self.closed = [], False
+
+        def set(self, busy):
+            self.calls.append(busy)
+
+        def close(self):
+            self.closed = True
+
+    flag = Flag()
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=2, busy_flag=flag)
+        try:
+            await engine.generate(request("a", prompts[0], max_new_tokens=4, temperature=0))
+            for _ in range(5):
+                await asyncio.sleep(0)  # the loop finds nothing in flight and waits
+            return list(flag.calls)
+        finally:
+            await engine.shutdown()
+
+    calls = run(body())
+    assert True in calls and calls[-1] is False and flag.closed
