@@ -13,6 +13,7 @@ The elastic pool (``controller.pool``) calls ``ping`` (health and held groups), 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 
 import torch
@@ -21,6 +22,8 @@ from rollers.config import RolloutConfig
 from rollers.faults import FaultInjector, FaultSpec, FaultyChannel
 from rollers.roller import FailedGroup, GroupResult, PromptGroup, Roller
 
+logger = logging.getLogger(__name__)
+
 PUT_LOG_SIZE = 256  # uids of the last groups put that a roller remembers (the pool reads them each second)
 
 
@@ -28,7 +31,8 @@ class RollerActor:
     """One roller (see the module docstring). ``reward``: ``rollout.reward`` with ``auto`` resolved by the
     controller (``rollers.rewards.build_reward_fn``). ``channel_factory()`` is called inside the actor and
     must be serialisable by Ray (runs pass ``rollers.tq_channel.TQGroupChannel.from_handle`` bound to the
-    TransferQueue handle; the feeder puts only admitted groups). Use ``remote_roller(num_cpus)`` to get the Ray class."""
+    TransferQueue handle; the feeder puts only admitted groups). ``core_lending_dir``: the job's core-lending
+    directory (``common.core_lending``; torch engine only), or None. Use ``remote_roller(num_cpus)`` to get the Ray class."""
 
     def __init__(self, model_cfg, rollout_cfg: RolloutConfig, rollers_cfg, reward: str, channel_factory,
                  *, remax_baseline: bool = False, roller_id: str = "roller0", core_lending_dir: str | None = None):
@@ -62,7 +66,10 @@ class RollerActor:
         if self.core_lending_dir is not None:  # the trainer takes this roller's cores while it idles
             from common.core_lending import BusyFlag
 
-            busy = BusyFlag(self.core_lending_dir, self.roller_id, torch.get_num_threads())
+            try:
+                busy = BusyFlag(self.core_lending_dir, self.roller_id, torch.get_num_threads())
+            except OSError as exc:  # an optimisation: the roller runs without it
+                logger.warning("roller %s: no core lending (%s)", self.roller_id, exc)
         engine = TorchEngine(load_model(self.model_cfg), self.tokenizer,
                              max_batch_slots=self.rollers_cfg.max_batch_slots, seed=self.rollout_cfg.seed,
                              busy_flag=busy)
