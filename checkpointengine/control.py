@@ -97,11 +97,15 @@ class ControlServer:
         one leaves the round with that error."""
         header = encode(msg)
         for roller in sorted(rnd.active - set(rnd.results)):
-            try:
-                self._sock.send_multipart([roller.encode(), header, *frames], copy=False)
-            except zmq.ZMQError as exc:
-                rnd.results[roller] = f"unreachable: {exc}"
-                rnd.active.discard(roller)
+            self._send_in_round(rnd, roller, [header, *frames])
+
+    def _send_in_round(self, rnd: Round, roller: str, parts: list) -> None:
+        """Send ``parts`` (header, then raw frames) to ``roller``; unreachable, it leaves ``rnd`` with that error."""
+        try:
+            self._sock.send_multipart([roller.encode(), *parts], copy=False)
+        except zmq.ZMQError as exc:
+            rnd.results[roller] = f"unreachable: {exc}"
+            rnd.active.discard(roller)
 
     def await_wants(self, rnd: Round) -> None:
         """Until every target wants ``rnd.weight_version``; one wanting a later one leaves the round at once."""
@@ -122,11 +126,7 @@ class ControlServer:
     def begin(self, rnd: Round) -> None:
         """Send each target still in the round the Begin of its own Want (``await_wants`` first)."""
         for roller in sorted(rnd.active - set(rnd.results)):
-            try:
-                self.send_to(roller, Begin(rnd.weight_version, rnd.requests[roller]))
-            except zmq.ZMQError as exc:
-                rnd.results[roller] = f"unreachable: {exc}"
-                rnd.active.discard(roller)
+            self._send_in_round(rnd, roller, [encode(Begin(rnd.weight_version, rnd.requests[roller]))])
 
     def abort(self, rnd: Round, reason: str) -> None:
         """Abort the round: each target still in it gets an Abort naming its Want (``NO_REQUEST`` when none

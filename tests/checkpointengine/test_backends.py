@@ -14,6 +14,7 @@ import os
 import queue
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -25,6 +26,7 @@ import ce_procs  # noqa: E402
 from checkpointengine import (  # noqa: E402
     MissingWeightsError,
     WeightNameMapper,
+    WeightReceiver,
     WeightSender,
     WeightSyncError,
     WeightSyncTimeout,
@@ -183,10 +185,6 @@ def test_a_roller_whose_process_exits_leaves_the_update_at_once():
     ``early`` before any: only its receiver's Hello came): the next update to them fails them as disconnected
     within seconds (``control.DISCONNECT_GRACE_S``), not after ``timeout_s``, and the live roller gets it; so
     does a later update, after one that did not target them."""
-    import threading
-
-    from checkpointengine import WeightReceiver
-
     sender = WeightSender(CheckpointEngineConfig(backend="zmq", bucket_bytes=1024, timeout_s=60.0),
                           ["r0", "dead", "early"])
     out = CTX.Queue()
