@@ -21,6 +21,7 @@ from common.models import ModelConfig
 from common.net import NODE_HOST
 from rollers.config import RollersConfig, RolloutConfig
 from trainers.config import AlgorithmConfig, TrainerConfig
+from trainers.rollout_corr import resolve_bypass_mode
 from transferqueue.config import TransferQueueConfig
 
 MODES = ("sync", "one-step-off", "fully-async")
@@ -190,6 +191,7 @@ class HFlowConfig:
             raise ValueError(f"trainer.val_every={self.trainer.val_every} needs held-out prompts: set "
                              "data.val_size >= 1")
         algo = self.algorithm
+        algo.bypass_mode = resolve_bypass_mode(self.mode, algo)
         if (algo.use_kl_loss or algo.use_kl_in_reward) and not self.trainer.use_reference:
             raise ValueError(
                 f"algorithm.use_kl_loss={algo.use_kl_loss} / algorithm.use_kl_in_reward={algo.use_kl_in_reward} "

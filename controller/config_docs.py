@@ -8,8 +8,10 @@ in seconds, sizes in bytes.
 
 Two settings need more than a line:
 
-* ``old_log_probs`` (``algorithm.bypass_mode``, ``trainers/rollout_corr.py``). ``false`` (the default):
-  the trainer's own log-probs before the update, recomputed with one extra forward, except when that
+* ``old_log_probs`` (``algorithm.bypass_mode``, ``trainers/rollout_corr.py``). ``null`` (the default):
+  ``true`` where trained samples can come from older weights (``one-step-off``; ``fully-async`` with
+  ``max_staleness >= 1``) and ``stale_correction`` is ``none``, else ``false``; ``show-config`` prints the
+  choice. ``false``: the trainer's own log-probs before the update, recomputed with one extra forward, except when that
   forward provably gives the first training forward's numbers: every sample's ``min_weight_version`` and
   ``max_weight_version`` equal the trainer's ``weight_version`` (``sync``; ``fully-async`` at staleness 0;
   the first step of ``one-step-off``), ``trainer.ppo_epochs`` is 1 with one mini-batch
@@ -167,7 +169,7 @@ KEY_DOCS: dict[str, str] = {
     "algorithm.overlong_penalty_factor": "DAPO: the overlong penalty at the length limit",
     "algorithm.stale_correction": "off-policy correction of stale samples: none | decoupled | tis",
     "algorithm.tis_cap": "tis: cap of the truncated importance weight",
-    "algorithm.bypass_mode": "true: old_log_probs = rollout_log_probs; false: trainer's, forward skipped when on-policy, 1 mini-batch",
+    "algorithm.bypass_mode": "old_log_probs: true rollers', false trainer's; null (default) true if samples can be stale, no correction",
     "algorithm.max_staleness": "fully-async: most versions a trained sample may lag the trainer (admission bound)",
     "algorithm.stale_policy": "fully-async: a group staler than max_staleness: drop (re-issue its prompt) | keep",
     "algorithm.require_batches": "fully-async: train batches (of data.train_batch_size prompts) per update",

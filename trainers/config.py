@@ -111,9 +111,11 @@ class AlgorithmConfig:
     ``old_log_probs`` (``trainers/rollout_corr.py``): recomputed by the trainer with one extra forward
     before the update (the default), except when they provably equal the first training forward's (every
     sample generated with the trainer's current weights, one epoch of one mini-batch, no KL-in-reward):
-    that forward is then skipped automatically. ``bypass_mode`` (verl's name) takes the rollers'
-    ``rollout_log_probs`` as ``old_log_probs`` instead, in every mode: no extra forward, the PPO ratio is
-    anchored at the behaviour policy (so no ``stale_correction`` is needed, and none is accepted with it).
+    that forward is then skipped automatically. ``bypass_mode=true`` (verl's name) takes the rollers'
+    ``rollout_log_probs`` as ``old_log_probs`` instead: no extra forward, the PPO ratio is anchored at the
+    behaviour policy (so no ``stale_correction`` is needed, and none is accepted with it). ``null`` (the
+    default) is resolved per mode by :func:`trainers.rollout_corr.resolve_bypass_mode` when the config tree
+    is built: true where trained samples can come from older weights, false in ``sync``.
 
     Plug-in names (README "Algorithms"; each validated against its registry, ``module:name`` for a plug-in
     module of your own, ``common/registry.py``): ``adv_estimator`` (``trainers/advantages.py``),
@@ -176,7 +178,7 @@ class AlgorithmConfig:
     overlong_penalty_factor: float = 1.0
     stale_correction: str = "none"
     tis_cap: float = 2.0
-    bypass_mode: bool = False
+    bypass_mode: bool | None = None  # None: per mode (trainers.rollout_corr.resolve_bypass_mode)
     max_staleness: int = 1
     stale_policy: str = "drop"
     require_batches: int = 1

@@ -15,6 +15,15 @@ Three sources, chosen per step by the trainer (``TrainerWorker.train_step``):
   rollers' ``rollout_log_probs`` are ``old_log_probs`` (the PPO anchor is the behaviour policy; Liu, Li et
   al. 2025, "When Speed Kills Stability"), no extra forward in any mode.
 
+``bypass_mode`` left unset (``null``) is chosen per mode (:func:`resolve_bypass_mode`): **rollout** where
+trained samples can come from older weights (``one-step-off``; ``fully-async`` with ``max_staleness >= 1``)
+and no ``stale_correction`` is asked for. There the recomputed anchor would be the trainer's current weights,
+which with ``stale_correction=none`` corrects nothing for the lag, costs one forward per step (~25% of an
+update here, bench/README.md), and clips nothing on the first mini-batch; the behaviour policy is PPO's own
+anchor for data from an older policy (Schulman et al. 2017) and verl's choice for one-step-off. **recompute**
+in ``sync`` and ``fully-async`` at staleness 0 (exact, and skipped anyway when on-policy with one mini-batch)
+and wherever a ``stale_correction`` needs the trainer's log-probs.
+
 Mismatch metrics, whenever a batch has ``rollout_log_probs`` and the trainer has log-probs of the same
 samples under its weights before the update (recomputed ``old_log_probs``, else the first mini-batch's
 training forward): ``rollout_corr/kl`` = mean over response tokens of ``rollout - trainer`` (k1 estimate of
@@ -46,6 +55,16 @@ def is_on_policy(tags: Iterable[Mapping], weight_version: int) -> bool:
     tag when a sample lacks one."""
     return all(int(t[schema.MIN_WEIGHT_VERSION]) == weight_version == int(t[schema.MAX_WEIGHT_VERSION])
                for t in tags)
+
+
+def resolve_bypass_mode(mode: str, algorithm: AlgorithmConfig) -> bool:
+    """``algorithm.bypass_mode`` when the user set it; when unset (``None``), true for a ``mode`` whose
+    trained samples can be stale (``one-step-off``; ``fully-async`` with ``max_staleness >= 1``) with
+    ``stale_correction == "none"``, false otherwise (see the module docstring)."""
+    if algorithm.bypass_mode is not None:
+        return algorithm.bypass_mode
+    can_be_stale = mode == "one-step-off" or (mode == "fully-async" and algorithm.max_staleness >= 1)
+    return can_be_stale and algorithm.stale_correction == "none"
 
 
 def can_skip_old_forward(algorithm: AlgorithmConfig, *, ppo_epochs: int, num_mini_batches: int,

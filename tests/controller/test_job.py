@@ -50,9 +50,10 @@ def test_too_many_steps_rejected_at_start(tmp_path, ray_cluster, capsys, monkeyp
         assert needle in err
 
 
-@pytest.mark.parametrize("total_steps", [4, pytest.param(3, marks=pytest.mark.long)])
-def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
-    code, steps, summary = run(tmp_path, "one-step-off", *SMALL, f"trainer.total_steps={total_steps}")
+@pytest.mark.parametrize("total_steps,bypass", [(4, []), pytest.param(3, ["algorithm.bypass_mode=false"],
+                                                                         marks=pytest.mark.long)])
+def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps, bypass):
+    code, steps, summary = run(tmp_path, "one-step-off", *SMALL, f"trainer.total_steps={total_steps}", *bypass)
     assert code == EXIT_OK
     assert [s["step"] for s in steps] == list(range(1, total_steps + 1))
     assert summary["num_syncs"] == total_steps and summary["weight_version"] == total_steps
@@ -64,9 +65,11 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps):
     assert summary["num_groups_generated"] == 8 * total_steps
     assert all(s["num_groups"] == 8 for s in steps)
     assert max(s["staleness_max"] for s in steps) <= 1
-    # Step 1 trains samples of the trainer's own weights (v0) in one mini-batch: no old-log-prob forward;
-    # later steps' samples are one version old: recomputed. The rollout-vs-trainer mismatch every step.
-    assert [s["actor/old_log_prob_recomputed"] for s in steps] == [0.0] + [1.0] * (total_steps - 1)
+    # By default one-step-off takes the rollers' log-probs (bypass mode): no old-log-prob forward. With
+    # bypass_mode=false, step 1 trains samples of the trainer's own weights (v0) in one mini-batch: no
+    # forward either; later steps' samples are one version old: recomputed. The mismatch every step.
+    recomputed = [s["actor/old_log_prob_recomputed"] for s in steps]
+    assert recomputed == ([0.0] + [1.0] * (total_steps - 1) if bypass else [0.0] * total_steps)
     assert all(s["rollout_corr/num_tokens"] > 0 and s["rollout_corr/k3_kl"] >= 0 for s in steps)
     parts = summary["startup_breakdown_s"]
     assert {"checks_s", "ray_s", "transferqueue_s", "feeder_s", "rollers_s", "trainer_s", "pools_s",

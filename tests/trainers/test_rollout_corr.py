@@ -12,7 +12,7 @@ from common.models import ModelConfig, load_model
 from tests.trainers._trainer_batches import make_batch, single_rank_group, with_training_fields
 from trainers import fsdp
 from trainers.config import AlgorithmConfig, TrainerConfig
-from trainers.rollout_corr import MismatchSums, can_skip_old_forward, is_on_policy
+from trainers.rollout_corr import MismatchSums, can_skip_old_forward, is_on_policy, resolve_bypass_mode
 from trainers.update import StepSums, actor_step, filler_sample
 from trainers.worker import TrainerWorker
 
@@ -47,6 +47,24 @@ def test_skip_only_when_provably_equal():
     assert not can_skip_old_forward(kl_in_reward, ppo_epochs=1, num_mini_batches=1, on_policy=True)
     assert not can_skip_old_forward(AlgorithmConfig(bypass_mode=True), ppo_epochs=1, num_mini_batches=1,
                                     on_policy=True)
+
+
+def test_bypass_mode_unset_is_chosen_per_mode_and_a_set_value_is_kept():
+    """Unset: the rollers' log-probs exactly where trained samples can be stale and no stale_correction
+    needs the trainer's; the whole config tree carries the choice (what show-config prints)."""
+    from controller.config import load_config
+
+    unset = AlgorithmConfig()
+    assert [resolve_bypass_mode(m, unset) for m in ("sync", "one-step-off", "fully-async")] == [False, True, True]
+    assert not resolve_bypass_mode("fully-async", AlgorithmConfig(max_staleness=0))  # trains as sync
+    assert not resolve_bypass_mode("one-step-off", AlgorithmConfig(stale_correction="tis"))
+    for mode in ("sync", "one-step-off", "fully-async"):
+        for value in (True, False):
+            assert resolve_bypass_mode(mode, AlgorithmConfig(bypass_mode=value)) is value
+    assert load_config(mode="fully-async").algorithm.bypass_mode is True
+    assert load_config(mode="sync").algorithm.bypass_mode is False
+    assert load_config(mode="one-step-off", overrides=["algorithm.bypass_mode=false"]).algorithm.bypass_mode is False
+    assert load_config(mode="sync", overrides=["algorithm.bypass_mode=true"]).algorithm.bypass_mode is True
 
 
 def test_bypass_mode_refuses_a_stale_correction():
