@@ -1,4 +1,4 @@
-"""Core lending: on one node, the ``fully-async`` trainer takes the cores its rollers leave idle.
+"""Core lending: on one node, the trainer of an overlapping mode takes the cores its rollers leave idle.
 
 ``fully-async``'s ``auto`` split (``controller.resources``) gives the trainer every core and the rollers half
 of them on top, because training scales with cores and is the bottleneck. While a roller decodes, the

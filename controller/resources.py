@@ -25,9 +25,11 @@ with a roller wait on each other). Measured on 2 cores, quiet (bench/README.md):
 
 Hence the split for ``one-step-off`` and the oversubscription for ``fully-async``, made cooperative by core
 lending (``common.core_lending``: the trainer runs with its threads minus those of the rollers decoding
-now, so ``trainer.num_threads`` is the most it uses) whenever the pools' threads exceed the cores, the
-rollers use the torch engine and the job starts its own one-node Ray cluster (``ray.address`` empty: every
-process on this machine). An explicit integer for
+now, so ``trainer.num_threads`` is the most it uses) whenever, in either overlapping mode, the pools'
+threads exceed the cores, the rollers use the torch engine and the job starts its own one-node Ray cluster
+(``ray.address`` empty: every process on this machine). ``one-step-off`` at ``r1x1-t2`` with lending
+(``algorithm.bypass_mode`` on) measured 1.10 samples/s (1.06-1.26, 3 runs) against 1.08 at its split
+(one run): no clear gain, so its ``auto`` stays split. An explicit integer for
 one pool is kept as given, and ``auto`` on the other pool then gets the cores left (at least one thread).
 ``cores`` is ``common.env.available_cores()``: the machine the controller runs on (one-node jobs). Ray's CPU
 counts are logical and do not enter.
@@ -56,10 +58,12 @@ class ThreadPlan:
     core_lending: bool = False  # common.core_lending: the trainer takes the cores of idle rollers
 
     def describe(self, mode: str) -> str:
+        oversubscribed = self.roller_threads * self.num_replicas + self.trainer_threads * self.num_ranks \
+            > self.num_cores
         share = ("phases alternate, every core to each" if mode not in OVERLAPPING_MODES
-                 else "phases overlap, cores split" if mode == "one-step-off"
-                 else "phases overlap, the trainer every core, rollers half on top"
-                 + (", the trainer yielding theirs while they decode" if self.core_lending else ""))
+                 else "phases overlap, the trainer every core, rollers on top" if oversubscribed
+                 else "phases overlap, cores split")
+        share += ", the trainer yielding theirs while they decode" if self.core_lending else ""
         return (f"threads: {self.num_replicas} roller(s) x {self.roller_threads}, {self.num_ranks} trainer rank(s) x "
                 f"{self.trainer_threads} on {self.num_cores} cores ({mode}: {share}; {self.chosen})")
 
@@ -89,6 +93,6 @@ def plan_threads(cfg: HFlowConfig, num_cores: int | None = None) -> ThreadPlan:
         trainer_cores = cores - int(roller) * replicas
     roller_threads = max(1, roller_cores // replicas) if roller == AUTO_THREADS else int(roller)
     trainer_threads = max(1, trainer_cores // ranks) if trainer == AUTO_THREADS else int(trainer)
-    lending = (cfg.mode == "fully-async" and roller_threads * replicas + trainer_threads * ranks > cores
+    lending = (cfg.mode in OVERLAPPING_MODES and roller_threads * replicas + trainer_threads * ranks > cores
                and cfg.rollers.engine == "torch" and pins_ray_to_loopback(cfg.ray.address))
     return ThreadPlan(cores, roller_threads, trainer_threads, replicas, ranks, chosen, lending)
