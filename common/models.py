@@ -15,6 +15,7 @@ Large models can be built on the meta device and materialised with ``to_empty`` 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import importlib.util
 import logging
@@ -79,16 +80,28 @@ class ModelConfig:
     """The ``model`` config section.
 
     ``path``: ``tiny``, ``smollm2-135m-instruct``, or a local Hugging Face model directory.
-    ``dtype``: parameter dtype, one of float32 | bfloat16 | float16.
+    ``dtype``: parameter dtype, one of float32 | bfloat16 | float16: the trainer's master weights, gradients
+    and optimizer state, and what checkpoints and exported models hold.
+    ``compute_dtype``: the dtype forwards and backwards compute in; empty (the default) = ``dtype``.
+    Mixed precision when it differs: the trainer's FSDP2 ``MixedPrecisionPolicy`` (``param_dtype`` =
+    ``compute_dtype``, gradients reduced in float32 into ``dtype`` parameters; verl's
+    ``fsdp_config.mixed_precision.param_dtype``), and rollers hold their weights in it (an SGLang server
+    runs with ``--dtype`` = it; the torch engine casts the weights it receives). ``bfloat16`` halves a
+    CPU step where the CPU has bf16 instructions (``avx512_bf16``/AMX; bench/README.md), and is what GPU
+    jobs use; log-probs then carry bf16 rounding (``rollout_corr/*`` metrics show the mismatch).
     """
 
     path: str = SMOLLM2
     dtype: str = "float32"
+    compute_dtype: str = ""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self):
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r} is not one of {sorted(FLOAT_DTYPES)}")
+        if self.compute_dtype and self.compute_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"model.compute_dtype={self.compute_dtype!r} is not one of {sorted(FLOAT_DTYPES)} "
+                             "or empty (= model.dtype)")
         if self.path not in BUILTIN_MODELS and not Path(self.path).is_dir():
             raise ValueError(
                 f"model.path={self.path!r} is neither a built-in model {list(BUILTIN_MODELS)} "
@@ -104,6 +117,14 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.compute_dtype or self.dtype]
+
+    def for_inference(self) -> ModelConfig:
+        """This config with ``dtype`` = the compute dtype: how rollers (no master weights) hold the model."""
+        return dataclasses.replace(self, dtype=self.compute_dtype or self.dtype, compute_dtype="")
 
 
 # --------------------------------------------------------------------------------------------- tiny

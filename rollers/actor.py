@@ -41,7 +41,8 @@ class RollerActor:
         from rollers.rewards import build_reward_fn
 
         set_torch_threads(resolve_num_threads(rollers_cfg.num_threads))
-        self.model_cfg, self.rollout_cfg, self.rollers_cfg = model_cfg, rollout_cfg, rollers_cfg
+        # No master weights here: the engine holds the model in model.compute_dtype (common.models).
+        self.model_cfg, self.rollout_cfg, self.rollers_cfg = model_cfg.for_inference(), rollout_cfg, rollers_cfg
         self.roller_id = roller_id
         self.tokenizer = load_tokenizer(model_cfg)
         self.reward_fn = build_reward_fn(reward)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from common import models, net, schema
@@ -161,15 +161,19 @@ def build_fsdp_model(model_cfg: models.ModelConfig, kind: str, device: torch.dev
     """A ``kind`` model (``policy``: the causal LM; ``critic``: the same backbone with a scalar value head,
     Hugging Face's ``*ForTokenClassification`` with one label, head initialised to zero) sharded with
     FSDP2 over the default process group, weights loaded on rank 0 and broadcast. Returned in eval mode
-    (no dropout: log-probs must not depend on it). Collective: every rank must call it.
+    (no dropout: log-probs must not depend on it). Parameters in ``model.dtype``; with a different
+    ``model.compute_dtype``, FSDP2 mixed precision: forwards and backwards in it, gradients reduced in
+    float32. Collective: every rank must call it.
     """
     model = _build_meta(model_cfg, kind)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise TypeError(f"{type(model).__name__} has no model.layers; cannot shard it per decoder layer")
+    mixed = {} if model_cfg.torch_compute_dtype == model_cfg.torch_dtype else {"mp_policy": MixedPrecisionPolicy(
+        param_dtype=model_cfg.torch_compute_dtype, reduce_dtype=torch.float32)}
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **mixed)
+    fully_shard(model, **mixed)
     models.materialize(model, device)
     for module in fsdp_modules(model):
         module.set_gradient_divide_factor(1.0)

@@ -42,6 +42,18 @@ def test_model_config_validation(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"")  # a DCP trainer checkpoint (trainer.save_every) is no model
     with pytest.raises(ValueError, match="trainer checkpoint.*hflow-async export"):
         models.ModelConfig(path=str(tmp_path))
+    with pytest.raises(ValueError, match="model.compute_dtype='bf16'"):
+        models.ModelConfig(path="tiny", compute_dtype="bf16")
+
+
+def test_compute_dtype_defaults_to_the_parameter_dtype_and_is_what_rollers_hold():
+    plain = models.ModelConfig(path="tiny")
+    assert plain.torch_compute_dtype == torch.float32 and plain.for_inference() == plain
+    mixed = models.ModelConfig(path="tiny", compute_dtype="bfloat16")
+    assert mixed.torch_dtype == torch.float32 and mixed.torch_compute_dtype == torch.bfloat16
+    held = mixed.for_inference()
+    assert held.dtype == "bfloat16" and held.torch_compute_dtype == torch.bfloat16
+    assert next(models.load_model(held).parameters()).dtype == torch.bfloat16
 
 
 @pytest.mark.slow

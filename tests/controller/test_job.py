@@ -79,6 +79,20 @@ def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps, bypa
     assert summary["threads"]["roller_threads"] >= 1 and summary["threads"]["trainer_threads"] >= 1
 
 
+def test_mixed_precision_job_trains_fp32_weights_with_bf16_pools(tmp_path, ray_cluster):
+    """model.compute_dtype=bfloat16: rollers decode in bf16 and receive each update (sent in bf16), the
+    trainer computes in bf16 over float32 master weights; the exported model is float32 and the
+    rollout-vs-trainer mismatch shows bf16 rounding, bounded."""
+    code, steps, summary = run(tmp_path, "fully-async", "data.size=16", "data.train_batch_size=4",
+                               "trainer.ppo_mini_batch_size=4", "trainer.total_steps=3",
+                               "model.compute_dtype=bfloat16", "checkpointengine.dtype=bfloat16")
+    assert code == EXIT_OK and [s["step"] for s in steps] == [1, 2, 3] and summary["num_syncs"] == 3
+    assert all(0 < s["rollout_corr/max_abs_diff"] < 1.0 and abs(s["rollout_corr/kl"]) < 0.05 for s in steps)
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(tmp_path / MODEL_DIR / "model.safetensors").values()} == {torch.float32}
+
+
 def test_partial_final_batch_is_a_step(tmp_path, ray_cluster, capsys):
     code, steps, summary = run(tmp_path, "sync", "data.size=3", "data.epochs=1", "data.train_batch_size=4",
                                "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", "trainer.save_every=1")

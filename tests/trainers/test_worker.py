@@ -329,3 +329,27 @@ def test_the_worker_asks_the_estimator_plugin():
     best = torch.stack([scores[i // 4 * 4 : i // 4 * 4 + 4].max() for i in range(len(scores))])
     expected = (scores - best).unsqueeze(-1) * batch[schema.RESPONSE_MASK]
     torch.testing.assert_close(fields[schema.ADVANTAGES], expected)
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights():
+    """model.compute_dtype=bfloat16 (FSDP2 MixedPrecisionPolicy): log-probs are the fp32 model's up to bf16
+    rounding (not equal: the forward really ran in bf16), and parameters, gradients and optimizer state stay
+    float32; a step changes every parameter."""
+    full = make_worker()
+    mixed = TrainerWorker(TrainerConfig(ppo_mini_batch_size=2, ppo_micro_batch_size=8, lr=1e-3, num_threads=1),
+                          AlgorithmConfig(), ModelConfig(path="tiny", compute_dtype="bfloat16"), temperature=0.7,
+                          max_response_length=5)
+    batch = make_batch(seed=4)
+    lp_full = full.compute_log_prob(batch)[schema.OLD_LOG_PROBS]
+    lp_mixed = mixed.compute_log_prob(batch)[schema.OLD_LOG_PROBS]
+    assert lp_mixed.dtype == torch.float32 and not torch.equal(lp_mixed, lp_full)
+    torch.testing.assert_close(lp_mixed, lp_full, atol=0.1, rtol=0)  # bf16 keeps ~3 significant digits
+    before = mixed.full_state_dict()
+    assert all(t.dtype == torch.float32 for t in before.values())
+    metrics = mixed.update_actor(with_training_fields(mixed, batch))
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/skipped_steps"] == 0.0
+    after = mixed.full_state_dict()
+    assert all(t.dtype == torch.float32 for t in after.values())
+    assert [n for n in before if torch.equal(before[n], after[n])] == []
+    state = _optimizer_state(mixed)
+    assert state and all(t.dtype == torch.float32 for t in state.values())
