@@ -282,7 +282,8 @@ def calibrate(results: dict, args, cfg) -> dict:
             s = r["split"]
             t = s["roller_threads"]
             if t not in decode_cache:
-                decode_cache[t] = run_calibration(cfg.model.path, t, cfg.rollers.max_batch_slots)
+                decode_cache[t] = run_calibration(cfg.model.path, t, cfg.rollers.max_batch_slots,
+                                                  cfg.model.for_inference().dtype)
             entry = out.setdefault(f"{wl_name}/{s['key']}", {"update": [], "sync": [], "overhead": []})
             entry["update"] += [u / r["samples_per_step"] for u in r["update_s"]]
             entry["sync"] += r["sync_s"]
@@ -308,10 +309,11 @@ def calibrate(results: dict, args, cfg) -> dict:
     return {"calibration": calibration, "decode_points": {str(t): d["points"] for t, d in decode_cache.items()}}
 
 
-def run_calibration(model: str, threads: int, slots: int) -> dict:
-    log(f"decode calibration: {model}, {threads} thread(s)")
+def run_calibration(model: str, threads: int, slots: int, dtype: str) -> dict:
+    log(f"decode calibration: {model} in {dtype}, {threads} thread(s)")
     occupancies = sorted({1, max(1, slots // 4), slots})
-    cmd = [sys.executable, str(Path(__file__)), "--calibrate-worker", model, str(threads), ",".join(map(str, occupancies))]
+    cmd = [sys.executable, str(Path(__file__)), "--calibrate-worker", model, str(threads), ",".join(map(str, occupancies)),
+           dtype]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -332,7 +334,9 @@ def trl_peer(args, cfg, cores: int) -> dict:
             "n": cfg.rollout.n, "prompts_per_step": cfg.data.train_batch_size,
             "max_response_length": cfg.rollout.max_response_length, "temperature": cfg.rollout.temperature,
             "lr": cfg.trainer.lr, "num_steps": args.steps, "warmup_steps": args.warmup_steps,
-            "num_threads": cores, "seed": cfg.rollout.seed}
+            "num_threads": cores, "seed": cfg.rollout.seed,
+            # Mixed precision on both sides: ours with model.compute_dtype=bfloat16, TRL's with bf16=True.
+            "bf16": cfg.model.compute_dtype == "bfloat16"}
     runs = []
     for rep in range(args.reps):
         out_dir = args.out / "runs" / "trl" / f"rep{rep}"
@@ -420,9 +424,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
-    if argv is None and len(sys.argv) == 5 and sys.argv[1] == "--calibrate-worker":
-        _, _, model, threads, occ = sys.argv
-        print(json.dumps(decode_calibration(model, int(threads), [int(x) for x in occ.split(",")], 16)))
+    if argv is None and len(sys.argv) == 6 and sys.argv[1] == "--calibrate-worker":
+        _, _, model, threads, occ, dtype = sys.argv
+        print(json.dumps(decode_calibration(model, int(threads), [int(x) for x in occ.split(",")], 16, dtype)))
         return
     args = parse_args(argv)
     from controller.config import load_config

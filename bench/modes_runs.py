@@ -99,10 +99,12 @@ def read_run(run_dir: Path, warmup_steps: int, tail_steps: int) -> dict:
     }
 
 
-def decode_calibration(model: str, num_threads: int, occupancies: list[int], num_tokens: int) -> dict:
+def decode_calibration(model: str, num_threads: int, occupancies: list[int], num_tokens: int,
+                       dtype: str = "float32") -> dict:
     """Measure one decode step of the torch engine at each batch occupancy (``num_threads`` torch threads,
     ``num_tokens`` tokens per request, EOS ignored) and fit ``step_s = decode_base_s + decode_per_seq_s·b``
-    by least squares; returns the fit and the raw points (seconds). Runs in its own process (threads)."""
+    by least squares; returns the fit and the raw points (seconds). The model in ``dtype`` (the rollers'
+    compute dtype). Runs in its own process (threads)."""
     import asyncio
 
     from common.env import set_torch_threads
@@ -111,7 +113,7 @@ def decode_calibration(model: str, num_threads: int, occupancies: list[int], num
     from rollers.torch_engine import TorchEngine
 
     set_torch_threads(num_threads)
-    cfg = ModelConfig(path=model)
+    cfg = ModelConfig(path=model, dtype=dtype)
     tok = load_tokenizer(cfg)
     prompt = tuple(apply_chat_template(tok, "What is 3 + 4?"))
     engine = TorchEngine(load_model(cfg), tok, max_batch_slots=max(occupancies), seed=0)

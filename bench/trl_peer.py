@@ -115,7 +115,7 @@ def _worker(spec_path: str, result_path: str) -> None:
         num_generations=n, generation_batch_size=B * n, num_iterations=1,
         max_completion_length=spec["max_response_length"], temperature=spec["temperature"], top_p=1.0,
         learning_rate=spec["lr"], beta=0.0, max_steps=spec["num_steps"], logging_steps=1, report_to="none",
-        use_cpu=True, bf16=False, seed=spec["seed"], save_strategy="no", shuffle_dataset=False,
+        use_cpu=True, bf16=spec.get("bf16", False), seed=spec["seed"], save_strategy="no", shuffle_dataset=False,
         dataloader_num_workers=0, disable_dropout=True,
         gradient_checkpointing=False,  # TRL's default (True) recomputes activations; ours does not
     )
