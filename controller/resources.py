@@ -37,7 +37,7 @@ counts are logical and do not enter.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from common.env import AUTO_THREADS, available_cores, pins_ray_to_loopback
 from controller.config import HFlowConfig
@@ -57,11 +57,14 @@ class ThreadPlan:
     chosen: str  # "auto" / "explicit" per pool, e.g. "rollers auto, trainer explicit"
     core_lending: bool = False  # common.core_lending: the trainer takes the cores of idle rollers
 
+    @property
+    def oversubscribed(self) -> bool:
+        """The pools' threads together exceed the cores (they share cores while both run)."""
+        return self.roller_threads * self.num_replicas + self.trainer_threads * self.num_ranks > self.num_cores
+
     def describe(self, mode: str) -> str:
-        oversubscribed = self.roller_threads * self.num_replicas + self.trainer_threads * self.num_ranks \
-            > self.num_cores
         share = ("phases alternate, every core to each" if mode not in OVERLAPPING_MODES
-                 else "phases overlap, the trainer every core, rollers on top" if oversubscribed
+                 else "phases overlap, the trainer every core, rollers on top" if self.oversubscribed
                  else "phases overlap, cores split")
         share += ", the trainer yielding theirs while they decode" if self.core_lending else ""
         return (f"threads: {self.num_replicas} roller(s) x {self.roller_threads}, {self.num_ranks} trainer rank(s) x "
@@ -93,6 +96,7 @@ def plan_threads(cfg: HFlowConfig, num_cores: int | None = None) -> ThreadPlan:
         trainer_cores = cores - int(roller) * replicas
     roller_threads = max(1, roller_cores // replicas) if roller == AUTO_THREADS else int(roller)
     trainer_threads = max(1, trainer_cores // ranks) if trainer == AUTO_THREADS else int(trainer)
-    lending = (cfg.mode in OVERLAPPING_MODES and roller_threads * replicas + trainer_threads * ranks > cores
-               and cfg.rollers.engine == "torch" and pins_ray_to_loopback(cfg.ray.address))
-    return ThreadPlan(cores, roller_threads, trainer_threads, replicas, ranks, chosen, lending)
+    plan = ThreadPlan(cores, roller_threads, trainer_threads, replicas, ranks, chosen)
+    lending = (cfg.mode in OVERLAPPING_MODES and plan.oversubscribed and cfg.rollers.engine == "torch"
+               and pins_ray_to_loopback(cfg.ray.address))
+    return replace(plan, core_lending=lending)
