@@ -166,9 +166,7 @@ def build_fsdp_model(model_cfg: models.ModelConfig, kind: str, device: torch.dev
     float32. Collective: every rank must call it.
     """
     model = _build_meta(model_cfg, kind)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(model).__name__} has no model.layers; cannot shard it per decoder layer")
+    layers = decoder_layers(model)
     mixed = {} if model_cfg.torch_compute_dtype == model_cfg.torch_dtype else {"mp_policy": MixedPrecisionPolicy(
         param_dtype=model_cfg.torch_compute_dtype, reduce_dtype=torch.float32)}
     for layer in layers:
@@ -181,6 +179,15 @@ def build_fsdp_model(model_cfg: models.ModelConfig, kind: str, device: torch.dev
     state = _rank0_state_dict(model_cfg, kind, model) if dist.get_rank() == 0 else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model.eval()
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """A Hugging Face decoder's layers (``model.model.layers``: Llama, Qwen2, Mistral, ... and their
+    ``*ForTokenClassification``); raises TypeError for a model without them."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no model.layers; cannot shard it per decoder layer")
+    return layers
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

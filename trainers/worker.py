@@ -121,11 +121,11 @@ class TrainerWorker:
             self.critic = fsdp.build_fsdp_model(model, fsdp.CRITIC, self.device)
             self.critic_optimizer, self.critic_scheduler = _make_optimizer(self.critic, trainer, trainer.critic_lr)
         self.core_lender = None
-        if core_lending_dir is not None:  # before each forward (its backward runs as set there): common.core_lending
+        if core_lending_dir is not None:  # before each decoder layer's forward and backward: common.core_lending
             self.core_lender = CoreLender(core_lending_dir, torch.get_num_threads())
             for module in (self.policy, self.reference, self.critic):
                 if module is not None:
-                    module.register_forward_pre_hook(self.core_lender.hook)
+                    self.core_lender.attach(module, fsdp.decoder_layers(module))
         self.kl_controller = make_kl_controller(algorithm)
         self.weight_version = 0
         self.tq_handle = tq_handle

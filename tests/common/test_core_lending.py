@@ -69,3 +69,47 @@ def test_the_forward_hook_sets_threads_before_each_forward_and_keeps_the_inputs(
     flag.set(False)
     model(x)
     assert seen == [2, 1, 2]
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward records the threads it runs with (and may call ``on_backward``)."""
+
+    @staticmethod
+    def forward(ctx, x, seen, on_backward):
+        ctx.seen, ctx.on_backward = seen, on_backward
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append(torch.get_num_threads())
+        ctx.on_backward()
+        return grad, None, None
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, seen: list[int], on_backward):
+        super().__init__()
+        self.linear, self.seen, self.on_backward = torch.nn.Linear(3, 3), seen, on_backward
+
+    def forward(self, x):
+        self.seen.append(torch.get_num_threads())
+        return _Probe.apply(self.linear(x), self.seen, self.on_backward)
+
+
+def test_attached_blocks_re_decide_before_each_forward_and_each_backward(tmp_path, threads):
+    """``attach``: a roller turning busy between two blocks' forwards, between forward and backward, or
+    between two blocks' backwards changes the threads of the very next block."""
+    flag = BusyFlag(tmp_path, "roller0", 1)
+    lender = CoreLender(tmp_path, 2)
+    seen: list[int] = []
+    toggles = iter([lambda: flag.set(False), lambda: None])  # block 1's backward ends the roller's decoding
+    second = _Block(seen, lambda: next(toggles)())
+    first = _Block(seen, lambda: None)
+    model = torch.nn.Sequential(first, torch.nn.Identity(), second)
+    lender.attach(model, [first, second])
+    first.register_forward_hook(lambda module, args, out: flag.set(True))  # busy from block 1 on
+    out = model(torch.ones(2, 3, requires_grad=True))
+    assert seen == [2, 1]  # forwards: block 0 idle, block 1 busy
+    out.sum().backward()
+    assert seen == [2, 1, 1, 2]  # backwards: block 1 still busy, block 0 after the roller went idle
+    assert torch.get_num_threads() == 2

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from common import schema
+from common.core_lending import BusyFlag
 from common.models import ModelConfig
 from tests.trainers._trainer_batches import (
     LINEAR_ADAM_LR,
@@ -353,3 +354,31 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights():
     assert [n for n in before if torch.equal(before[n], after[n])] == []
     state = _optimizer_state(mixed)
     assert state and all(t.dtype == torch.float32 for t in state.values())
+
+
+def test_core_lending_decides_per_decoder_layer_in_forward_and_backward(tmp_path):
+    """With ``core_lending_dir`` the trainer re-decides its threads before every decoder layer's forward and
+    backward (``common.core_lending``), through FSDP2's hooks; a busy roller's threads are taken off."""
+    BusyFlag(tmp_path, "roller0", 1).set(True)
+    before = torch.get_num_threads()
+    try:
+        worker = TrainerWorker(TrainerConfig(ppo_mini_batch_size=2, ppo_micro_batch_size=8, lr=1e-3, num_threads=2),
+                               AlgorithmConfig(), TINY, temperature=0.7, max_response_length=5,
+                               core_lending_dir=str(tmp_path))
+        calls = {"forward": 0, "backward": 0}
+        apply = worker.core_lender.apply
+
+        def counted():
+            calls["forward" if torch.is_grad_enabled() else "backward"] += 1
+            return apply()
+
+        worker.core_lender.apply = counted
+        batch = with_training_fields(worker, make_batch(seed=5))
+        calls.update(forward=0, backward=0)
+        metrics = worker.update_actor(batch)
+        layers = len(fsdp.decoder_layers(worker.policy))
+        assert layers >= 2 and metrics["actor/skipped_steps"] == 0.0
+        assert calls["forward"] >= layers + 1 and calls["backward"] >= layers, calls
+        assert worker.core_lender.current == 1  # 2 planned - 1 decoding
+    finally:
+        torch.set_num_threads(before)
