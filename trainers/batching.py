@@ -153,17 +153,54 @@ def local_mini_batch_sizes(uid: Sequence[Any], groups_per_mini_batch: int) -> tu
     return order, sizes
 
 
+def _lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: real prompt tokens (``attention_mask``) and the response up to its last valid token
+    (``response_mask``; full width without one), both ``(batch,)`` int64."""
+    prompt = batch[schema.ATTENTION_MASK].ne(0).sum(dim=1)
+    mask = _valid_responses(batch)
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    extent = (mask * cols).amax(dim=1) if mask.shape[1] else torch.zeros_like(prompt)
+    return prompt.cpu(), extent.cpu()
+
+
 def length_order(batch: Mapping[str, Any]) -> list[int]:
     """Sample indices of ``batch`` by the length of each sample's sequence, shortest first (stable): real
     prompt tokens (``attention_mask``) plus the response up to its last valid token (``response_mask``).
     Micro-batches cut in this order hold samples of similar length, so :func:`trim_padding` drops most of
     their padding (verl's dynamic batch size rearranges by length for the same reason). Without a
     ``response_mask`` (a forward-only batch may lack one) every response counts as full width."""
-    prompt = batch[schema.ATTENTION_MASK].sum(dim=1)
-    mask = _valid_responses(batch)
-    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    extent = (mask * cols).amax(dim=1) if mask.shape[1] else torch.zeros_like(prompt)
-    return torch.argsort(prompt.to(extent.device) + extent, stable=True).tolist()
+    prompt, extent = _lengths(batch)
+    return torch.argsort(prompt + extent, stable=True).tolist()
+
+
+def micro_batch_plan(batch: Mapping[str, Any], micro_batch_size: int, max_token_len: int = 0
+                     ) -> tuple[list[int], list[slice]]:
+    """How a batch is cut into micro-batches: ``(order, slices)``, ``order`` = :func:`length_order` and the
+    slices consecutive runs of it, each at most ``micro_batch_size`` samples and, when ``max_token_len`` > 0
+    (verl's dynamic batch size, ``ppo_max_token_len_per_gpu``), at most ``max_token_len`` tokens as the
+    forward will see them after :func:`trim_padding`: rows × (longest prompt + longest response). A sample
+    longer than the budget alone gets a micro-batch of its own. Every sample is in exactly one slice.
+
+    With samples of very different lengths (multi-turn trajectories) a fixed count puts a few long ones
+    with short ones padded to their width; the budget keeps short samples many to a pass and long ones
+    few. The loss is unchanged by the cut (``trainers.update``: sums normalised by the global token count).
+    """
+    order = length_order(batch)
+    if max_token_len <= 0:
+        return order, micro_batch_slices(len(order), micro_batch_size)
+    prompt, extent = _lengths(batch)
+    slices, start, widest_prompt, widest_response = [], 0, 0, 0
+    for i, index in enumerate(order):
+        p, e = int(prompt[index]), int(extent[index])
+        rows = i - start + 1
+        wp, we = max(widest_prompt, p), max(widest_response, e)
+        if rows > 1 and (rows > micro_batch_size or rows * (wp + we) > max_token_len):
+            slices.append(slice(start, i))
+            start, wp, we = i, p, e
+        widest_prompt, widest_response = wp, we
+    if order:
+        slices.append(slice(start, len(order)))
+    return order, slices
 
 
 def _valid_responses(batch: Mapping[str, Any]) -> torch.Tensor:

@@ -33,7 +33,10 @@ class TrainerConfig:
     """The trainer pool and optimisation.
 
     ``ppo_mini_batch_size`` is in prompts (× ``rollout.n`` samples inside); ``ppo_micro_batch_size`` is
-    in samples; ``save_every`` in trainer steps (0 = never: no job checkpoint at all, neither on a stop
+    in samples; ``ppo_max_token_len_per_gpu`` (verl's dynamic batch size; 0 = off) caps a micro-batch at that
+    many tokens as its forward sees them (samples × (longest prompt + longest response) after the length sort
+    and padding trim, ``trainers.batching.micro_batch_plan``) besides the ``ppo_micro_batch_size`` samples;
+    ``save_every`` in trainer steps (0 = never: no job checkpoint at all, neither on a stop
     signal nor at the end); ``keep_checkpoints``: how many job checkpoints are kept, the latest (0 = all);
     ``max_restarts``: times a job restarts its trainer group from the latest job checkpoint after losing a
     trainer rank, the rollers kept running (``controller.trainer_restart``; 0: the job fails, naming the
@@ -56,6 +59,7 @@ class TrainerConfig:
     total_steps: int = 10
     ppo_mini_batch_size: int = 4
     ppo_micro_batch_size: int = 8
+    ppo_max_token_len_per_gpu: int = 0
     ppo_epochs: int = 1
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -89,7 +93,7 @@ class TrainerConfig:
         _check_choice("trainer.device", self.device, TRAINER_DEVICES)
         if self.max_grad_norm <= 0:
             raise ValueError(f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        for key in ("warmup_steps", "save_every", "keep_checkpoints", "max_restarts", "val_every"):
+        for key in ("ppo_max_token_len_per_gpu", "warmup_steps", "save_every", "keep_checkpoints", "max_restarts", "val_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         _check_choice("trainer.lr_schedule", self.lr_schedule, LR_SCHEDULES)

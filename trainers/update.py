@@ -8,8 +8,10 @@ reduce-scatter with divide factor 1), so the step equals one step on the whole m
 split: 1 micro-batch of 8 equals 8 of 1, and 2 ranks equal 1 rank.
 
 Micro-batches are cut from the mini-batch in :func:`trainers.batching.length_order` (samples of similar length
-together) and each is cut to its own longest sample (:func:`trainers.batching.trim_padding`): with long-tail
-lengths (multi-turn trajectories) most of the padding a batch-wide width would carry is never computed. The
+together), with ``trainer.ppo_max_token_len_per_gpu`` by a token budget too (verl's dynamic batch size:
+:func:`trainers.batching.micro_batch_plan`), and each is cut to its own longest sample
+(:func:`trainers.batching.trim_padding`): with long-tail lengths (multi-turn trajectories) most of the
+padding a batch-wide width would carry is never computed. The
 loss is a sum over samples, so the order changes nothing but float rounding; only plug-in losses with
 micro-batch-local statistics (``clip_cov``, ``kl_cov``) see other micro-batches.
 
@@ -33,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from common import schema
 from trainers import collectives
-from trainers.batching import batch_size, length_order, micro_batch_slices, select, trim_padding
+from trainers.batching import batch_size, micro_batch_plan, select, trim_padding
 from trainers.config import AlgorithmConfig
 from trainers.fsdp import response_log_probs, response_values
 from trainers.kl import kl_loss
@@ -76,14 +78,14 @@ def filler_sample(batch: dict) -> dict:
     return row
 
 
-def synced_micro_batches(mini: dict | None, micro_batch_size: int, filler: dict) -> Iterator[dict]:
-    """The micro-batches of ``mini`` (``None`` = this rank has no sample in it): its samples in
-    ``length_order(mini)``, ``micro_batch_size`` at a time, each through ``trim_padding``; then fillers up to
-    the largest micro-batch count of any rank. Collective (one all-reduce)."""
-    num = batch_size(mini) if mini else 0
-    slices = micro_batch_slices(num, micro_batch_size)
+def synced_micro_batches(mini: dict | None, micro_batch_size: int, filler: dict,
+                         max_token_len: int = 0) -> Iterator[dict]:
+    """The micro-batches of ``mini`` (``None`` = this rank has no sample in it): ``micro_batch_plan(mini,
+    micro_batch_size, max_token_len)`` (length-sorted; at most ``micro_batch_size`` samples and, if > 0,
+    ``max_token_len`` tokens each), each through ``trim_padding``; then fillers up to the largest
+    micro-batch count of any rank. Collective (one all-reduce)."""
+    order, slices = micro_batch_plan(mini, micro_batch_size, max_token_len) if mini else ([], [])
     total = int(collectives.all_reduce([len(slices)], dist.ReduceOp.MAX)[0])
-    order = length_order(mini) if mini else []
     for i in range(total):
         yield trim_padding(select(mini, order[slices[i]]) if i < len(slices) else filler)
 
@@ -149,9 +151,11 @@ def _global_counts(mini: dict | None) -> tuple[float, float]:
 def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: dict | None, filler: dict,
                sums: StepSums, *, algorithm: AlgorithmConfig, temperature: float, micro_batch_size: int,
                max_grad_norm: float, norm_length: int | None, old_from_current: bool = False,
-               mismatch: MismatchSums | None = None) -> None:
+               mismatch: MismatchSums | None = None, max_token_len: int = 0) -> None:
     """Accumulate the loss (``algorithm.policy_loss`` − entropy bonus + KL loss) of ``mini`` over
-    micro-batches, clip the gradient norm to ``max_grad_norm`` and step ``optimizer``. Adds to ``sums``.
+    micro-batches (at most ``micro_batch_size`` samples and, if > 0, ``max_token_len`` tokens each:
+    ``trainers.batching.micro_batch_plan``), clip the gradient norm to ``max_grad_norm`` and step
+    ``optimizer``. Adds to ``sums``.
 
     ``old_from_current``: ``old_log_probs`` are this forward's log-probs, detached (valid only when the
     policy has not stepped since the samples were generated: ``trainers.rollout_corr``); the batch then
@@ -162,7 +166,7 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
     agg = {"loss_agg_mode": algorithm.loss_agg_mode, "global_num_tokens": tokens, "global_num_seqs": seqs,
            "norm_length": norm_length}
     loss_mode, params = POLICY_LOSSES.get(algorithm.policy_loss), PolicyLossParams.from_config(algorithm)
-    for mb in synced_micro_batches(mini, micro_batch_size, filler):
+    for mb in synced_micro_batches(mini, micro_batch_size, filler, max_token_len):
         mask = mb[schema.RESPONSE_MASK]
         log_probs, entropy = response_log_probs(policy, mb, temperature, with_entropy=True,
                                                 entropy_grad=algorithm.entropy_coeff > 0)
@@ -196,12 +200,13 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
 
 def critic_step(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: dict | None, filler: dict,
                 sums: StepSums, *, algorithm: AlgorithmConfig, micro_batch_size: int, max_grad_norm: float,
-                norm_length: int | None) -> None:
-    """Accumulate the clipped value loss of ``mini`` (``algorithm.cliprange_value``) over micro-batches,
-    clip the gradient norm and step ``optimizer``. Adds to ``sums``. Collective."""
+                norm_length: int | None, max_token_len: int = 0) -> None:
+    """Accumulate the clipped value loss of ``mini`` (``algorithm.cliprange_value``) over micro-batches
+    (cut as in :func:`actor_step`), clip the gradient norm and step ``optimizer``. Adds to ``sums``.
+    Collective."""
     optimizer.zero_grad(set_to_none=True)
     tokens, seqs = _global_counts(mini)
-    for mb in synced_micro_batches(mini, micro_batch_size, filler):
+    for mb in synced_micro_batches(mini, micro_batch_size, filler, max_token_len):
         mask = mb[schema.RESPONSE_MASK]
         values = response_values(critic, mb)
         loss, vf = value_loss(values, mb[schema.VALUES], mb[schema.RETURNS], mask,

@@ -40,7 +40,7 @@ from common.models import ModelConfig
 from trainers import checkpoint, collectives, export, fsdp
 from trainers.advantage_stage import compute_rank_advantages
 from trainers.advantages import ADV_ESTIMATORS
-from trainers.batching import as_batch_dict, batch_size, length_order, local_mini_batch_sizes, select
+from trainers.batching import as_batch_dict, batch_size, local_mini_batch_sizes, micro_batch_plan, select
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.kl import make_kl_controller
 from trainers.rollout_corr import MismatchSums, can_skip_old_forward, is_on_policy
@@ -161,11 +161,12 @@ class TrainerWorker:
         fillers' results dropped). ``fn`` returns a tuple of per-token tensors ``(micro, kept_response_len)``;
         returns them for the whole batch, in its order and at its width ``(batch, response_len)``, 0 on the
         cut columns."""
-        micro = self.trainer.ppo_micro_batch_size
-        results = [fn(mb) for mb in synced_micro_batches(batch, micro, filler_sample(batch))]
-        results = results[: math.ceil(batch_size(batch) / micro)]
+        micro, max_tokens = self.trainer.ppo_micro_batch_size, self.trainer.ppo_max_token_len_per_gpu
+        order, slices = micro_batch_plan(batch, micro, max_tokens)
+        results = [fn(mb) for mb in synced_micro_batches(batch, micro, filler_sample(batch), max_tokens)]
+        results = results[: len(slices)]
         width = batch[schema.RESPONSES].shape[1]
-        inverse = torch.argsort(torch.tensor(length_order(batch)))
+        inverse = torch.argsort(torch.tensor(order))
         return tuple(torch.cat([F.pad(r[i], (0, width - r[i].shape[1])) for r in results])[inverse.to(self.device)]
                      for i in range(len(results[0])))
 
@@ -270,7 +271,8 @@ class TrainerWorker:
                 actor_step(self.policy, self.actor_optimizer, mini, filler, sums, algorithm=self.algorithm,
                            temperature=self.temperature, micro_batch_size=self.trainer.ppo_micro_batch_size,
                            max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length,
-                           old_from_current=old_from_current, mismatch=probe)
+                           old_from_current=old_from_current, mismatch=probe,
+                           max_token_len=self.trainer.ppo_max_token_len_per_gpu)
         self.actor_scheduler.step()
         self.weight_version += 1
         metrics = sums.finish("actor")
@@ -300,7 +302,8 @@ class TrainerWorker:
             for mini in minis:
                 critic_step(self.critic, self.critic_optimizer, mini, filler, sums, algorithm=self.algorithm,
                             micro_batch_size=self.trainer.ppo_micro_batch_size,
-                            max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length)
+                            max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length,
+                            max_token_len=self.trainer.ppo_max_token_len_per_gpu)
         self.critic_scheduler.step()
         metrics = sums.finish("critic")
         metrics["critic/lr"] = lr

@@ -93,10 +93,14 @@ def test_step0_ratio_is_one_and_nothing_clipped():
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_gradient_accumulation_1x8_equals_8x1(mode):
+@pytest.mark.parametrize("split", [{"ppo_micro_batch_size": 1}, {"ppo_max_token_len_per_gpu": 24}],
+                         ids=["8x1", "token-budget"])
+def test_gradient_accumulation_1x8_equals_8x1(mode, split):
+    """One micro-batch of 8 equals eight of one, and equals micro-batches cut by a token budget (verl's
+    dynamic batch size: here 24 tokens, two to four samples of up to 11 tokens per pass)."""
     algorithm = AlgorithmConfig(loss_agg_mode=mode)
     one = make_worker(ppo_micro_batch_size=8, algorithm=algorithm, lr=LINEAR_ADAM_LR)
-    eight = make_worker(ppo_micro_batch_size=1, algorithm=algorithm, lr=LINEAR_ADAM_LR)
+    eight = make_worker(**split, algorithm=algorithm, lr=LINEAR_ADAM_LR)
     linear_adam(one), linear_adam(eight)
     batch = with_training_fields(one, make_batch(seed=2))
     before = one.full_state_dict()
@@ -144,6 +148,15 @@ def test_micro_batches_are_cut_to_their_own_longest_sample():
         hook.remove()
     # The model never sees the 9 extra columns, nor the padding a batch-wide width would add.
     assert widths == _sequence_widths(batch, 3)
+    rows: list[int] = []
+    budget = make_worker(ppo_micro_batch_size=8, ppo_max_token_len_per_gpu=24)
+    hook = budget.policy.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        by_tokens = budget.compute_log_prob(padded)
+    finally:
+        hook.remove()
+    assert sum(rows) == 8 and len(rows) > 1  # a token budget cuts the same samples into more passes
     assert sum(widths) < 3 * (padded[schema.INPUT_IDS].shape[1] + padded[schema.RESPONSES].shape[1])
     # Results come back in the batch's order, at its width, 0 on the cut columns: the same as one
     # untrimmed micro-batch of everything.
@@ -153,6 +166,7 @@ def test_micro_batches_are_cut_to_their_own_longest_sample():
         assert not out[key][:, 5:].any()
         mask = batch[schema.RESPONSE_MASK].bool()
         torch.testing.assert_close(out[key][:, :5][mask], reference[key][mask], atol=1e-5, rtol=0, msg=key)
+        torch.testing.assert_close(by_tokens[key], out[key], atol=1e-5, rtol=0, msg=key)
 
 
 def test_a_forward_without_response_mask_keeps_every_response_column():
