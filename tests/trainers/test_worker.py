@@ -135,29 +135,30 @@ def _sequence_widths(batch: dict, micro: int) -> list[int]:
     return [max(prompt[i] for i in c) + max(extent[i] for i in c) for c in chunks]
 
 
+def _log_probs_and_shapes(worker, batch: dict) -> tuple[dict, list[tuple[int, int]]]:
+    """``worker.compute_log_prob(batch)`` and the ``(rows, width)`` of each forward's ``input_ids``."""
+    shapes: list[tuple[int, int]] = []
+    hook = worker.policy.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        return worker.compute_log_prob(batch), shapes
+    finally:
+        hook.remove()
+
+
 def test_micro_batches_are_cut_to_their_own_longest_sample():
     batch = make_batch(num_groups=2, n=4, prompt_len=6, response_len=5, seed=5)
     padded = _more_padding(batch)
-    worker = make_worker(ppo_micro_batch_size=3)
-    widths: list[int] = []
-    hook = worker.policy.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
-    try:
-        out = worker.compute_log_prob(padded)
-    finally:
-        hook.remove()
+    out, shapes = _log_probs_and_shapes(make_worker(ppo_micro_batch_size=3), padded)
+    widths = [width for _, width in shapes]
     # The model never sees the 9 extra columns, nor the padding a batch-wide width would add.
     assert widths == _sequence_widths(batch, 3)
-    rows: list[int] = []
-    budget = make_worker(ppo_micro_batch_size=8, ppo_max_token_len_per_gpu=24)
-    hook = budget.policy.register_forward_pre_hook(
-        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
-    try:
-        by_tokens = budget.compute_log_prob(padded)
-    finally:
-        hook.remove()
-    assert sum(rows) == 8 and len(rows) > 1  # a token budget cuts the same samples into more passes
     assert sum(widths) < 3 * (padded[schema.INPUT_IDS].shape[1] + padded[schema.RESPONSES].shape[1])
+    by_tokens, shapes = _log_probs_and_shapes(make_worker(ppo_micro_batch_size=8, ppo_max_token_len_per_gpu=24),
+                                              padded)
+    rows = [r for r, _ in shapes]
+    assert sum(rows) == 8 and len(rows) > 1  # a token budget cuts the same samples into more passes
+    assert all(r * w <= 24 for r, w in shapes if r > 1)
     # Results come back in the batch's order, at its width, 0 on the cut columns: the same as one
     # untrimmed micro-batch of everything.
     reference = make_worker(ppo_micro_batch_size=8).compute_log_prob(batch)
