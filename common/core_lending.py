@@ -114,10 +114,12 @@ class CoreLender:
             block.register_forward_hook(self._hook_output_grad)
 
     def _hook_output_grad(self, module, args, output) -> None:
-        tensor = output if isinstance(output, torch.Tensor) else next(
-            (t for t in output if isinstance(t, torch.Tensor)), None) if isinstance(output, (tuple, list)) else None
-        if tensor is not None and tensor.requires_grad:
-            tensor.register_hook(self._grad_hook)
+        """A forward hook: a gradient hook on the block's output (a tensor, or the first tensor of a tuple),
+        when it is part of a graph."""
+        if isinstance(output, (tuple, list)):
+            output = next((t for t in output if isinstance(t, torch.Tensor)), None)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._grad_hook)
 
     def _grad_hook(self, grad):
         self.apply()

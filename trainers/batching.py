@@ -185,10 +185,10 @@ def micro_batch_plan(batch: Mapping[str, Any], micro_batch_size: int, max_token_
     with short ones padded to their width; the budget keeps short samples many to a pass and long ones
     few. The loss is unchanged by the cut (``trainers.update``: sums normalised by the global token count).
     """
-    order = length_order(batch)
+    prompt, extent = _lengths(batch)
+    order = torch.argsort(prompt + extent, stable=True).tolist()  # length_order
     if max_token_len <= 0:
         return order, micro_batch_slices(len(order), micro_batch_size)
-    prompt, extent = _lengths(batch)
     slices, start, widest_prompt, widest_response = [], 0, 0, 0
     for i, index in enumerate(order):
         p, e = int(prompt[index]), int(extent[index])

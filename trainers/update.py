@@ -11,9 +11,9 @@ Micro-batches are cut from the mini-batch in :func:`trainers.batching.length_ord
 together), with ``trainer.ppo_max_token_len_per_gpu`` by a token budget too (verl's dynamic batch size:
 :func:`trainers.batching.micro_batch_plan`), and each is cut to its own longest sample
 (:func:`trainers.batching.trim_padding`): with long-tail lengths (multi-turn trajectories) most of the
-padding a batch-wide width would carry is never computed. The
-loss is a sum over samples, so the order changes nothing but float rounding; only plug-in losses with
-micro-batch-local statistics (``clip_cov``, ``kl_cov``) see other micro-batches.
+padding a batch-wide width would carry is never computed. The loss is a sum over samples, so the order
+changes nothing but float rounding; only plug-in losses with micro-batch-local statistics (``clip_cov``,
+``kl_cov``) see other micro-batches.
 
 All ranks run the same number of forward/backward passes (every FSDP2 pass is collective): a rank with
 fewer micro-batches runs *filler* micro-batches — a copy of one of its samples with ``response_mask`` all
