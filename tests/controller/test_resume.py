@@ -278,14 +278,17 @@ def test_sigterm_then_resume_trains_every_prompt_once_in_sync_and_one_step_off(t
     run_dir = tmp_path / "run"
     args = [mode if a == "fully-async" else a for a in JOB]
     # No periodic save: the checkpoint is the one the stop writes, mid-run (a batch generated or in flight).
-    args += ["data.epochs=1", "trainer.total_steps=4", "trainer.save_every=100", f"run_dir={run_dir}"]
+    # The roller holds step 2's second group (its 4th) 10 s, so the tiny job cannot finish all 4 steps between
+    # step 1's line and the signal (it did on a fast machine: the stop came after step 4).
+    args += ["data.epochs=1", "trainer.total_steps=4", "trainer.save_every=100", f"run_dir={run_dir}",
+             "rollers.fault_injection=[roller0:slow:group=4:10]"]
     code, out, err = run(args, until=lambda o: STEP_LINE.search(o) is not None, sig=signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, err[-3000:]
     stopped_at = max(list_checkpoints(run_dir))
     stop = JobState.read(run_dir / CHECKPOINTS / f"step_{stopped_at}")
-    assert 1 <= stopped_at < 4 and stop.reason == "stopped by SIGTERM" and stop.weight_version == stopped_at
+    assert stopped_at == 1 and stop.reason == "stopped by SIGTERM" and stop.weight_version == 1, stop
 
-    code, out, err = run(["--resume", str(run_dir)])
+    code, out, err = run(["--resume", str(run_dir), "rollers.fault_injection=[]"])
     assert code == 0, err[-3000:]
     assert f"(step {stopped_at}, weight_version {stopped_at})" in out
     assert_every_prompt_once(run_dir, 4, bound)
