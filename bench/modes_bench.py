@@ -29,15 +29,16 @@ samples (``--steps`` × B × n); only ``--mode`` and the split differ.
   batch occupancy (measured alone, ``decode_calibration``), per-sample training and weight-sync seconds
   (medians of that split's runs), per-group overhead (sync runs' generation phase minus the simulated
   decode time). ``python bench/schedule_sim.py validate bench/results/modes_bench.json`` compares.
-* **TRL** (``bench/trl_peer.py``): the main workload through ``GRPOTrainer`` in ``bench/.envs/trl``,
-  one process with every core, ``--reps`` runs (median, spread); ``--no-trl`` skips it (``trl_sps=nan``).
+* **TRL** (``bench/trl_peer.py``): each workload through ``GRPOTrainer`` in ``bench/.envs/trl``, one
+  process with every core, as many runs as each mode there (median, spread); on the long tail HF
+  ``generate`` is forced to our exact per-sample lengths; ``--no-trl`` skips it (``trl_sps=nan``).
 
 Outputs in ``--out`` (default ``bench/results/``, git-ignored): ``modes_bench.json``, ``modes_bench.md``
 (the table), ``modes_bench.png`` (samples/s per mode, and a timeline of trainer/roller busy intervals per
 mode), the run directories under ``runs/``, and the last line printed::
 
     RESULT sync_sps=… one_step_off_sps=… fully_async_sps=… speedup_one_step_off=… speedup_fully_async=…
-           longtail_speedup_fully_async=… max_staleness_fully_async=… limit_sps=… trl_sps=…
+           longtail_speedup_fully_async=… max_staleness_fully_async=… limit_sps=… trl_sps=… longtail_trl_sps=…
 """
 
 from __future__ import annotations
@@ -321,7 +322,9 @@ def run_calibration(model: str, threads: int, slots: int, dtype: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def trl_peer(args, cfg, cores: int) -> dict:
+def trl_peer(args, cfg, cores: int, workload: str = "main") -> dict:
+    """TRL's runs on ``workload`` (``cfg``: its job config): the median, spread and every run, or the first
+    run's ``{"error": ...}`` when none completed."""
     from trl_peer import run_trl
 
     from common.models import resolve_model_dir
@@ -335,18 +338,19 @@ def trl_peer(args, cfg, cores: int) -> dict:
             "max_response_length": cfg.rollout.max_response_length, "temperature": cfg.rollout.temperature,
             "lr": cfg.trainer.lr, "num_steps": args.steps, "warmup_steps": args.warmup_steps,
             "num_threads": cores, "seed": cfg.rollout.seed,
+            "forced_response_lengths": cfg.rollout.forced_response_lengths,
             # Mixed precision on both sides: ours with model.compute_dtype=bfloat16, TRL's with bf16=True.
             "bf16": cfg.model.compute_dtype == "bfloat16"}
     runs = []
-    for rep in range(args.reps):
-        out_dir = args.out / "runs" / "trl" / f"rep{rep}"
+    for rep in range(args.longtail_reps if workload == "longtail" else args.reps):
+        out_dir = args.out / "runs" / ("trl" if workload == "main" else f"trl-{workload}") / f"rep{rep}"
         done = out_dir / "trl_result.json"
         if args.reuse_runs and done.exists():
             res = json.loads(done.read_text())
         else:
-            log(f"TRL GRPOTrainer rep {rep}: running")
+            log(f"TRL GRPOTrainer {workload} rep {rep}: running")
             res = run_trl(spec, out_dir, args.run_timeout, log)
-        log(f"  TRL rep {rep}: {res.get('samples_per_s', res.get('error'))}")
+        log(f"  TRL {workload} rep {rep}: {res.get('samples_per_s', res.get('error'))}")
         runs.append(res)
     ok = [r for r in runs if "error" not in r]
     if not ok:
@@ -436,8 +440,9 @@ def main(argv=None) -> None:
     arg_values = dict(vars(args), split={m: [s.key for s in ss] for m, ss in args.split.items()})
     results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in arg_values.items()},
                "cores": cores, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "workloads": {}}
-    for name in args.workloads:
-        cfg = load_config(preset=args.preset, overrides=workload_overrides(name, args) + list(args.set))
+    configs = {name: load_config(preset=args.preset, overrides=workload_overrides(name, args) + list(args.set))
+               for name in args.workloads}
+    for name, cfg in configs.items():
         wl = bench_workload(name, args, cores)
         wl["sim_workload"] = sim_workload(name, wl["runs"], args, cfg)
         results["workloads"][name] = wl
@@ -445,7 +450,7 @@ def main(argv=None) -> None:
     results.update(calibrate(results, args, cfg))
     for name, wl in results["workloads"].items():
         wl["limit"] = limit(name, wl, results["calibration"], cores)
-    results["trl"] = {"error": "skipped (--no-trl)"} if args.no_trl else trl_peer(args, cfg, cores)
+        wl["trl"] = {"error": "skipped (--no-trl)"} if args.no_trl else trl_peer(args, configs[name], cores, name)
     results["elapsed_s"] = time.monotonic() - T0
     line = write_outputs(results, args.out)
     log(f"wrote {args.out / 'modes_bench.json'}, .md and .png in {results['elapsed_s']:.0f} s")

@@ -22,7 +22,8 @@ def _get(d: dict, *keys, default=math.nan):
 
 
 def result_line(results: dict) -> str:
-    """``RESULT sync_sps=… … trl_sps=…`` (main workload, steady state; nan where not measured)."""
+    """``RESULT sync_sps=… … trl_sps=… longtail_trl_sps=…`` (main workload, steady state, but for the
+    ``longtail_*`` keys; nan where not measured)."""
     main, tail = results["workloads"].get("main", {}), results["workloads"].get("longtail", {})
     sps = {m: _get(main, "best", m, "samples_per_s") for m in MODES}
     tail_sync, tail_fa = _get(tail, "best", "sync", "samples_per_s"), _get(tail, "best", "fully-async", "samples_per_s")
@@ -33,7 +34,8 @@ def result_line(results: dict) -> str:
         "longtail_speedup_fully_async": tail_fa / tail_sync,
         "max_staleness_fully_async": _get(main, "best", "fully-async", "staleness_max"),
         "limit_sps": _get(main, "limit", "limit_sps"),
-        "trl_sps": _get(results, "trl", "samples_per_s"),
+        "trl_sps": _get(main, "trl", "samples_per_s"),
+        "longtail_trl_sps": _get(tail, "trl", "samples_per_s"),
     }
     return "RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
@@ -59,8 +61,8 @@ def table(results: dict) -> str:
                 f"{b['samples_per_s'] / lim:.0%} | {b['tokens_per_s']:.1f} | {b['trainer_idle_share']:.0%} | "
                 f"{b['roller_idle_share']:.0%} | {b['sync_share']:.0%} | {b['staleness_mean']:.2f}/"
                 f"{b['staleness_max']} | {b['window_s']:.0f} | {b['wall_s']:.0f} | {b['num_runs']} |")
-        if name == "main":
-            trl = results.get("trl", {})
+        if "trl" in wl:
+            trl = wl["trl"]
             sps = trl.get("samples_per_s")
             lines.append(f"| TRL GRPOTrainer | 1 process, {results['cores']} threads | "
                          + (f"{sps:.3f} ({trl['spread_sps'][0]:.3f}-{trl['spread_sps'][1]:.3f}) | {sps / lim:.0%} | "
@@ -96,9 +98,10 @@ def plot(results: dict, path: Path) -> None:
         lim = _get(wl, "limit", "limit_sps")
         if math.isfinite(lim):
             ax.axhline(lim, linestyle="--", linewidth=1, color=f"C{i}", label=f"{name} limit")
-    trl = _get(results, "trl", "samples_per_s")
-    if math.isfinite(trl):
-        ax.axhline(trl, linestyle=":", color="k", label="TRL (main)")
+    for i, name in enumerate(names):
+        trl = _get(results["workloads"][name], "trl", "samples_per_s")
+        if math.isfinite(trl):
+            ax.axhline(trl, linestyle=":", color=f"C{i}", label=f"{name} TRL")
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(MODES))], MODES)
     ax.set_ylabel("trained samples/s")
     ax.legend(fontsize=8)

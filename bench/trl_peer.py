@@ -14,6 +14,13 @@ Differences: TRL walks the prompts in its own order (``shuffle_dataset=False``: 
 and its loss is its default (``dapo`` in TRL 1.x: token-mean, clip-higher) rather than ours; both cost the
 same per token. Throughput = samples of the steps after the warm-up / their wall time (step ends from a
 ``TrainerCallback``), like ours.
+
+**Forced lengths** (the long-tail workload, ``spec["forced_response_lengths"]`` non-empty): HF ``generate``
+has no per-row length, so a logits processor (``ForcedLengths``) forbids EOS before each row's length and
+forces it at the length. The lengths are ours exactly: generation call k (step k) holds group ``s{k}.p{j}``'s
+samples in rows ``j*n .. j*n+n-1`` (TRL repeats each prompt n times in a row), each drawn by
+``rollers.response_fields.forced_response_length`` from (``rollout.seed``, uid, index) as our rollers draw
+it. A row of length L holds L tokens, its EOS the last (ours: L tokens, EOS ignored); TRL trains on them.
 """
 
 from __future__ import annotations
@@ -57,6 +64,69 @@ def build_reward(spec: dict):
     from rollers.rewards import build_reward_fn
 
     return build_reward_fn(spec["reward"])
+
+
+def forced_lengths(spec: dict, call: int, num_rows: int) -> list[int]:
+    """The response length (tokens) of each of ``num_rows`` rows of TRL's generation call ``call`` (0-based:
+    step ``call``'s batch), as our rollers force them on sample ``row % n`` of group ``s{call}.p{row // n}``.
+    Raises ValueError when ``spec`` has no forced lengths."""
+    from rollers.config import RolloutConfig
+    from rollers.response_fields import forced_response_length
+
+    if not spec.get("forced_response_lengths"):
+        raise ValueError("spec['forced_response_lengths'] is empty: the workload's lengths are natural")
+    rollout = RolloutConfig(n=spec["n"], seed=spec["seed"], max_response_length=spec["max_response_length"],
+                            forced_response_lengths=spec["forced_response_lengths"])
+    n = spec["n"]
+    return [forced_response_length(rollout, f"s{call}.p{row // n}", row % n) for row in range(num_rows)]
+
+
+def forced_lengths_processor(lengths: list[int], eos_token_ids: list[int]):
+    """A ``transformers`` logits processor that ends row i of a ``generate`` call after exactly
+    ``lengths[i]`` new tokens: EOS (every id of ``eos_token_ids``) is forbidden before the last of them and
+    is the only token allowed at it. Scores: (rows, vocab) float, edited in place and returned. One
+    processor per ``generate`` call (it takes the first call's sequence width as the prompt width)."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class ForcedLengths(LogitsProcessor):
+        def __init__(self) -> None:
+            self.last = torch.tensor(lengths) - 1  # (rows,) position of each row's EOS
+            self.eos = torch.tensor(eos_token_ids)
+            self.prompt_width: int | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.prompt_width is None:
+                self.prompt_width = input_ids.shape[1]
+            position = input_ids.shape[1] - self.prompt_width  # of the token now sampled
+            early = (position < self.last).nonzero().flatten()
+            scores[early.unsqueeze(1), self.eos.unsqueeze(0)] = float("-inf")
+            at = (position == self.last).nonzero().flatten()
+            scores[at] = float("-inf")
+            scores[at, self.eos[0]] = 0.0
+            return scores
+
+    return ForcedLengths()
+
+
+def force_lengths(model, spec: dict, eos_token_ids: list[int]) -> list[int]:
+    """Make ``model.generate`` (as TRL's trainer calls it, once per step) force our lengths: each call gets
+    ``forced_lengths_processor`` for the next call's rows. Returns the list of calls' total forced tokens
+    (appended to as calls happen)."""
+    from transformers import LogitsProcessorList
+
+    generate, calls = model.generate, []
+
+    def forced_generate(*args, **kwargs):
+        rows = kwargs["input_ids"].shape[0]
+        lengths = forced_lengths(spec, len(calls), rows)
+        calls.append(sum(lengths))
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []),
+                                                          forced_lengths_processor(lengths, eos_token_ids)])
+        return generate(*args, **kwargs)
+
+    model.generate = forced_generate
+    return calls
 
 
 def run_trl(spec: dict, out_dir: Path, timeout_s: float, log=print) -> dict:
@@ -122,6 +192,8 @@ def _worker(spec_path: str, result_path: str) -> None:
     start = time.time()
     trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward, args=args,
                           train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+    forced_tokens = (force_lengths(trainer.model, spec, list(trainer.eos_token_ids))
+                     if spec.get("forced_response_lengths") else None)
     ready = time.time()
     trainer.train()
     w = spec["warmup_steps"]
@@ -134,6 +206,7 @@ def _worker(spec_path: str, result_path: str) -> None:
         "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
         "tokens_per_s": (sum(lengths[w:]) * B * n / window) if len(lengths) == len(step_ends) else None,
         "trl_version": __import__("trl").__version__, "torch_threads": torch.get_num_threads(),
+        "forced_tokens_per_step": forced_tokens,
     }))
 
 

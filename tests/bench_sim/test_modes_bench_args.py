@@ -61,9 +61,20 @@ def test_the_trl_peer_gets_the_jobs_own_prompts_and_settings(tmp_path, monkeypat
     assert len(seen["records"]) == cfg.data.size
     assert (seen["n"], seen["prompts_per_step"], seen["num_steps"]) == (cfg.rollout.n, cfg.data.train_batch_size, 4)
     assert seen["num_threads"] == 2 and seen["max_response_length"] == cfg.rollout.max_response_length
+    assert seen["forced_response_lengths"] == []  # the main workload: natural lengths
     reward_fn = trl_peer.build_reward(seen)  # what the worker in the TRL venv calls
     record = seen["records"][0]
     assert reward_fn("no answer here", record["ground_truth"]) == 0.0
+
+    # The long tail: its own runs (--longtail-reps of them, not the main workload's), with our forced lengths.
+    args = modes_bench.parse_args(["--preset", "tiny", "--out", str(tmp_path), "--steps", "4", "--reps", "3",
+                                   "--longtail-reps", "1"])
+    tail = load_config(preset="tiny", overrides=modes_bench.workload_overrides("longtail", args))
+    rates = iter([4.0])
+    monkeypatch.setattr(trl_peer, "run_trl", fake_run)
+    assert modes_bench.trl_peer(args, tail, 2, "longtail")["num_runs"] == 1
+    assert seen["forced_response_lengths"] == tail.rollout.forced_response_lengths != []
+    assert seen["max_response_length"] == args.longtail_max
 
 
 def test_the_limit_counts_generation_at_full_occupancy_and_training_alone():
