@@ -92,3 +92,28 @@ def test_the_limit_counts_generation_at_full_occupancy_and_training_alone():
     assert lim["core_s_per_sample_train"] == pytest.approx(1.0)
     assert lim["limit_sps"] == pytest.approx(2 / 1.5)
     assert math.isnan(modes_bench.limit("longtail", wl, calibration, 2)["limit_sps"])  # no costs measured there
+
+
+def test_each_workload_reports_its_own_trl_runs():
+    from bench import modes_report
+
+    def best(sps):
+        return {"split": {"key": "r1x2-t2"}, "samples_per_s": sps, "spread_sps": [sps, sps], "tokens_per_s": 1.0,
+                "trainer_idle_share": 0.0, "roller_idle_share": 0.0, "sync_share": 0.0, "staleness_mean": 0.0,
+                "staleness_max": 0, "window_s": 1.0, "wall_s": 2.0, "num_runs": 3}
+
+    def trl(sps):
+        return {"samples_per_s": sps, "spread_sps": [sps, sps], "tokens_per_s": 5.0, "window_s": 1.0, "wall_s": 2.0,
+                "num_runs": 3}
+
+    results = {"cores": 2, "workloads": {
+        "main": {"best": {"sync": best(1.0), "fully-async": best(1.5)}, "runs": [], "limit": {"limit_sps": 2.0},
+                 "trl": trl(1.25)},
+        "longtail": {"best": {"sync": best(0.5), "fully-async": best(1.0)}, "runs": [], "limit": {"limit_sps": 1.5},
+                     "trl": {"error": "skipped (--no-trl)"}}}}
+    line = modes_report.result_line(results)
+    assert "trl_sps=1.25 " in line and line.endswith("longtail_trl_sps=nan") and "longtail_speedup_fully_async=2 " in line
+    results["workloads"]["longtail"]["trl"] = trl(0.4)
+    assert modes_report.result_line(results).endswith("longtail_trl_sps=0.4")
+    rows = [r for r in modes_report.table(results).splitlines() if r.startswith("| TRL GRPOTrainer")]
+    assert [r.split(" | ")[2] for r in rows] == ["1.250 (1.250-1.250)", "0.400 (0.400-0.400)"]
