@@ -22,9 +22,9 @@ samples (``--steps`` × B × n); only ``--mode`` and the split differ.
   mean/max, wall time; per mode the median of its best split's runs and the spread (min-max).
 * **limit_sps** = cores / (core-seconds per trained sample of generation + of training), each measured
   alone, what the machine could do if both kept every core busy (``limit``): generation at full batch
-  occupancy (the decode curve measured alone × mean response tokens, + the per-group overhead fitted to the
-  sync runs), × the roller's threads; training from the sync runs' update phase (the rollers idle) × the
-  trainer's threads; the cheapest split of each.
+  occupancy (the decode curve measured alone × mean response tokens × the roller's threads, + the
+  per-group overhead fitted to the sync runs, on one core); training from the sync runs' update phase (the
+  rollers idle) × the trainer's threads; the cheapest split of each.
 * **simulator calibration** (``calibration`` in the JSON, per split): the torch engine's decode step by
   batch occupancy (measured alone, ``decode_calibration``), per-sample training and weight-sync seconds
   (medians of that split's runs), per-group overhead (sync runs' generation phase minus the simulated
@@ -229,10 +229,11 @@ def mean_tokens(spec: dict) -> float:
 def limit(name: str, wl: dict, calibration: dict, cores: int) -> dict:
     """``limit_sps`` of workload ``name`` (see the module docstring); nan without a sync run.
 
-    Generation, core-seconds per sample: a roller's threads × (the decode step at full occupancy ÷ the batch
-    slots × mean response tokens + the per-group overhead ÷ n), the decode curve measured alone
-    (``calibrate``), the overhead (prefill, scoring, data plane) fitted to the workload's sync runs; the
-    cheapest thread count. Full occupancy, not the sync runs' generation phase, which on a long tail holds
+    Generation, core-seconds per sample: a roller's threads × the decode step at full occupancy ÷ the batch
+    slots × mean response tokens, the decode curve measured alone (``calibrate``), the cheapest thread count;
+    plus the per-group overhead ÷ n on one core: the overhead (prefill, scoring, data plane: what the sync
+    runs' generation phase takes beyond the simulated decode) is mostly serial Python, and counting it at
+    the roller's threads once put a measured ``fully-async`` run above the limit (109% on the long tail). Full occupancy, not the sync runs' generation phase, which on a long tail holds
     batch slots idle while its longest responses finish. Training: the sync runs' update phase (the rollers
     idle) × the trainer's threads, per sample; the cheapest split."""
     splits = {r["split"]["key"]: r["split"] for r in wl["runs"] if "error" not in r}
@@ -244,8 +245,7 @@ def limit(name: str, wl: dict, calibration: dict, cores: int) -> dict:
     tokens = mean_tokens(spec)
     decode = min(splits[k]["roller_threads"] * (c["decode_base_s"] / c["max_batch_slots"] + c["decode_per_seq_s"])
                  for k, c in costs.items())
-    overhead = min(splits[k]["roller_threads"] * costs[k]["group_overhead_s"] / spec["n"]
-                   for k in sync_keys if k in costs)
+    overhead = min(costs[k]["group_overhead_s"] / spec["n"] for k in sync_keys if k in costs)
     train = min(statistics.median(r["update_s"]) / r["samples_per_step"] * min(cores, r["split"]["trainer_threads"])
                 for r in wl["runs"] if "error" not in r and r["mode"] == "sync" and r["update_s"])
     cs_gen = decode * tokens + overhead
