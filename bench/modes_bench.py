@@ -233,9 +233,10 @@ def limit(name: str, wl: dict, calibration: dict, cores: int) -> dict:
     slots × mean response tokens, the decode curve measured alone (``calibrate``), the cheapest thread count;
     plus the per-group overhead ÷ n on one core: the overhead (prefill, scoring, data plane: what the sync
     runs' generation phase takes beyond the simulated decode) is mostly serial Python, and counting it at
-    the roller's threads once put a measured ``fully-async`` run above the limit (109% on the long tail). Full occupancy, not the sync runs' generation phase, which on a long tail holds
-    batch slots idle while its longest responses finish. Training: the sync runs' update phase (the rollers
-    idle) × the trainer's threads, per sample; the cheapest split."""
+    the roller's threads once put a measured ``fully-async`` run above the limit (109% on the long tail).
+    Full occupancy, not the sync runs' generation phase, which on a long tail holds batch slots idle while
+    its longest responses finish. Training: the sync runs' update phase (the rollers idle) × the trainer's
+    threads, per sample; the cheapest split."""
     splits = {r["split"]["key"]: r["split"] for r in wl["runs"] if "error" not in r}
     sync_keys = sorted({r["split"]["key"] for r in wl["runs"] if "error" not in r and r["mode"] == "sync"})
     costs = {key.split("/", 1)[1]: c for key, c in calibration.items() if key.startswith(f"{name}/")}

@@ -118,7 +118,7 @@ def force_lengths(model, spec: dict, eos_token_ids: list[int]) -> list[int]:
     generate, calls = model.generate, []
 
     def forced_generate(*args, **kwargs):
-        rows = kwargs["input_ids"].shape[0]
+        rows = (args[0] if args else kwargs["input_ids"]).shape[0]
         lengths = forced_lengths(spec, len(calls), rows)
         calls.append(sum(lengths))
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []),
@@ -131,7 +131,8 @@ def force_lengths(model, spec: dict, eos_token_ids: list[int]) -> list[int]:
 
 def run_trl(spec: dict, out_dir: Path, timeout_s: float, log=print) -> dict:
     """Run the worker in the TRL venv on ``spec`` (model_dir, records, task, reward, n, prompts_per_step,
-    max_response_length, temperature, lr, num_steps, warmup_steps, num_threads, seed); returns its result
+    max_response_length, temperature, lr, num_steps, warmup_steps, num_threads, seed, bf16,
+    forced_response_lengths: ``[]`` or the buckets to force, see the module docstring); returns its result
     dict, or ``{"error": why}``."""
     py, why = ensure_trl_env(log)
     if py is None:
