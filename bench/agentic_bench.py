@@ -33,9 +33,8 @@ the run directories under ``runs/``, the trajectory logs under ``env_log/``, and
 
     RESULT sync_sps=… fully_async_sps=… speedup=… max_staleness=…
 
-``--quick`` (3 steps, 1 warm-up, 1 run per mode, no sweep: 2 SmolLM2 runs) is sized to finish in under 15
-minutes on 2 cores: estimated 3-4 minutes a run on a quiet machine (start-up, then steps whose update trains
-16 trajectories padded to the longest, up to 576 tokens); not yet timed on a quiet machine.
+``--quick`` (4 steps, 1 warm-up, 1 tail: window updates 2-3; 1 run per mode, no sweep: 2 SmolLM2 runs) is
+sized to finish in under 15 minutes on 2 cores: 3-5 minutes a run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -161,7 +160,7 @@ def table(best: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="3 steps (1 warm-up, no tail), 1 run per mode, no sweep")
+    p.add_argument("--quick", action="store_true", help="4 steps (1 warm-up, 1 tail), 1 run per mode, no sweep")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--turns", default=DEFAULT_TURNS, help="turns per trajectory, weight:min-max,... (long tail)")
     p.add_argument("--turn-lengths", default=TURN_LENGTHS, help="tokens per model turn, weight:min-max,...")
