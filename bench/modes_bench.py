@@ -449,7 +449,8 @@ def main(argv=None) -> None:
         wl = bench_workload(name, args, cores)
         wl["sim_workload"] = sim_workload(name, wl["runs"], args, cfg)
         results["workloads"][name] = wl
-    cfg = load_config(preset=args.preset, overrides=workload_overrides("main", args) + list(args.set))
+    cfg = configs["main"] if "main" in configs else load_config(
+        preset=args.preset, overrides=workload_overrides("main", args) + list(args.set))
     results.update(calibrate(results, args, cfg))
     for name, wl in results["workloads"].items():
         wl["limit"] = limit(name, wl, results["calibration"], cores)

@@ -70,6 +70,7 @@ def forced_lengths(spec: dict, call: int, num_rows: int) -> list[int]:
     """The response length (tokens) of each of ``num_rows`` rows of TRL's generation call ``call`` (0-based:
     step ``call``'s batch), as our rollers force them on sample ``row % n`` of group ``s{call}.p{row // n}``.
     Raises ValueError when ``spec`` has no forced lengths."""
+    from common.schema import train_uid
     from rollers.config import RolloutConfig
     from rollers.response_fields import forced_response_length
 
@@ -78,7 +79,7 @@ def forced_lengths(spec: dict, call: int, num_rows: int) -> list[int]:
     rollout = RolloutConfig(n=spec["n"], seed=spec["seed"], max_response_length=spec["max_response_length"],
                             forced_response_lengths=spec["forced_response_lengths"])
     n = spec["n"]
-    return [forced_response_length(rollout, f"s{call}.p{row // n}", row % n) for row in range(num_rows)]
+    return [forced_response_length(rollout, train_uid(call, row // n), row % n) for row in range(num_rows)]
 
 
 def forced_lengths_processor(lengths: list[int], eos_token_ids: list[int]):

@@ -194,3 +194,9 @@ def check_batch(stage: Stage, data: Mapping[str, Any], tags: Sequence[Mapping[st
                 raise ValueError(f"{stage.name} puts undeclared tag {key!r} (common.schema.{stage.name.upper()})")
             if not isinstance(value, types[spec.dtype]) or isinstance(value, bool):
                 raise ValueError(f"{stage.name}: tag {key!r} must be {spec.dtype}, got {type(value).__name__}")
+
+
+def train_uid(step: int, position: int) -> str:
+    """The uid the feeder issues to training prompt ``position`` of step ``step``'s batch (both 0-based);
+    a re-issue appends ``.r<k>``."""
+    return f"s{step}.p{position}"

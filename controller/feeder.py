@@ -169,7 +169,7 @@ class PromptFeeder:
             if batch is None:
                 return None
             for pos, prompt in enumerate(batch.prompts):
-                self._pending.append((f"s{batch.global_step}.p{pos}", batch.global_step, prompt))
+                self._pending.append((schema.train_uid(batch.global_step, pos), batch.global_step, prompt))
         self._num_fed += 1
         return self._pending.popleft()
 
@@ -195,7 +195,7 @@ class PromptFeeder:
         if within:
             batch = next(self._batches)
             for pos, prompt in enumerate(batch.prompts[within:], start=within):
-                self._pending.append((f"s{batch.global_step}.p{pos}", batch.global_step, prompt))
+                self._pending.append((schema.train_uid(batch.global_step, pos), batch.global_step, prompt))
         self._num_fed = num_fed
         self._reissues = {str(k): int(v) for k, v in state["reissues"].items()}
         # A checkpoint written before the queue existed has none.
