@@ -7,7 +7,9 @@ The engine keeps the running sequences in the slot prefix ``0 .. batch - 1`` (``
 one leaves), so a decode step attends over the view ``[:batch, :, :kv_len]`` without gathering.
 
 Before each forward the engine states what the forward writes (``plan_prefill`` / ``plan_decode``); the
-model's attention layers then call ``update`` once per layer, as with any transformers ``Cache``.
+model's attention layers then call ``update`` once per layer, as with any transformers ``Cache``. A prefill
+may start each row at its own position (``starts``): the row's earlier positions already hold a reused prefix
+(the engine's prefix reuse), and attention then runs over the cache, prefix included.
 Capacity grows by doubling (``reserve``), so memory follows the longest live sequence, not the model's
 maximum context.
 """
@@ -36,6 +38,7 @@ class SlotKVCache(Cache):
         self.values: list[torch.Tensor | None] = []
         self._rows = slice(0, 0)
         self._positions: torch.Tensor | None = None
+        self._starts: torch.Tensor | None = None
         self._kv_len = 0
 
     # ------------------------------------------------------------------------------- engine side
@@ -61,12 +64,28 @@ class SlotKVCache(Cache):
                 buffers[i] = grown
         self.capacity = new_capacity
 
-    def plan_prefill(self, first_row: int, num_rows: int, seq_len: int) -> None:
-        """The next forward writes ``seq_len`` positions (from 0) of rows ``first_row .. +num_rows``."""
-        self.reserve(seq_len)
+    def plan_prefill(self, first_row: int, num_rows: int, seq_len: int, starts: torch.Tensor | None = None,
+                     lengths: torch.Tensor | None = None) -> None:
+        """The next forward writes ``seq_len`` positions of rows ``first_row .. +num_rows``: from 0, or, given
+        ``starts`` and ``lengths`` ``(num_rows,)`` long, ``lengths[r]`` real positions from ``starts[r]`` (the
+        positions before are kept); a row's padding queries then all write position ``starts + lengths``,
+        which its next decode step overwrites. See :meth:`prefill_positions`."""
         self._rows = slice(first_row, first_row + num_rows)
         self._positions = None
-        self._kv_len = seq_len
+        if starts is None:
+            self._starts, self._kv_len = None, seq_len
+            self.reserve(seq_len)
+            return
+        self._starts = self.prefill_positions(starts, lengths, seq_len)
+        self._kv_len = int((starts + lengths).max().item())
+        self.reserve(self._kv_len + 1)
+
+    @staticmethod
+    def prefill_positions(starts: torch.Tensor, lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """``(rows, seq_len)`` positions of a prefill after reused prefixes: ``starts + i`` for the real tokens,
+        ``starts + lengths`` for the padding (one past the last real token, inside the context length)."""
+        i = torch.arange(seq_len, device=starts.device)[None, :]
+        return torch.where(i < lengths[:, None], starts[:, None] + i, (starts + lengths)[:, None])
 
     def plan_decode(self, positions: torch.Tensor) -> None:
         """The next forward writes one position per row ``0 .. batch - 1``; ``positions`` (batch,) long."""
@@ -74,6 +93,7 @@ class SlotKVCache(Cache):
         self.reserve(kv_len)
         self._rows = slice(0, positions.shape[0])
         self._positions = positions
+        self._starts = None
         self._kv_len = kv_len
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -82,6 +102,17 @@ class SlotKVCache(Cache):
             for buf in buffers:
                 if buf is not None:
                     buf[dst, :, :length] = buf[src, :, :length]
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the first ``length`` positions of slots ``a`` and ``b`` (every layer)."""
+        if a == b:
+            return
+        for buffers in (self.keys, self.values):
+            for buf in buffers:
+                if buf is not None:
+                    held = buf[a, :, :length].clone()
+                    buf[a, :, :length] = buf[b, :, :length]
+                    buf[b, :, :length] = held
 
     def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy the first ``length`` positions of slots ``src[i]`` into slots ``dst[i]`` (every layer, one
@@ -111,11 +142,17 @@ class SlotKVCache(Cache):
             self.values[layer_idx] = value_states.new_zeros(shape)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         rows = self._rows
-        if self._positions is None:  # prefill from position 0: attend over exactly what was written
+        if self._positions is None and self._starts is None:  # prefill from 0: attend over what was written
             q_len = key_states.shape[2]
             keys[rows, :, :q_len] = key_states
             values[rows, :, :q_len] = value_states
             return key_states, value_states
+        if self._positions is None:  # prefill after a reused prefix: each row from its own start
+            row_idx = torch.arange(rows.start, rows.stop, device=keys.device)[:, None]
+            at = self._starts.to(keys.device)
+            keys[row_idx, :, at] = key_states.transpose(1, 2)
+            values[row_idx, :, at] = value_states.transpose(1, 2)
+            return keys[rows, :, : self._kv_len], values[rows, :, : self._kv_len]
         row_idx = torch.arange(rows.start, rows.stop, device=keys.device)
         keys[row_idx, :, self._positions] = key_states[:, :, 0]
         values[row_idx, :, self._positions] = value_states[:, :, 0]

@@ -15,6 +15,15 @@ the engine between steps, never inside one.
 Sequences keep their keys/values at their absolute positions in a per-slot cache
 (``rollers.kv_cache.SlotKVCache``), so positions and masks of a sequence never depend on the slot's
 history or its neighbours; greedy output equals Hugging Face ``generate`` token for token.
+
+**Prefix reuse** (what SGLang's radix cache gives multi-turn rollouts): a finished request leaves its
+keys/values in its slot, which is free again; a newcomer that continues it — its token ids start with every
+token the slot holds, as the next turn of an agent loop (``rollers.agent_loop``) or a resubmitted partial
+rollout does — takes that slot and prefills only its new tokens. Free slots hold at most ``max_batch_slots -
+running`` such prefixes; a newcomer without one takes an empty slot or the least recently finished prefix's.
+Reused keys/values were computed token by token while decoding, so logits match a full prefill to float
+rounding (~1e-6), not bit for bit. A weight load or ``flush_cache`` drops every prefix (they belong to the
+old weights). Only exact continuations are reused: no shared-prefix tree.
 Decoding a small model on CPU is bound by reading the weights, so one forward for every running slot
 per step is what makes it fast; slots freed by short requests are refilled at the next step.
 
@@ -81,6 +90,15 @@ class _Sequence:
         return [*self.request.input_ids, *self.output.output_ids]
 
 
+@dataclass(frozen=True)
+class _Prefix:
+    """A finished request's keys/values left in a free slot: ``tokens`` (those whose keys/values the slot
+    holds, positions ``0 .. len - 1``) and ``stamp`` (finish order: the smallest is evicted first)."""
+
+    tokens: tuple[int, ...]
+    stamp: int
+
+
 class TorchEngine(Engine):
     """Continuous-batching generation on any Hugging Face causal LM (CPU fp32, or one GPU).
 
@@ -136,6 +154,9 @@ class TorchEngine(Engine):
         self._num_tokens_generated = 0
         self._num_forwards = 0
         self._num_prefill_tokens = 0
+        self._num_reused_tokens = 0
+        self._prefixes: list[_Prefix | None] = [None] * max_batch_slots  # by slot; only free slots hold one
+        self._num_finished = 0
         self._busy_flag = busy_flag
 
     # ------------------------------------------------------------------------------ public API
@@ -229,6 +250,7 @@ class TorchEngine(Engine):
             for target, tensor in staged:
                 target.copy_(tensor)
         self._weight_version = weight_version
+        self._drop_prefixes()
 
     async def flush_cache(self) -> None:
         """Free the KV cache. Raises EngineError while any request holds KV: decoding, or kept by an
@@ -239,6 +261,7 @@ class TorchEngine(Engine):
             raise EngineError(f"flush_cache while {len(self._running)} requests hold KV cache (running or "
                               "paused in place)")
         self._cache.clear()
+        self._drop_prefixes()
 
     async def health(self) -> bool:
         return not self._closed and self._error is None and not (self._task is not None and self._task.done())
@@ -260,6 +283,7 @@ class TorchEngine(Engine):
             except asyncio.CancelledError:
                 pass
         self._cache.clear()
+        self._drop_prefixes()
         if self._busy_flag is not None:
             self._busy_flag.close()
 
@@ -267,7 +291,9 @@ class TorchEngine(Engine):
         """Counters: ``num_tokens_generated``, ``tokens_per_s`` (over busy time), ``busy_s``, ``uptime_s``,
         ``busy_ratio``, ``num_running``, ``num_waiting``, ``num_requests_in_flight``, ``num_forwards``,
         ``num_prefill_tokens`` (token positions the prefill forwards computed, padding included; identical
-        prompts admitted together count once), ``weight_version``, ``kv_capacity_tokens`` (per slot)."""
+        prompts admitted together count once), ``num_reused_tokens`` (prompt positions taken from a finished
+        request's slot instead, see the module docstring), ``num_cached_prefixes`` (free slots holding one),
+        ``weight_version``, ``kv_capacity_tokens`` (per slot)."""
         uptime = time.perf_counter() - self._started_at
         return {
             "num_tokens_generated": self._num_tokens_generated,
@@ -280,6 +306,8 @@ class TorchEngine(Engine):
             "num_requests_in_flight": len(self._running) + len(self._waiting),
             "num_forwards": self._num_forwards,
             "num_prefill_tokens": self._num_prefill_tokens,
+            "num_reused_tokens": self._num_reused_tokens,
+            "num_cached_prefixes": sum(p is not None for p in self._prefixes),
             "weight_version": self._weight_version,
             "kv_capacity_tokens": self._cache.capacity,
         }
@@ -347,14 +375,73 @@ class TorchEngine(Engine):
         self._finish(seq, "abort")
 
     def _release(self, indices: list[int]) -> None:
-        """Remove running slots ``indices``; the last running slot moves into each hole (KV included)."""
+        """Remove running slots ``indices``; the last running slot moves into each hole (KV included) and the
+        removed sequence's keys/values stay, as a reusable prefix, in the slot it frees."""
         for i in sorted(indices, reverse=True):
             last = len(self._running) - 1
+            leaving = self._running[i]
             if i != last:
                 moved = self._running[last]
-                self._cache.move(last, i, moved.kv_len)
+                self._cache.swap(i, last, max(leaving.kv_len, moved.kv_len))
                 self._running[i] = moved
             self._running.pop()
+            if leaving.kv_len > 0:
+                self._num_finished += 1
+                self._prefixes[last] = _Prefix(tuple(leaving.tokens()[: leaving.kv_len]), self._num_finished)
+
+    def _drop_prefixes(self) -> None:
+        self._prefixes = [None] * self._num_slots
+
+    def _swap_slots(self, a: int, b: int) -> None:
+        """Exchange two free slots' prefixes (keys/values and records)."""
+        pa, pb = self._prefixes[a], self._prefixes[b]
+        self._cache.swap(a, b, max(len(pa.tokens) if pa else 0, len(pb.tokens) if pb else 0))
+        self._prefixes[a], self._prefixes[b] = pb, pa
+
+    def _place(self, first: int, keys: list[tuple[int, ...]], num_new: int) -> list[int]:
+        """Get slots ``first .. first + num_new - 1`` ready for the newcomers (``keys``: the distinct token ids
+        prefilled into slots ``first ..``, in order; duplicates follow). A key that continues a cached prefix
+        gets that prefix's slot swapped into place; a prefix in the way of any other newcomer moves to an empty
+        free slot above them, or to that of an older prefix (evicting it), or is dropped. Returns, per key, the
+        positions already held (reused)."""
+        reused = [0] * len(keys)
+        claimed: dict[int, int] = {}  # key index -> slot of the prefix it continues
+        for k, key in enumerate(keys):
+            best = None
+            for slot in range(first, self._num_slots):
+                p = self._prefixes[slot]
+                if p is None or slot in claimed.values() or len(p.tokens) >= len(key) \
+                        or key[: len(p.tokens)] != p.tokens:
+                    continue
+                if best is None or len(p.tokens) > len(self._prefixes[best].tokens):
+                    best = slot
+            if best is not None:
+                claimed[k] = best
+        for k, slot in claimed.items():
+            target = first + k
+            if slot != target:
+                self._swap_slots(slot, target)
+                for other, other_slot in claimed.items():  # the prefix that sat at target now sits at slot
+                    if other_slot == target:
+                        claimed[other] = slot
+                claimed[k] = target
+            reused[k] = len(self._prefixes[target].tokens)
+        above = range(first + num_new, self._num_slots)
+        for target in range(first, first + num_new):
+            p = self._prefixes[target]
+            if p is None or claimed.get(target - first) == target:
+                continue
+            empty = next((s for s in above if self._prefixes[s] is None), None)
+            oldest = min(above, key=lambda s: self._prefixes[s].stamp, default=None) if empty is None else None
+            dest = empty if empty is not None else (
+                oldest if oldest is not None and self._prefixes[oldest].stamp < p.stamp else None)
+            if dest is not None:
+                self._cache.move(target, dest, len(p.tokens))
+                self._prefixes[dest] = p
+            self._prefixes[target] = None
+        for target in range(first, first + num_new):
+            self._prefixes[target] = None
+        return reused
 
     # ------------------------------------------------------------------------------ decode loop
 
@@ -392,6 +479,7 @@ class TorchEngine(Engine):
         self._by_id.clear()
         self._running.clear()
         self._waiting.clear()
+        self._drop_prefixes()
 
     def _step(self) -> None:
         self._admit()
@@ -434,7 +522,8 @@ class TorchEngine(Engine):
         # Slots: the first sequence of each distinct prompt (prefilled), then the duplicates (copied).
         admitted, rows = firsts + duplicates, [*range(len(firsts)), *source]  # rows: prefill row of each
         first = len(self._running)
-        logits = self._prefill(first, list(distinct))
+        keys = list(distinct)
+        logits = self._prefill(first, keys, self._place(first, keys, num_new))
         lengths = [len(key) for key in distinct]
         if duplicates:
             self._cache.copy_rows([first + row for row in source], list(range(first + len(firsts), first + num_new)),
@@ -445,22 +534,33 @@ class TorchEngine(Engine):
             seq.kv_len = lengths[row]
         self._append_tokens(first, logits)
 
-    def _prefill(self, first: int, tokens: list[tuple[int, ...]]) -> torch.Tensor:
-        """One right-padded forward writing ``tokens`` (one sequence per row) into slots ``first ..``;
-        returns the logits at each row's last position, (rows, vocab)."""
+    def _prefill(self, first: int, tokens: list[tuple[int, ...]], reused: list[int]) -> torch.Tensor:
+        """One right-padded forward writing ``tokens`` (one sequence per row) into slots ``first ..``, each row
+        from position ``reused[row]`` (the slot already holds the positions before it); returns the logits at
+        each row's last position, (rows, vocab)."""
         num_rows = len(tokens)
-        lengths = torch.tensor([len(t) for t in tokens], device=self._device)
+        lengths = torch.tensor([len(t) - r for t, r in zip(tokens, reused, strict=True)], device=self._device)
         seq_len = int(lengths.max().item())
         input_ids = torch.zeros(num_rows, seq_len, dtype=torch.long, device=self._device)
-        for row, toks in enumerate(tokens):
-            input_ids[row, : len(toks)] = torch.tensor(toks, device=self._device)
+        for row, (toks, r) in enumerate(zip(tokens, reused, strict=True)):
+            input_ids[row, : len(toks) - r] = torch.tensor(toks[r:], device=self._device)
         positions = torch.arange(seq_len, device=self._device)
-        allowed = (positions[None, :] <= positions[:, None])[None] & (positions < lengths[:, None])[:, None, :]
         last = lengths - 1
         keep = torch.unique(last)
-        self._cache.plan_prefill(first, num_rows, seq_len)
         self._num_prefill_tokens += num_rows * seq_len
-        logits = self._forward(input_ids, positions.expand(num_rows, -1), self._mask(allowed[:, None]), keep)
+        self._num_reused_tokens += sum(reused)
+        if not any(reused):
+            allowed = (positions[None, :] <= positions[:, None])[None] & (positions < lengths[:, None])[:, None, :]
+            self._cache.plan_prefill(first, num_rows, seq_len)
+            logits = self._forward(input_ids, positions.expand(num_rows, -1), self._mask(allowed[:, None]), keep)
+        else:  # queries at start + i attend to keys 0 .. start + i of their own row (reused prefix included)
+            starts = torch.tensor(reused, device=self._device)
+            query_at = SlotKVCache.prefill_positions(starts, lengths, seq_len)  # (rows, seq_len)
+            key_at = torch.arange(int((starts + lengths).max().item()), device=self._device)
+            allowed = (key_at[None, None, :] <= query_at[:, :, None]) \
+                & (key_at[None, None, :] < (starts + lengths)[:, None, None])
+            self._cache.plan_prefill(first, num_rows, seq_len, starts, lengths)
+            logits = self._forward(input_ids, query_at, self._mask(allowed[:, None]), keep)
         return logits[torch.arange(num_rows, device=self._device), torch.searchsorted(keep, last)]
 
     def _decode(self) -> None:

@@ -1,0 +1,144 @@
+"""TorchEngine prefix reuse: a request that continues a finished one prefills only its new tokens.
+
+What is checked is well-conditioned whatever tokens get sampled: every sampled token's log-prob equals a
+teacher-forced forward over the whole context (a slot holding another sequence's keys/values, or a prefix
+at the wrong positions, breaks that by far more than the tolerance), and greedy turns equal HF ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from common.models import ModelConfig, apply_chat_template, load_tokenizer
+from rollers.engine import GenerationRequest, SamplingParams
+from rollers.torch_engine import TorchEngine
+from tests.rollers.engine_helpers import run, spiced_tiny
+from tests.rollers.test_torch_engine import hf_greedy, teacher_forced_log_probs
+
+OBSERVATION = (5, 6, 7)  # stands in for an environment's tokens between two turns
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = load_tokenizer(ModelConfig(path="tiny"))
+    prompts = [apply_chat_template(tok, f"say {w} {d}") for w, d in zip("abcdefgh", "01234567", strict=True)]
+    return spiced_tiny(), tok, prompts
+
+
+def sampled(rid: str, ids, seed: int, max_new_tokens: int) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(ids), SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
+                                                             seed=seed, ignore_eos=True))
+
+
+async def conversation(engine: TorchEngine, name: str, prompt, turns: int, rng: random.Random) -> list[tuple]:
+    """``turns`` turns of 2-6 sampled tokens each, every next request = the context so far + the sampled
+    tokens + ``OBSERVATION``, with random waits between turns (tool latency); returns (context, output) per
+    turn."""
+    context, record = tuple(prompt), []
+    for turn in range(turns):
+        out = await engine.generate(sampled(f"{name}/t{turn}", context, seed=rng.randrange(2**31),
+                                            max_new_tokens=rng.randint(2, 6)))
+        record.append((context, out))
+        context = (*context, *out.output_ids, *OBSERVATION)
+        await asyncio.sleep(rng.random() * 0.01)
+    return record
+
+
+def check_log_probs(model, record) -> None:
+    for context, out in record:
+        expected = teacher_forced_log_probs(model, context, out.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.output_log_probs), expected, atol=1e-4, rtol=0)
+
+
+def test_a_continuation_prefills_only_its_new_tokens(tiny):
+    model, tok, prompts = tiny
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=2)
+        try:
+            record = await conversation(engine, "c", prompts[0], turns=3, rng=random.Random(0))
+            return record, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    record, stats = run(body())
+    check_log_probs(model, record)
+    # Each later turn reuses everything the slot held: the previous context + all but the last sampled token.
+    held = [len(ctx) + len(out.output_ids) - 1 for ctx, out in record[:-1]]
+    assert stats["num_reused_tokens"] == sum(held)
+    new = [len(record[0][0])] + [len(ctx) - h for (ctx, _), h in zip(record[1:], held, strict=True)]
+    assert stats["num_prefill_tokens"] == sum(new) == len(record[0][0]) + 2 * (1 + len(OBSERVATION))
+    assert stats["num_cached_prefixes"] == 1
+
+
+def test_greedy_turns_equal_hf_generate(tiny):
+    model, tok, prompts = tiny
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=3)
+        try:
+            outs, context = [], tuple(prompts[1])
+            for turn in range(3):
+                out = await engine.generate(GenerationRequest(f"g{turn}", context,
+                                                              SamplingParams(max_new_tokens=6, temperature=0)))
+                outs.append((context, out.output_ids))
+                context = (*context, *out.output_ids, *OBSERVATION)
+            return outs, engine.stats()["num_reused_tokens"]
+        finally:
+            await engine.shutdown()
+
+    outs, reused = run(body())
+    assert reused > 0
+    for context, output in outs:
+        assert output == hf_greedy(model, context, 6)[: len(output)]
+
+
+def test_interleaved_conversations_with_evictions_keep_every_slot_right(tiny):
+    """Eight conversations at once on four slots: prefixes are swapped into place, moved out of newcomers'
+    way and evicted; every turn's log-probs must still be the teacher-forced ones."""
+    model, tok, prompts = tiny
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=4)
+        try:
+            rng = random.Random(7)
+            records = await asyncio.gather(*[conversation(engine, f"c{i}", prompts[i], turns=4,
+                                                          rng=random.Random(rng.random())) for i in range(8)])
+            return records, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    records, stats = run(body())
+    for record in records:
+        check_log_probs(model, record)
+    later_turns = sum(len(r) - 1 for r in records)
+    possible = sum(len(ctx) - len(OBSERVATION) - 1 for r in records for ctx, _ in r[1:])
+    assert 0 < stats["num_reused_tokens"] < possible  # some turns reused their prefix, some found it evicted
+    assert later_turns == 24
+
+
+def test_a_weight_load_drops_every_prefix(tiny):
+    model, tok, prompts = tiny
+    new_model = spiced_tiny(seed=1)
+
+    async def body():
+        engine = TorchEngine(spiced_tiny(), tok, max_batch_slots=2)
+        try:
+            first = await engine.generate(sampled("a", prompts[2], seed=1, max_new_tokens=4))
+            cached = engine.stats()["num_cached_prefixes"]
+            await engine.pause("retract")
+            await engine.load_weights(new_model.state_dict().items(), weight_version=1)
+            await engine.resume()
+            context = (*prompts[2], *first.output_ids, *OBSERVATION)
+            second = await engine.generate(sampled("b", context, seed=2, max_new_tokens=4))
+            return cached, context, second, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    cached, context, second, stats = run(body())
+    assert cached == 1 and stats["num_reused_tokens"] == 0
+    check_log_probs(new_model, [(context, second)])
