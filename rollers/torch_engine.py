@@ -16,16 +16,18 @@ Sequences keep their keys/values at their absolute positions in a per-slot cache
 (``rollers.kv_cache.SlotKVCache``), so positions and masks of a sequence never depend on the slot's
 history or its neighbours; greedy output equals Hugging Face ``generate`` token for token.
 
+Decoding a small model on CPU is bound by reading the weights, so one forward for every running slot
+per step is what makes it fast; slots freed by short requests are refilled at the next step.
+
 **Prefix reuse** (what SGLang's radix cache gives multi-turn rollouts): a finished request leaves its
 keys/values in its slot, which is free again; a newcomer that continues it — its token ids start with every
-token the slot holds, as the next turn of an agent loop (``rollers.agent_loop``) or a resubmitted partial
-rollout does — takes that slot and prefills only its new tokens. Free slots hold at most ``max_batch_slots -
-running`` such prefixes; a newcomer without one takes an empty slot or the least recently finished prefix's.
+token the slot holds, as the next turn of an agent loop (``rollers.agent_loop``) does — takes that slot and
+prefills only its new tokens. Free slots hold at most ``max_batch_slots - running`` such prefixes; one in a
+newcomer's way moves to an empty free slot, else to an older prefix's (evicting it), else is dropped.
+Requests cut by a pause are not kept (a weight load follows).
 Reused keys/values were computed token by token while decoding, so logits match a full prefill to float
 rounding (~1e-6), not bit for bit. A weight load or ``flush_cache`` drops every prefix (they belong to the
 old weights). Only exact continuations are reused: no shared-prefix tree.
-Decoding a small model on CPU is bound by reading the weights, so one forward for every running slot
-per step is what makes it fast; slots freed by short requests are refilled at the next step.
 
 Requests are checked against the model when submitted (``check_request``: token and stop ids inside the
 vocabulary, ``top_k`` at most the vocabulary, a prompt shorter than ``max_seq_len``); a response that
