@@ -8,7 +8,7 @@ one leaves), so a decode step attends over the view ``[:batch, :, :kv_len]`` wit
 
 Before each forward the engine states what the forward writes (``plan_prefill`` / ``plan_decode``); the
 model's attention layers then call ``update`` once per layer, as with any transformers ``Cache``. A prefill
-may start each row at its own position (``starts``): the row's earlier positions already hold a reused prefix
+may write each row at its own positions (``positions``): the row's earlier positions already hold a reused prefix
 (the engine's prefix reuse), and attention then runs over the cache, prefix included.
 Capacity grows by doubling (``reserve``), so memory follows the longest live sequence, not the model's
 maximum context.
@@ -38,7 +38,7 @@ class SlotKVCache(Cache):
         self.values: list[torch.Tensor | None] = []
         self._rows = slice(0, 0)
         self._positions: torch.Tensor | None = None
-        self._starts: torch.Tensor | None = None
+        self._write_at: torch.Tensor | None = None
         self._kv_len = 0
 
     # ------------------------------------------------------------------------------- engine side
@@ -64,28 +64,16 @@ class SlotKVCache(Cache):
                 buffers[i] = grown
         self.capacity = new_capacity
 
-    def plan_prefill(self, first_row: int, num_rows: int, seq_len: int, starts: torch.Tensor | None = None,
-                     lengths: torch.Tensor | None = None) -> None:
-        """The next forward writes ``seq_len`` positions of rows ``first_row .. +num_rows``: from 0, or, given
-        ``starts`` and ``lengths`` ``(num_rows,)`` long, ``lengths[r]`` real positions from ``starts[r]`` (the
-        positions before are kept); a row's padding queries then all write position ``starts + lengths``,
-        which its next decode step overwrites. See :meth:`prefill_positions`."""
+    def plan_prefill(self, first_row: int, num_rows: int, seq_len: int, positions: torch.Tensor | None = None
+                     ) -> None:
+        """The next forward writes ``seq_len`` positions of rows ``first_row .. +num_rows``: ``0 .. seq_len - 1``,
+        or ``positions`` ``(num_rows, seq_len)`` long (each row's positions before them are kept: a reused
+        prefix), and attention then runs over positions ``0 .. positions.max()`` of the cache."""
         self._rows = slice(first_row, first_row + num_rows)
         self._positions = None
-        if starts is None:
-            self._starts, self._kv_len = None, seq_len
-            self.reserve(seq_len)
-            return
-        self._starts = self.prefill_positions(starts, lengths, seq_len)
-        self._kv_len = int((starts + lengths).max().item())
-        self.reserve(self._kv_len + 1)
-
-    @staticmethod
-    def prefill_positions(starts: torch.Tensor, lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """``(rows, seq_len)`` positions of a prefill after reused prefixes: ``starts + i`` for the real tokens,
-        ``starts + lengths`` for the padding (one past the last real token, inside the context length)."""
-        i = torch.arange(seq_len, device=starts.device)[None, :]
-        return torch.where(i < lengths[:, None], starts[:, None] + i, (starts + lengths)[:, None])
+        self._write_at = positions
+        self._kv_len = seq_len if positions is None else int(positions.max().item()) + 1
+        self.reserve(self._kv_len)
 
     def plan_decode(self, positions: torch.Tensor) -> None:
         """The next forward writes one position per row ``0 .. batch - 1``; ``positions`` (batch,) long."""
@@ -93,7 +81,7 @@ class SlotKVCache(Cache):
         self.reserve(kv_len)
         self._rows = slice(0, positions.shape[0])
         self._positions = positions
-        self._starts = None
+        self._write_at = None
         self._kv_len = kv_len
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -142,14 +130,14 @@ class SlotKVCache(Cache):
             self.values[layer_idx] = value_states.new_zeros(shape)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         rows = self._rows
-        if self._positions is None and self._starts is None:  # prefill from 0: attend over what was written
+        if self._positions is None and self._write_at is None:  # prefill from 0: attend over what was written
             q_len = key_states.shape[2]
             keys[rows, :, :q_len] = key_states
             values[rows, :, :q_len] = value_states
             return key_states, value_states
         if self._positions is None:  # prefill after a reused prefix: each row from its own start
             row_idx = torch.arange(rows.start, rows.stop, device=keys.device)[:, None]
-            at = self._starts.to(keys.device)
+            at = self._write_at.to(keys.device)
             keys[row_idx, :, at] = key_states.transpose(1, 2)
             values[row_idx, :, at] = value_states.transpose(1, 2)
             return keys[rows, :, : self._kv_len], values[rows, :, : self._kv_len]

@@ -430,7 +430,7 @@ class TorchEngine(Engine):
             reused[k] = len(self._prefixes[target].tokens)
         above = range(first + num_new, self._num_slots)
         for target in range(first, first + num_new):
-            p = self._prefixes[target]
+            p, self._prefixes[target] = self._prefixes[target], None
             if p is None or claimed.get(target - first) == target:
                 continue
             empty = next((s for s in above if self._prefixes[s] is None), None)
@@ -440,9 +440,6 @@ class TorchEngine(Engine):
             if dest is not None:
                 self._cache.move(target, dest, len(p.tokens))
                 self._prefixes[dest] = p
-            self._prefixes[target] = None
-        for target in range(first, first + num_new):
-            self._prefixes[target] = None
         return reused
 
     # ------------------------------------------------------------------------------ decode loop
@@ -526,7 +523,7 @@ class TorchEngine(Engine):
         first = len(self._running)
         keys = list(distinct)
         logits = self._prefill(first, keys, self._place(first, keys, num_new))
-        lengths = [len(key) for key in distinct]
+        lengths = [len(key) for key in keys]
         if duplicates:
             self._cache.copy_rows([first + row for row in source], list(range(first + len(firsts), first + num_new)),
                                   max(lengths[row] for row in source))
@@ -556,12 +553,14 @@ class TorchEngine(Engine):
             self._cache.plan_prefill(first, num_rows, seq_len)
             logits = self._forward(input_ids, positions.expand(num_rows, -1), self._mask(allowed[:, None]), keep)
         else:  # queries at start + i attend to keys 0 .. start + i of their own row (reused prefix included)
-            starts = torch.tensor(reused, device=self._device)
-            query_at = SlotKVCache.prefill_positions(starts, lengths, seq_len)  # (rows, seq_len)
-            key_at = torch.arange(int((starts + lengths).max().item()), device=self._device)
-            allowed = (key_at[None, None, :] <= query_at[:, :, None]) \
-                & (key_at[None, None, :] < (starts + lengths)[:, None, None])
-            self._cache.plan_prefill(first, num_rows, seq_len, starts, lengths)
+            starts = torch.tensor(reused, device=self._device)[:, None]
+            ends = starts + lengths[:, None]
+            # A row's padding queries all sit one past its last token (inside the context length): the next
+            # decode step overwrites what they write there.
+            query_at = torch.where(positions[None, :] < lengths[:, None], starts + positions[None, :], ends)
+            key_at = torch.arange(int(query_at.max().item()) + 1, device=self._device)
+            allowed = (key_at[None, None, :] <= query_at[:, :, None]) & (key_at[None, None, :] < ends[:, :, None])
+            self._cache.plan_prefill(first, num_rows, seq_len, query_at)
             logits = self._forward(input_ids, query_at, self._mask(allowed[:, None]), keep)
         return logits[torch.arange(num_rows, device=self._device), torch.searchsorted(keep, last)]
 

@@ -115,10 +115,8 @@ def test_interleaved_conversations_with_evictions_keep_every_slot_right(tiny):
     records, stats = run(body())
     for record in records:
         check_log_probs(model, record)
-    later_turns = sum(len(r) - 1 for r in records)
     possible = sum(len(ctx) - len(OBSERVATION) - 1 for r in records for ctx, _ in r[1:])
     assert 0 < stats["num_reused_tokens"] < possible  # some turns reused their prefix, some found it evicted
-    assert later_turns == 24
 
 
 def test_a_weight_load_drops_every_prefix(tiny):
