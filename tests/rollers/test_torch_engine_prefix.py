@@ -97,26 +97,82 @@ def test_greedy_turns_equal_hf_generate(tiny):
         assert output == hf_greedy(model, context, 6)[: len(output)]
 
 
-def test_interleaved_conversations_with_evictions_keep_every_slot_right(tiny):
-    """Eight conversations at once on four slots: prefixes are swapped into place, moved out of newcomers'
-    way and evicted; every turn's log-probs must still be the teacher-forced ones."""
+class Conversation:
+    """One conversation's context so far; ``held`` = what its slot keeps after a turn (the context and all
+    sampled tokens but the last, whose keys/values were never computed)."""
+
+    def __init__(self, name: str, prompt) -> None:
+        self.name, self.context, self.record, self.held = name, tuple(prompt), [], 0
+
+    async def turn(self, engine: TorchEngine, max_new_tokens: int) -> None:
+        out = await engine.generate(sampled(f"{self.name}/t{len(self.record)}", self.context,
+                                            seed=len(self.record), max_new_tokens=max_new_tokens))
+        self.record.append((self.context, out))
+        self.held = len(self.context) + len(out.output_ids) - 1
+        self.context = (*self.context, *out.output_ids, *OBSERVATION)
+
+
+def test_prefixes_are_swapped_relocated_and_evicted_as_placed(tiny):
+    """Four slots, turns in a fixed order (``ignore_eos`` fixes every length, so where each prefix sits
+    follows from the placement rules alone, not from timing): a prefix moved into a newcomer's slot, out of
+    its way to an empty slot or to an older prefix's slot, must still be reused in full and give
+    teacher-forced log-probs; an evicted one must not be reused."""
+    model, tok, prompts = tiny
+    a, b, c, d, e, f = (Conversation(name, prompts[i]) for i, name in enumerate("abcdef"))
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=4)
+
+        async def turns(*plan) -> int:  # (conversation, max_new_tokens) at once; returns the tokens reused
+            before = engine.stats()["num_reused_tokens"]
+            await asyncio.gather(*[conv.turn(engine, n) for conv, n in plan])
+            return engine.stats()["num_reused_tokens"] - before
+
+        try:
+            reused = {}
+            # a finishes first: the release swaps b into slot 0 and leaves a's prefix in slot 1 -> [b a - -]
+            reused["a0 b0"] = await turns((a, 3), (b, 5))
+            reused["c0"] = await turns((c, 2))  # b's prefix moves out of slot 0 to empty slot 2 -> [c a b -]
+            held = {"a": a.held, "b": b.held}
+            reused["a1"] = await turns((a, 2))  # a's prefix is swapped into slot 0 -> [a c b -]
+            reused["b1"] = await turns((b, 2))  # and b's, from where it was moved -> [b c a -]
+            # three newcomers: b's prefix moves to empty slot 3; c's and a's have nowhere older to go: evicted
+            reused["d0 e0 f0"] = await turns((d, 2), (e, 2), (f, 2))
+            reused["a2"] = await turns((a, 2))  # evicted; the d/e/f prefix in slot 0 evicts b's (the oldest)
+            held |= {"d": d.held, "e": e.held, "f": f.held}
+            for conv in (d, e, f):
+                reused[f"{conv.name}1"] = await turns((conv, 2))
+            held["a'"] = a.held
+            reused["a3"] = await turns((a, 2))
+            reused["b2"] = await turns((b, 2))
+            return reused, held, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    reused, held, stats = run(body())
+    assert reused == {"a0 b0": 0, "c0": 0, "a1": held["a"], "b1": held["b"], "d0 e0 f0": 0, "a2": 0,
+                      "d1": held["d"], "e1": held["e"], "f1": held["f"], "a3": held["a'"], "b2": 0}
+    assert stats["num_cached_prefixes"] == 4
+    for conv in (a, b, c, d, e, f):
+        check_log_probs(model, conv.record)
+
+
+def test_random_interleavings_keep_every_slot_right(tiny):
+    """Eight conversations at once on four slots with random tool waits: whatever swaps, relocations and
+    evictions the timing produces, every turn's log-probs must be the teacher-forced ones."""
     model, tok, prompts = tiny
 
     async def body():
         engine = TorchEngine(model, tok, max_batch_slots=4)
         try:
             rng = random.Random(7)
-            records = await asyncio.gather(*[conversation(engine, f"c{i}", prompts[i], turns=4,
-                                                          rng=random.Random(rng.random())) for i in range(8)])
-            return records, engine.stats()
+            return await asyncio.gather(*[conversation(engine, f"c{i}", prompts[i], turns=4,
+                                                       rng=random.Random(rng.random())) for i in range(8)])
         finally:
             await engine.shutdown()
 
-    records, stats = run(body())
-    for record in records:
+    for record in run(body()):
         check_log_probs(model, record)
-    possible = sum(len(ctx) - len(OBSERVATION) - 1 for r in records for ctx, _ in r[1:])
-    assert 0 < stats["num_reused_tokens"] < possible  # some turns reused their prefix, some found it evicted
 
 
 def test_a_weight_load_drops_every_prefix(tiny):
