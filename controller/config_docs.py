@@ -116,6 +116,7 @@ KEY_DOCS: dict[str, str] = {
     "trainer.ppo_mini_batch_size": "prompts per optimizer step (x rollout.n samples); <= data.train_batch_size",
     "trainer.ppo_micro_batch_size": "samples per forward/backward pass (gradient accumulation inside a mini-batch)",
     "trainer.ppo_max_token_len_per_gpu": "tokens per pass per rank (samples x longest), 0 = off: verl's dynamic batch size",
+    "trainer.prefix_grouper": "forward each prompt once for all its samples (shared-prefix mask, same results)",
     "trainer.ppo_epochs": "passes over each step's batch",
     "trainer.lr": "policy learning rate (AdamW)",
     "trainer.weight_decay": "AdamW weight decay",

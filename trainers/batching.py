@@ -173,8 +173,8 @@ def length_order(batch: Mapping[str, Any]) -> list[int]:
     return torch.argsort(prompt + extent, stable=True).tolist()
 
 
-def micro_batch_plan(batch: Mapping[str, Any], micro_batch_size: int, max_token_len: int = 0
-                     ) -> tuple[list[int], list[slice]]:
+def micro_batch_plan(batch: Mapping[str, Any], micro_batch_size: int, max_token_len: int = 0,
+                     share_prompts: bool = False) -> tuple[list[int], list[slice]]:
     """How a batch is cut into micro-batches: ``(order, slices)``, ``order`` = :func:`length_order` and the
     slices consecutive runs of it, each at most ``micro_batch_size`` samples and, when ``max_token_len`` > 0
     (verl's dynamic batch size, ``ppo_max_token_len_per_gpu``), at most ``max_token_len`` tokens as the
@@ -184,20 +184,32 @@ def micro_batch_plan(batch: Mapping[str, Any], micro_batch_size: int, max_token_
     With samples of very different lengths (multi-turn trajectories) a fixed count puts a few long ones
     with short ones padded to their width; the budget keeps short samples many to a pass and long ones
     few. The loss is unchanged by the cut (``trainers.update``: sums normalised by the global token count).
+
+    ``share_prompts`` (the forward of :func:`shared_prompt_layout`): ``order`` keeps the samples of one
+    prompt (:func:`prompt_groups`) together, groups by their packed length (prompt + all responses), so a
+    micro-batch shares each prompt among as many samples as it can; the budget counts what that forward
+    sees: rows × (longest prompt + the longest row's responses).
     """
     prompt, extent = _lengths(batch)
-    order = torch.argsort(prompt + extent, stable=True).tolist()  # length_order
+    if share_prompts:
+        groups = prompt_groups(batch)
+        packed = [int(prompt[g[0]]) + sum(int(extent[i]) for i in g) for g in groups]
+        order = [i for k in sorted(range(len(groups)), key=packed.__getitem__) for i in groups[k]]
+    else:
+        order = torch.argsort(prompt + extent, stable=True).tolist()  # length_order
     if max_token_len <= 0:
         return order, micro_batch_slices(len(order), micro_batch_size)
-    slices, start, widest_prompt, widest_response = [], 0, 0, 0
-    for i, index in enumerate(order):
+    slices, start = [], 0
+    widest_prompt, rows = 0, {}  # rows: prompt tokens -> the responses' tokens after it (one row per sample
+    for i, index in enumerate(order):  # without share_prompts)
         p, e = int(prompt[index]), int(extent[index])
-        rows = i - start + 1
-        wp, we = max(widest_prompt, p), max(widest_response, e)
-        if rows > 1 and (rows > micro_batch_size or rows * (wp + we) > max_token_len):
+        key = tuple(batch[schema.INPUT_IDS][index][-p:].tolist()) if share_prompts else i
+        grown = rows | {key: rows.get(key, 0) + e}
+        wp = max(widest_prompt, p)
+        if i > start and (i - start + 1 > micro_batch_size or len(grown) * (wp + max(grown.values())) > max_token_len):
             slices.append(slice(start, i))
-            start, wp, we = i, p, e
-        widest_prompt, widest_response = wp, we
+            start, wp, grown = i, p, {key: e}
+        widest_prompt, rows = wp, grown
     if order:
         slices.append(slice(start, len(order)))
     return order, slices
@@ -236,3 +248,82 @@ def trim_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
 def micro_batch_slices(num_samples: int, micro_batch_size: int) -> list[slice]:
     """Consecutive slices of at most ``micro_batch_size`` samples covering ``range(num_samples)``."""
     return [slice(i, min(i + micro_batch_size, num_samples)) for i in range(0, num_samples, micro_batch_size)]
+
+
+def prompt_groups(batch: Mapping[str, Any]) -> list[list[int]]:
+    """Sample indices of ``batch`` with the same prompt (real tokens of ``input_ids``: ``attention_mask`` ≠ 0),
+    groups in first-appearance order, samples in batch order. The ``rollout.n`` samples of a prompt group
+    share one; so do two groups whose prompts happen to be equal, which changes nothing computed on them."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (ids, mask) in enumerate(zip(batch[schema.INPUT_IDS].tolist(),
+                                            batch[schema.ATTENTION_MASK].tolist(), strict=True)):
+        groups.setdefault(tuple(t for t, m in zip(ids, mask, strict=True) if m), []).append(index)
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class SharedPromptLayout:
+    """A batch laid out for a shared-prompt forward (PrefixGrouper, Liu et al. 2025, arXiv:2506.05433): one
+    row per prompt group, its prompt once and every sample's response after it,
+    ``[left-padded prompt | response 1 | response 2 | ... | right pad]``, where response ``i`` attends to the
+    prompt and to itself only. ``n`` samples of a ``P``-token prompt cost ``P + sum(R_i)`` tokens instead of
+    ``n * P + sum(R_i)``; every output equals the one-row-per-sample forward's (same attention context and
+    positions), so gradients do too.
+
+    ``input_ids``/``position_ids``: ``(rows, width)`` int64; ``attention_mask``: ``(rows, 1, width, width)``
+    bool, True where query (dim 2) may attend to key (dim 3) — the 4-D mask Hugging Face models take as is;
+    a padding query attends to itself only, so no softmax row is empty. ``source``: ``(batch,
+    response_len)`` int64, for each response token the flat index ``row * width + column`` of the position
+    whose output predicts it (the last prompt token for the first, else the previous response token);
+    ``valid``: ``(batch, response_len)`` bool, the tokens up to each sample's last valid one (``source`` is
+    0 elsewhere). ``prompt_width``: the prompt columns (the batch's ``prompt_len``); the first output column
+    any response needs is ``prompt_width - 1``."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    source: torch.Tensor
+    valid: torch.Tensor
+    prompt_width: int
+
+
+def shared_prompt_layout(batch: Mapping[str, Any]) -> SharedPromptLayout:
+    """:class:`SharedPromptLayout` of ``batch`` (``input_ids``/``attention_mask`` ``(batch, prompt_len)``
+    left-padded with at least one real token each, ``responses`` ``(batch, response_len)``, optional
+    ``response_mask``): groups by :func:`prompt_groups`; each response is kept up to its last valid token
+    (interior masked tokens, such as a tool's output, stay as context)."""
+    prompts, prompt_mask, responses = batch[schema.INPUT_IDS], batch[schema.ATTENTION_MASK], batch[schema.RESPONSES]
+    num, width_p = prompts.shape
+    prompt_len, extent = (t.tolist() for t in _lengths(batch))
+    groups = prompt_groups(batch)
+    width = width_p + max(sum(extent[i] for i in g) for g in groups)
+    device = prompts.device
+    ids = torch.zeros((len(groups), width), dtype=torch.int64, device=device)
+    pos = torch.zeros_like(ids)
+    segment = torch.full_like(ids, -1)  # -1 padding, 0 prompt, s >= 1 the s-th response of the row
+    source = torch.zeros((num, responses.shape[1]), dtype=torch.int64, device=device)
+    valid = torch.zeros((num, responses.shape[1]), dtype=torch.bool, device=device)
+    prompt_pos = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    for row, members in enumerate(groups):
+        first = members[0]
+        ids[row, :width_p] = prompts[first]
+        pos[row, :width_p] = prompt_pos[first]
+        segment[row, :width_p] = torch.where(prompt_mask[first] != 0, 0, -1)
+        col = width_p
+        for s, i in enumerate(members, start=1):
+            e = extent[i]
+            if e == 0:
+                continue
+            ids[row, col:col + e] = responses[i, :e]
+            pos[row, col:col + e] = torch.arange(prompt_len[i], prompt_len[i] + e, device=device)
+            segment[row, col:col + e] = s
+            source[i, 0] = row * width + width_p - 1
+            source[i, 1:e] = row * width + torch.arange(col, col + e - 1, device=device)
+            valid[i, :e] = True
+            col += e
+    cols = torch.arange(width, device=device)
+    causal = cols[None, :] <= cols[:, None]  # (query, key): key not after query
+    q, k = segment[:, :, None], segment[:, None, :]
+    allowed = causal & (((k == 0) & (q >= 0)) | ((k == q) & (k > 0)))
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)
+    return SharedPromptLayout(ids, pos, allowed.unsqueeze(1), source, valid, width_p)

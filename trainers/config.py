@@ -36,6 +36,9 @@ class TrainerConfig:
     in samples; ``ppo_max_token_len_per_gpu`` (verl's dynamic batch size; 0 = off) caps a micro-batch at that
     many tokens as its forward sees them (samples × (longest prompt + longest response) after the length sort
     and padding trim, ``trainers.batching.micro_batch_plan``) besides the ``ppo_micro_batch_size`` samples;
+    ``prefix_grouper``: every trainer forward computes a prompt once for all its samples in a micro-batch
+    instead of once per sample (PrefixGrouper, Liu et al. 2025: a shared-prefix attention mask; same
+    log-probs, values and gradients; ``trainers.batching.shared_prompt_layout``), false = one row per sample;
     ``save_every`` in trainer steps (0 = never: no job checkpoint at all, neither on a stop
     signal nor at the end); ``keep_checkpoints``: how many job checkpoints are kept, the latest (0 = all);
     ``max_restarts``: times a job restarts its trainer group from the latest job checkpoint after losing a
@@ -60,6 +63,7 @@ class TrainerConfig:
     ppo_mini_batch_size: int = 4
     ppo_micro_batch_size: int = 8
     ppo_max_token_len_per_gpu: int = 0
+    prefix_grouper: bool = True
     ppo_epochs: int = 1
     lr: float = 1e-5
     weight_decay: float = 0.0

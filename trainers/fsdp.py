@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from common import models, net, schema
 from common.node import node_ip_address
+from trainers.batching import shared_prompt_layout
 from trainers.losses import entropy_from_logits, log_probs_from_logits
 
 logger = logging.getLogger(__name__)
@@ -203,8 +204,23 @@ def _sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return ids, mask, prompts.shape[1], responses.shape[1]
 
 
+def _attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` ``(rows, 1, q, k)`` bool as the model's attention takes it: as is for SDPA (the default),
+    an additive fp32 mask (0 where allowed, the fp32 minimum elsewhere) for eager attention. Raises
+    ValueError for any other attention implementation (e.g. flash-attention, which takes no 4-D mask)."""
+    implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if implementation == "sdpa":
+        return allowed
+    if implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min)
+    raise ValueError(f"trainer.prefix_grouper=true needs sdpa or eager attention (a 4-D attention mask); the "
+                     f"model uses {implementation!r}: set trainer.prefix_grouper=false")
+
+
 def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False,
-                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       entropy_grad: bool = False, share_prompts: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities of ``responses`` given the prompt, at temperature ``temperature``.
 
     ``batch``: ``input_ids``/``attention_mask`` ``(batch, prompt_len)`` left-padded, ``responses``
@@ -213,11 +229,25 @@ def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, 
     and the entropy of the same distribution ``(batch, response_len)`` if ``with_entropy`` else None
     (differentiable only with ``entropy_grad``, else computed on detached logits to save the graph).
     Position ids are ``cumsum(attention_mask) - 1``, so left padding does not change the result.
+
+    ``share_prompts`` (``trainer.prefix_grouper``): one forward row per distinct prompt, its samples'
+    responses after it (``trainers.batching.shared_prompt_layout``); the same values on every token up to a
+    sample's last valid one (``response_mask``), exactly 0 after it.
     """
-    ids, mask, _, resp_len = _sequence(batch)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                logits_to_keep=resp_len + 1, use_cache=False)
-    logits = out.logits[:, :-1].float()
+    if share_prompts:
+        layout = shared_prompt_layout(batch)
+        keep = layout.input_ids.shape[1] - (layout.prompt_width - 1)
+        out = model(input_ids=layout.input_ids, attention_mask=_attention_mask_4d(model, layout.attention_mask),
+                    position_ids=layout.position_ids, logits_to_keep=keep, use_cache=False)
+        # source indexes (row, column) of the full width; the kept columns start at prompt_width - 1
+        width = layout.input_ids.shape[1]
+        rows, cols = layout.source // width, layout.source % width
+        logits = out.logits[rows, (cols - (layout.prompt_width - 1)).clamp(min=0)].float()
+    else:
+        ids, mask, _, resp_len = _sequence(batch)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                    logits_to_keep=resp_len + 1, use_cache=False)
+        logits = out.logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
     responses = batch[schema.RESPONSES].to(logits.device)
@@ -225,12 +255,22 @@ def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, 
     entropy = None
     if with_entropy:
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    if share_prompts:
+        log_probs = torch.where(layout.valid, log_probs, 0.0)
+        entropy = torch.where(layout.valid, entropy, 0.0) if entropy is not None else None
     return log_probs, entropy
 
 
-def response_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:
+def response_values(critic: torch.nn.Module, batch: dict, share_prompts: bool = False) -> torch.Tensor:
     """Critic values ``(batch, response_len)`` fp32: the value head at the position *before* each response
-    token (the state in which that token was chosen), as GAE (Schulman et al. 2016) expects."""
+    token (the state in which that token was chosen), as GAE (Schulman et al. 2016) expects.
+    ``share_prompts``: as in :func:`response_log_probs` (0 after a sample's last valid token)."""
+    if share_prompts:
+        layout = shared_prompt_layout(batch)
+        out = critic(input_ids=layout.input_ids, attention_mask=_attention_mask_4d(critic, layout.attention_mask),
+                     position_ids=layout.position_ids, use_cache=False)
+        values = out.logits[..., 0].reshape(-1)[layout.source].float()
+        return torch.where(layout.valid, values, 0.0)
     ids, mask, prompt_len, resp_len = _sequence(batch)
     out = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
     return out.logits[:, prompt_len - 1 : prompt_len + resp_len - 1, 0].float()

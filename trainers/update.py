@@ -79,12 +79,12 @@ def filler_sample(batch: dict) -> dict:
 
 
 def synced_micro_batches(mini: dict | None, micro_batch_size: int, filler: dict,
-                         max_token_len: int = 0) -> Iterator[dict]:
+                         max_token_len: int = 0, share_prompts: bool = False) -> Iterator[dict]:
     """The micro-batches of ``mini`` (``None`` = this rank has no sample in it): ``micro_batch_plan(mini,
-    micro_batch_size, max_token_len)`` (length-sorted; at most ``micro_batch_size`` samples and, if > 0,
-    ``max_token_len`` tokens each), each through ``trim_padding``; then fillers up to the largest
-    micro-batch count of any rank. Collective (one all-reduce)."""
-    order, slices = micro_batch_plan(mini, micro_batch_size, max_token_len) if mini else ([], [])
+    micro_batch_size, max_token_len, share_prompts)`` (length-sorted; at most ``micro_batch_size`` samples
+    and, if > 0, ``max_token_len`` tokens each), each through ``trim_padding``; then fillers up to the
+    largest micro-batch count of any rank. Collective (one all-reduce)."""
+    order, slices = micro_batch_plan(mini, micro_batch_size, max_token_len, share_prompts) if mini else ([], [])
     total = int(collectives.all_reduce([len(slices)], dist.ReduceOp.MAX)[0])
     for i in range(total):
         yield trim_padding(select(mini, order[slices[i]]) if i < len(slices) else filler)
@@ -151,11 +151,12 @@ def _global_counts(mini: dict | None) -> tuple[float, float]:
 def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: dict | None, filler: dict,
                sums: StepSums, *, algorithm: AlgorithmConfig, temperature: float, micro_batch_size: int,
                max_grad_norm: float, norm_length: int | None, old_from_current: bool = False,
-               mismatch: MismatchSums | None = None, max_token_len: int = 0) -> None:
+               mismatch: MismatchSums | None = None, max_token_len: int = 0, share_prompts: bool = False) -> None:
     """Accumulate the loss (``algorithm.policy_loss`` − entropy bonus + KL loss) of ``mini`` over
     micro-batches (at most ``micro_batch_size`` samples and, if > 0, ``max_token_len`` tokens each:
     ``trainers.batching.micro_batch_plan``), clip the gradient norm to ``max_grad_norm`` and step
-    ``optimizer``. Adds to ``sums``.
+    ``optimizer``. Adds to ``sums``. ``share_prompts`` (``trainer.prefix_grouper``): each micro-batch's
+    forward computes a prompt once for all its samples (``trainers.fsdp.response_log_probs``).
 
     ``old_from_current``: ``old_log_probs`` are this forward's log-probs, detached (valid only when the
     policy has not stepped since the samples were generated: ``trainers.rollout_corr``); the batch then
@@ -166,10 +167,10 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
     agg = {"loss_agg_mode": algorithm.loss_agg_mode, "global_num_tokens": tokens, "global_num_seqs": seqs,
            "norm_length": norm_length}
     loss_mode, params = POLICY_LOSSES.get(algorithm.policy_loss), PolicyLossParams.from_config(algorithm)
-    for mb in synced_micro_batches(mini, micro_batch_size, filler, max_token_len):
+    for mb in synced_micro_batches(mini, micro_batch_size, filler, max_token_len, share_prompts):
         mask = mb[schema.RESPONSE_MASK]
         log_probs, entropy = response_log_probs(policy, mb, temperature, with_entropy=True,
-                                                entropy_grad=algorithm.entropy_coeff > 0)
+                                                entropy_grad=algorithm.entropy_coeff > 0, share_prompts=share_prompts)
         if mismatch is not None:
             mismatch.add(log_probs, mb[schema.ROLLOUT_LOG_PROBS], mask)
         old_log_probs = log_probs.detach() if old_from_current else mb[schema.OLD_LOG_PROBS]
@@ -200,15 +201,15 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
 
 def critic_step(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: dict | None, filler: dict,
                 sums: StepSums, *, algorithm: AlgorithmConfig, micro_batch_size: int, max_grad_norm: float,
-                norm_length: int | None, max_token_len: int = 0) -> None:
+                norm_length: int | None, max_token_len: int = 0, share_prompts: bool = False) -> None:
     """Accumulate the clipped value loss of ``mini`` (``algorithm.cliprange_value``) over micro-batches
-    (cut as in :func:`actor_step`), clip the gradient norm and step ``optimizer``. Adds to ``sums``.
-    Collective."""
+    (cut and forwarded as in :func:`actor_step`), clip the gradient norm and step ``optimizer``. Adds to
+    ``sums``. Collective."""
     optimizer.zero_grad(set_to_none=True)
     tokens, seqs = _global_counts(mini)
-    for mb in synced_micro_batches(mini, micro_batch_size, filler, max_token_len):
+    for mb in synced_micro_batches(mini, micro_batch_size, filler, max_token_len, share_prompts):
         mask = mb[schema.RESPONSE_MASK]
-        values = response_values(critic, mb)
+        values = response_values(critic, mb, share_prompts)
         loss, vf = value_loss(values, mb[schema.VALUES], mb[schema.RETURNS], mask,
                               cliprange_value=algorithm.cliprange_value, loss_agg_mode=algorithm.loss_agg_mode,
                               global_num_tokens=tokens, global_num_seqs=seqs, norm_length=norm_length)

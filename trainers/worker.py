@@ -162,8 +162,9 @@ class TrainerWorker:
         returns them for the whole batch, in its order and at its width ``(batch, response_len)``, 0 on the
         cut columns."""
         micro, max_tokens = self.trainer.ppo_micro_batch_size, self.trainer.ppo_max_token_len_per_gpu
-        order, slices = micro_batch_plan(batch, micro, max_tokens)
-        results = [fn(mb) for mb in synced_micro_batches(batch, micro, filler_sample(batch), max_tokens)]
+        share = self.trainer.prefix_grouper
+        order, slices = micro_batch_plan(batch, micro, max_tokens, share)
+        results = [fn(mb) for mb in synced_micro_batches(batch, micro, filler_sample(batch), max_tokens, share)]
         results = results[: len(slices)]
         width = batch[schema.RESPONSES].shape[1]
         inverse = torch.argsort(torch.tensor(order))
@@ -180,7 +181,8 @@ class TrainerWorker:
         require_fields(b, FORWARD_FIELDS, "compute_log_prob")
         out: dict[str, torch.Tensor] = {}
         log_probs, entropy = self._forward_all(
-            b, lambda mb: fsdp.response_log_probs(self.policy, mb, self.temperature, True))
+            b, lambda mb: fsdp.response_log_probs(self.policy, mb, self.temperature, True,
+                                                  share_prompts=self.trainer.prefix_grouper))
         out[schema.OLD_LOG_PROBS] = log_probs.cpu()
         out["entropy"] = entropy.cpu()
         fsdp.reshard(self.policy)
@@ -193,7 +195,8 @@ class TrainerWorker:
             return {}
         b = self._to_device(batch)
         require_fields(b, FORWARD_FIELDS, "compute_ref_log_prob")
-        (refs,) = self._forward_all(b, lambda mb: fsdp.response_log_probs(self.reference, mb, self.temperature)[:1])
+        (refs,) = self._forward_all(b, lambda mb: fsdp.response_log_probs(
+            self.reference, mb, self.temperature, share_prompts=self.trainer.prefix_grouper)[:1])
         fsdp.reshard(self.reference)
         return {schema.REF_LOG_PROB: refs.cpu()}
 
@@ -205,7 +208,8 @@ class TrainerWorker:
                                "does not use one (gae does)")
         b = self._to_device(batch)
         require_fields(b, FORWARD_FIELDS, "compute_values")
-        (values,) = self._forward_all(b, lambda mb: (fsdp.response_values(self.critic, mb),))
+        (values,) = self._forward_all(b, lambda mb: (fsdp.response_values(self.critic, mb,
+                                                                          self.trainer.prefix_grouper),))
         values = values.cpu()
         fsdp.reshard(self.critic)
         return {schema.VALUES: values}
@@ -272,7 +276,8 @@ class TrainerWorker:
                            temperature=self.temperature, micro_batch_size=self.trainer.ppo_micro_batch_size,
                            max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length,
                            old_from_current=old_from_current, mismatch=probe,
-                           max_token_len=self.trainer.ppo_max_token_len_per_gpu)
+                           max_token_len=self.trainer.ppo_max_token_len_per_gpu,
+                           share_prompts=self.trainer.prefix_grouper)
         self.actor_scheduler.step()
         self.weight_version += 1
         metrics = sums.finish("actor")
@@ -303,7 +308,8 @@ class TrainerWorker:
                 critic_step(self.critic, self.critic_optimizer, mini, filler, sums, algorithm=self.algorithm,
                             micro_batch_size=self.trainer.ppo_micro_batch_size,
                             max_grad_norm=self.trainer.max_grad_norm, norm_length=self.norm_length,
-                            max_token_len=self.trainer.ppo_max_token_len_per_gpu)
+                            max_token_len=self.trainer.ppo_max_token_len_per_gpu,
+                            share_prompts=self.trainer.prefix_grouper)
         self.critic_scheduler.step()
         metrics = sums.finish("critic")
         metrics["critic/lr"] = lr

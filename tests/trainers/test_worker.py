@@ -70,7 +70,9 @@ def test_log_probs_use_temperature():
     resp_len = batch[schema.RESPONSES].shape[1]
     expected = torch.log_softmax(logits[:, -resp_len - 1 : -1] / 0.7, dim=-1)
     expected = expected.gather(-1, batch[schema.RESPONSES].unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(at_07, expected, atol=1e-5, rtol=0)
+    valid = batch[schema.RESPONSE_MASK].bool()  # trailing padding only: after it nothing is computed, 0
+    torch.testing.assert_close(at_07[valid], expected[valid], atol=1e-5, rtol=0)
+    assert at_07[~valid].eq(0).all()
 
 
 def test_step0_ratio_is_one_and_nothing_clipped():
@@ -147,20 +149,21 @@ def _log_probs_and_shapes(worker, batch: dict) -> tuple[dict, list[tuple[int, in
 
 
 def test_micro_batches_are_cut_to_their_own_longest_sample():
+    """One row per sample (``prefix_grouper`` off; the shared-prompt rows: tests/trainers/test_prefix_grouper.py)."""
     batch = make_batch(num_groups=2, n=4, prompt_len=6, response_len=5, seed=5)
     padded = _more_padding(batch)
-    out, shapes = _log_probs_and_shapes(make_worker(ppo_micro_batch_size=3), padded)
+    out, shapes = _log_probs_and_shapes(make_worker(ppo_micro_batch_size=3, prefix_grouper=False), padded)
     widths = [width for _, width in shapes]
     # The model never sees the 9 extra columns, nor the padding a batch-wide width would add.
     assert widths == _sequence_widths(batch, 3)
     assert sum(widths) < 3 * (padded[schema.INPUT_IDS].shape[1] + padded[schema.RESPONSES].shape[1])
-    by_tokens, shapes = _log_probs_and_shapes(make_worker(ppo_micro_batch_size=8, ppo_max_token_len_per_gpu=24),
-                                              padded)
+    by_tokens, shapes = _log_probs_and_shapes(make_worker(ppo_micro_batch_size=8, ppo_max_token_len_per_gpu=24,
+                                                          prefix_grouper=False), padded)
     rows = [r for r, _ in shapes]
     assert sum(rows) == 8 and len(rows) > 1  # a token budget cuts the same samples into more passes
     assert all(r * w <= 24 for r, w in shapes if r > 1)
     # Results come back in the batch's order, at its width, 0 on the cut columns: the same as one
-    # untrimmed micro-batch of everything.
+    # untrimmed micro-batch of everything (here with shared prompts).
     reference = make_worker(ppo_micro_batch_size=8).compute_log_prob(batch)
     for key in (schema.OLD_LOG_PROBS, "entropy"):
         assert out[key].shape == padded[schema.RESPONSES].shape
