@@ -9,6 +9,18 @@ import torch
 from common import schema
 
 
+def float64_random(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in float64 with its matrices redrawn as N(0, 0.2²) (seed 0), in train mode: small,
+    well-conditioned weights whose outputs differ clearly between inputs, for exact-equality tests."""
+    model = model.to(torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.2)
+    return model.train()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.models import ModelConfig, load_model
+from tests.trainers._trainer_batches import float64_random
 from trainers.advantages import compute_advantages
 from trainers.fsdp import response_log_probs
 from trainers.kl import apply_kl_in_reward, kl_loss
@@ -22,13 +23,7 @@ MASK = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1],
 
 @pytest.fixture(scope="module")
 def model():
-    model = load_model(ModelConfig(path="tiny")).to(torch.float64)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.2)
-    return model.train()
+    return float64_random(load_model(ModelConfig(path="tiny")))
 
 
 def _batch(seed: int, tool_seed: int) -> dict:

@@ -14,7 +14,12 @@ from transformers import AutoModelForTokenClassification
 
 from common import schema
 from common.models import ModelConfig, load_hf_config, load_model
-from tests.trainers._trainer_batches import make_batch, single_rank_group, with_training_fields
+from tests.trainers._trainer_batches import (
+    float64_random,
+    make_batch,
+    single_rank_group,
+    with_training_fields,
+)
 from tests.trainers.test_worker import make_worker
 from trainers.batching import micro_batch_plan, prompt_groups, shared_prompt_layout
 from trainers.fsdp import response_log_probs, response_values
@@ -33,26 +38,16 @@ MASK = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0],
 EXTENT = torch.tensor([6, 8, 1, 6, 5, 0])  # up to the last valid token
 
 
-def _randomized(model: torch.nn.Module) -> torch.nn.Module:
-    model = model.to(torch.float64)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.2)
-    return model.train()
-
-
 @pytest.fixture(scope="module")
 def policy():
-    return _randomized(load_model(TINY))
+    return float64_random(load_model(TINY))
 
 
 @pytest.fixture(scope="module")
 def critic():
     config = load_hf_config(TINY)
     config.num_labels, config.classifier_dropout = 1, 0.0  # as the worker builds it (trainers.fsdp)
-    return _randomized(AutoModelForTokenClassification.from_config(config))
+    return float64_random(AutoModelForTokenClassification.from_config(config))
 
 
 def _batch(seed: int = 0) -> dict:
