@@ -188,28 +188,35 @@ def micro_batch_plan(batch: Mapping[str, Any], micro_batch_size: int, max_token_
     ``share_prompts`` (the forward of :func:`shared_prompt_layout`): ``order`` keeps the samples of one
     prompt (:func:`prompt_groups`) together, groups by their packed length (prompt + all responses), so a
     micro-batch shares each prompt among as many samples as it can; the budget counts what that forward
-    sees: rows × (longest prompt + the longest row's responses).
+    sees: rows × (longest prompt + the longest row's responses), or one row per sample where that row would be
+    wider than :data:`SHARED_ROW_MAX_TOKENS` (the forward then does not share).
     """
     prompt, extent = _lengths(batch)
     if share_prompts:
         groups = prompt_groups(batch)
         packed = [int(prompt[g[0]]) + sum(int(extent[i]) for i in g) for g in groups]
         order = [i for k in sorted(range(len(groups)), key=packed.__getitem__) for i in groups[k]]
+        group_of = {i: k for k, members in enumerate(groups) for i in members}
     else:
         order = torch.argsort(prompt + extent, stable=True).tolist()  # length_order
     if max_token_len <= 0:
         return order, micro_batch_slices(len(order), micro_batch_size)
-    slices, start = [], 0
-    widest_prompt, rows = 0, {}  # rows: prompt tokens -> the responses' tokens after it (one row per sample
-    for i, index in enumerate(order):  # without share_prompts)
+
+    def tokens(rows: dict[int, int], samples: int, wp: int, we: int) -> int:
+        shared_width = wp + max(rows.values())
+        return len(rows) * shared_width if share_prompts and shared_width <= SHARED_ROW_MAX_TOKENS \
+            else samples * (wp + we)
+
+    slices, start, widest_prompt, widest_response, rows = [], 0, 0, 0, {}
+    for i, index in enumerate(order):
         p, e = int(prompt[index]), int(extent[index])
-        key = tuple(batch[schema.INPUT_IDS][index][-p:].tolist()) if share_prompts else i
+        key = group_of[index] if share_prompts else i  # rows: row key -> its responses' tokens
         grown = rows | {key: rows.get(key, 0) + e}
-        wp = max(widest_prompt, p)
-        if i > start and (i - start + 1 > micro_batch_size or len(grown) * (wp + max(grown.values())) > max_token_len):
+        wp, we = max(widest_prompt, p), max(widest_response, e)
+        if i > start and (i - start + 1 > micro_batch_size or tokens(grown, i - start + 1, wp, we) > max_token_len):
             slices.append(slice(start, i))
-            start, wp, grown = i, p, {key: e}
-        widest_prompt, rows = wp, grown
+            start, wp, we, grown = i, p, e, {key: e}
+        widest_prompt, widest_response, rows = wp, we, grown
     if order:
         slices.append(slice(start, len(order)))
     return order, slices
@@ -250,6 +257,22 @@ def micro_batch_slices(num_samples: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + micro_batch_size, num_samples)) for i in range(0, num_samples, micro_batch_size)]
 
 
+def within_extent(batch: Mapping[str, Any]) -> torch.Tensor:
+    """``(batch, response_len)`` bool: the response tokens up to each sample's last valid one (``response_mask``
+    ≠ 0; every column without one), interior masked tokens included."""
+    _, extent = _lengths(batch)
+    cols = torch.arange(batch[schema.RESPONSES].shape[1])
+    return (cols[None, :] < extent[:, None]).to(batch[schema.RESPONSES].device)
+
+
+SHARED_ROW_MAX_TOKENS = 2048
+"""The widest row :func:`shared_prompt_layout` builds. A shared row's attention costs its width squared (its
+mask is ``width × width``), one row per sample ``n × (P + R)²``: sharing a short prompt among many long
+responses would cost more attention (and mask memory) than the prompt tokens it saves. Below ~2-3k tokens a
+forward's linear layers dominate for models of SmolLM2's width and up (a 576-wide layer: attention passes them
+at ~3k), so up to this width sharing only saves."""
+
+
 def prompt_groups(batch: Mapping[str, Any]) -> list[list[int]]:
     """Sample indices of ``batch`` with the same prompt (real tokens of ``input_ids``: ``attention_mask`` ≠ 0),
     groups in first-appearance order, samples in batch order. The ``rollout.n`` samples of a prompt group
@@ -287,22 +310,24 @@ class SharedPromptLayout:
     prompt_width: int
 
 
-def shared_prompt_layout(batch: Mapping[str, Any]) -> SharedPromptLayout:
+def shared_prompt_layout(batch: Mapping[str, Any]) -> SharedPromptLayout | None:
     """:class:`SharedPromptLayout` of ``batch`` (``input_ids``/``attention_mask`` ``(batch, prompt_len)``
     left-padded with at least one real token each, ``responses`` ``(batch, response_len)``, optional
     ``response_mask``): groups by :func:`prompt_groups`; each response is kept up to its last valid token
-    (interior masked tokens, such as a tool's output, stay as context)."""
+    (interior masked tokens, such as a tool's output, stay as context). None when its widest row would exceed
+    :data:`SHARED_ROW_MAX_TOKENS` (then one row per sample costs less)."""
     prompts, prompt_mask, responses = batch[schema.INPUT_IDS], batch[schema.ATTENTION_MASK], batch[schema.RESPONSES]
     num, width_p = prompts.shape
     prompt_len, extent = (t.tolist() for t in _lengths(batch))
     groups = prompt_groups(batch)
     width = width_p + max(sum(extent[i] for i in g) for g in groups)
+    if width > SHARED_ROW_MAX_TOKENS:
+        return None
     device = prompts.device
     ids = torch.zeros((len(groups), width), dtype=torch.int64, device=device)
     pos = torch.zeros_like(ids)
     segment = torch.full_like(ids, -1)  # -1 padding, 0 prompt, s >= 1 the s-th response of the row
     source = torch.zeros((num, responses.shape[1]), dtype=torch.int64, device=device)
-    valid = torch.zeros((num, responses.shape[1]), dtype=torch.bool, device=device)
     prompt_pos = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
     for row, members in enumerate(groups):
         first = members[0]
@@ -319,11 +344,10 @@ def shared_prompt_layout(batch: Mapping[str, Any]) -> SharedPromptLayout:
             segment[row, col:col + e] = s
             source[i, 0] = row * width + width_p - 1
             source[i, 1:e] = row * width + torch.arange(col, col + e - 1, device=device)
-            valid[i, :e] = True
             col += e
     cols = torch.arange(width, device=device)
     causal = cols[None, :] <= cols[:, None]  # (query, key): key not after query
     q, k = segment[:, :, None], segment[:, None, :]
     allowed = causal & (((k == 0) & (q >= 0)) | ((k == q) & (k > 0)))
     allowed |= torch.eye(width, dtype=torch.bool, device=device)
-    return SharedPromptLayout(ids, pos, allowed.unsqueeze(1), source, valid, width_p)
+    return SharedPromptLayout(ids, pos, allowed.unsqueeze(1), source, within_extent(batch), width_p)

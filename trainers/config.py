@@ -38,7 +38,9 @@ class TrainerConfig:
     and padding trim, ``trainers.batching.micro_batch_plan``) besides the ``ppo_micro_batch_size`` samples;
     ``prefix_grouper``: every trainer forward computes a prompt once for all its samples in a micro-batch
     instead of once per sample (PrefixGrouper, Liu et al. 2025: a shared-prefix attention mask; same
-    log-probs, values and gradients; ``trainers.batching.shared_prompt_layout``), false = one row per sample;
+    log-probs, values and gradients; ``trainers.batching.shared_prompt_layout``; the budget above then counts
+    rows × the widest row; a micro-batch whose shared row would pass 2048 tokens,
+    ``trainers.batching.SHARED_ROW_MAX_TOKENS``, takes one row per sample), false = one row per sample always;
     ``save_every`` in trainer steps (0 = never: no job checkpoint at all, neither on a stop
     signal nor at the end); ``keep_checkpoints``: how many job checkpoints are kept, the latest (0 = all);
     ``max_restarts``: times a job restarts its trainer group from the latest job checkpoint after losing a

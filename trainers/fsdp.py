@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from common import models, net, schema
 from common.node import node_ip_address
-from trainers.batching import shared_prompt_layout
+from trainers.batching import shared_prompt_layout, within_extent
 from trainers.losses import entropy_from_logits, log_probs_from_logits
 
 logger = logging.getLogger(__name__)
@@ -231,11 +231,11 @@ def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, 
     Position ids are ``cumsum(attention_mask) - 1``, so left padding does not change the result.
 
     ``share_prompts`` (``trainer.prefix_grouper``): one forward row per distinct prompt, its samples'
-    responses after it (``trainers.batching.shared_prompt_layout``); the same values on every token up to a
-    sample's last valid one (``response_mask``), exactly 0 after it.
+    responses after it (``trainers.batching.shared_prompt_layout``; one row per sample where such a row would be
+    too wide); the same values on every token up to a sample's last valid one (``response_mask``), 0 after it.
     """
-    if share_prompts:
-        layout = shared_prompt_layout(batch)
+    layout = shared_prompt_layout(batch) if share_prompts else None
+    if layout is not None:
         keep = layout.input_ids.shape[1] - (layout.prompt_width - 1)
         out = model(input_ids=layout.input_ids, attention_mask=_attention_mask_4d(model, layout.attention_mask),
                     position_ids=layout.position_ids, logits_to_keep=keep, use_cache=False)
@@ -256,8 +256,9 @@ def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, 
     if with_entropy:
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     if share_prompts:
-        log_probs = torch.where(layout.valid, log_probs, 0.0)
-        entropy = torch.where(layout.valid, entropy, 0.0) if entropy is not None else None
+        valid = layout.valid if layout is not None else within_extent(batch)
+        log_probs = torch.where(valid, log_probs, 0.0)
+        entropy = torch.where(valid, entropy, 0.0) if entropy is not None else None
     return log_probs, entropy
 
 
@@ -265,15 +266,16 @@ def response_values(critic: torch.nn.Module, batch: dict, share_prompts: bool = 
     """Critic values ``(batch, response_len)`` fp32: the value head at the position *before* each response
     token (the state in which that token was chosen), as GAE (Schulman et al. 2016) expects.
     ``share_prompts``: as in :func:`response_log_probs` (0 after a sample's last valid token)."""
-    if share_prompts:
-        layout = shared_prompt_layout(batch)
+    layout = shared_prompt_layout(batch) if share_prompts else None
+    if layout is not None:
         out = critic(input_ids=layout.input_ids, attention_mask=_attention_mask_4d(critic, layout.attention_mask),
                      position_ids=layout.position_ids, use_cache=False)
         values = out.logits[..., 0].reshape(-1)[layout.source].float()
         return torch.where(layout.valid, values, 0.0)
     ids, mask, prompt_len, resp_len = _sequence(batch)
     out = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
-    return out.logits[:, prompt_len - 1 : prompt_len + resp_len - 1, 0].float()
+    values = out.logits[:, prompt_len - 1 : prompt_len + resp_len - 1, 0].float()
+    return torch.where(within_extent(batch), values, 0.0) if share_prompts else values
 
 
 class LocalShard(NamedTuple):

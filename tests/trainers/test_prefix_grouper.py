@@ -21,6 +21,7 @@ from tests.trainers._trainer_batches import (
     with_training_fields,
 )
 from tests.trainers.test_worker import make_worker
+from trainers import batching
 from trainers.batching import micro_batch_plan, prompt_groups, shared_prompt_layout
 from trainers.fsdp import response_log_probs, response_values
 
@@ -148,6 +149,31 @@ def test_the_plan_keeps_a_prompts_samples_together_and_counts_shared_tokens():
 @pytest.fixture(scope="module")
 def process_group():
     yield from single_rank_group()
+
+
+def test_a_row_wider_than_the_cap_falls_back_to_one_row_per_sample(policy, monkeypatch):
+    """Past ``SHARED_ROW_MAX_TOKENS`` a shared row's attention (width²) would cost more than the prompt tokens
+    it saves: the forward takes one row per sample, with the same results, and the plan counts it that way."""
+    batch = _batch(seed=6)
+    assert shared_prompt_layout(batch) is not None  # widest row: 5 + 12 = 17 tokens
+    monkeypatch.setattr(batching, "SHARED_ROW_MAX_TOKENS", 15)
+    assert shared_prompt_layout(batch) is None
+    shapes = []
+    hook = policy.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            fallback, _ = response_log_probs(policy, batch, 1.0, share_prompts=True)
+            plain, _ = response_log_probs(policy, batch, 1.0)
+    finally:
+        hook.remove()
+    assert shapes[0] == (6, 5 + 8)  # one row per sample: prompt columns + response columns
+    inside = _within_extent()
+    torch.testing.assert_close(fallback[inside], plain[inside], atol=1e-12, rtol=0)
+    assert fallback[~inside].eq(0).all()
+    # as in the plan test, until [0, 2, 4] would share one 17-token row: 3 samples x (5 + 6) = 33 > 32
+    _, slices = micro_batch_plan(batch, 8, 32, share_prompts=True)
+    assert slices == [slice(0, 3), slice(3, 5), slice(5, 6)]
 
 
 def _forward_shapes(worker, fn):
