@@ -234,7 +234,7 @@ def trim_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
     right of every sample's last valid token (``response_mask`` ≠ 0, none without one; at least one column is kept), cut from
     every other tensor ``(batch, response_len, ...)`` — the schema's response fields and per-token outputs of
     earlier stages. Exact for everything computed on valid tokens: positions ids count real tokens
-    (``trainers.fsdp.position_ids_from_mask``) and attention is causal, so a valid token never sees a cut
+    (:func:`position_ids_from_mask`) and attention is causal, so a valid token never sees a cut
     column. Per-token results come back narrower: ``(batch, kept_response_len)``."""
     mask = _valid_responses(batch)
     width = mask.shape[1]
@@ -257,10 +257,18 @@ def micro_batch_slices(num_samples: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + micro_batch_size, num_samples)) for i in range(0, num_samples, micro_batch_size)]
 
 
-def within_extent(batch: Mapping[str, Any]) -> torch.Tensor:
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions ``(batch, seq_len)`` counting only real tokens: ``cumsum(mask) - 1``, 0 on left padding,
+    so a prompt has the same positions with or without left pads."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def within_extent(batch: Mapping[str, Any], extent: torch.Tensor | None = None) -> torch.Tensor:
     """``(batch, response_len)`` bool: the response tokens up to each sample's last valid one (``response_mask``
-    ≠ 0; every column without one), interior masked tokens included."""
-    _, extent = _lengths(batch)
+    ≠ 0; every column without one), interior masked tokens included. ``extent``: :func:`_lengths`'s, if the
+    caller has it."""
+    if extent is None:
+        _, extent = _lengths(batch)
     cols = torch.arange(batch[schema.RESPONSES].shape[1])
     return (cols[None, :] < extent[:, None]).to(batch[schema.RESPONSES].device)
 
@@ -318,7 +326,8 @@ def shared_prompt_layout(batch: Mapping[str, Any]) -> SharedPromptLayout | None:
     :data:`SHARED_ROW_MAX_TOKENS` (then one row per sample costs less)."""
     prompts, prompt_mask, responses = batch[schema.INPUT_IDS], batch[schema.ATTENTION_MASK], batch[schema.RESPONSES]
     num, width_p = prompts.shape
-    prompt_len, extent = (t.tolist() for t in _lengths(batch))
+    lengths = _lengths(batch)
+    prompt_len, extent = (t.tolist() for t in lengths)
     groups = prompt_groups(batch)
     width = width_p + max(sum(extent[i] for i in g) for g in groups)
     if width > SHARED_ROW_MAX_TOKENS:
@@ -328,7 +337,7 @@ def shared_prompt_layout(batch: Mapping[str, Any]) -> SharedPromptLayout | None:
     pos = torch.zeros_like(ids)
     segment = torch.full_like(ids, -1)  # -1 padding, 0 prompt, s >= 1 the s-th response of the row
     source = torch.zeros((num, responses.shape[1]), dtype=torch.int64, device=device)
-    prompt_pos = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    prompt_pos = position_ids_from_mask(prompt_mask)
     for row, members in enumerate(groups):
         first = members[0]
         ids[row, :width_p] = prompts[first]
@@ -350,4 +359,4 @@ def shared_prompt_layout(batch: Mapping[str, Any]) -> SharedPromptLayout | None:
     q, k = segment[:, :, None], segment[:, None, :]
     allowed = causal & (((k == 0) & (q >= 0)) | ((k == q) & (k > 0)))
     allowed |= torch.eye(width, dtype=torch.bool, device=device)
-    return SharedPromptLayout(ids, pos, allowed.unsqueeze(1), source, within_extent(batch), width_p)
+    return SharedPromptLayout(ids, pos, allowed.unsqueeze(1), source, within_extent(batch, lengths[1]), width_p)

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from common import models, net, schema
 from common.node import node_ip_address
-from trainers.batching import shared_prompt_layout, within_extent
+from trainers.batching import position_ids_from_mask, shared_prompt_layout, within_extent
 from trainers.losses import entropy_from_logits, log_probs_from_logits
 
 logger = logging.getLogger(__name__)
@@ -189,12 +189,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if layers is None:
         raise TypeError(f"{type(model).__name__} has no model.layers; cannot shard it per decoder layer")
     return layers
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions ``(batch, seq_len)`` counting only real tokens: ``cumsum(mask) - 1``, 0 on left padding,
-    so a prompt has the same positions with or without left pads."""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def _sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
