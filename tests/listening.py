@@ -63,6 +63,15 @@ def listening_sockets(root: int) -> dict[str, str]:
     return found
 
 
+def listening_on(port: int, root: int | None = None) -> list[str]:
+    """``address:port`` of each socket ``root``'s process tree (default: this process's) listens on at ``port``.
+
+    Only the tree's own sockets: another process may hold the same port number on another address.
+    """
+    owned = listening_sockets(os.getpid() if root is None else root)
+    return sorted(addr for addr in owned if addr.rsplit(":", 1)[1] == str(port))
+
+
 def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address.rsplit(":", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:

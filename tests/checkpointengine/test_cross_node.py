@@ -21,7 +21,7 @@ import torch
 from checkpointengine import WeightReceiver, WeightSender, WeightSyncHandle, WeightSyncTimeout
 from checkpointengine.config import CheckpointEngineConfig
 from common.curve import make_job_keys
-from tests.listening import listening_inodes
+from tests.listening import listening_on
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ce_procs  # noqa: E402
@@ -35,7 +35,7 @@ def _cfg(**kw) -> CheckpointEngineConfig:
 
 
 def _listens_on(port: int) -> list[str]:
-    return [addr for addr in listening_inodes().values() if addr.endswith(f":{port}")]
+    return listening_on(port)
 
 
 def _receive_in_thread(handle: WeightSyncHandle, name: str, version: int) -> tuple[threading.Thread, dict]:

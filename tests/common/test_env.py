@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common import env, net
-from tests.listening import listening_inodes
+from tests.listening import listening_on
 
 
 def test_process_env_is_offline_and_loopback():
@@ -136,6 +136,6 @@ def test_tcp_store_listens_on_its_host_only(host):
     client = net.tcp_store(host, store.port, 2, False, timeout_s=10)
     client.set("k", "v")
     assert store.get("k") == b"v"
-    mine = [addr for addr in listening_inodes().values() if addr.endswith(f":{store.port}")]
+    mine = listening_on(store.port)
     assert mine == [f"{host}:{store.port}"], mine
 
