@@ -104,14 +104,15 @@ def run_hf(model, tok, requests, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def compare(results: dict, name: str, model, tok, requests, slots: int, reps: int) -> None:
+def compare(results: dict, name: str, models: tuple, tok, requests, slots: int, reps: int) -> None:
     """Run ``requests`` ``reps`` times on the engine and on HF, alternating (who goes first alternates
-    too); store median tok/s and the median per-repetition ratio in ``results``, print each repetition."""
+    too); ``models`` is (the engine's, HF's). Store median tok/s and the median per-repetition ratio in
+    ``results``, print each repetition."""
     useful = sum(n for _, n in requests)
     engine, hf = [], []
     for rep in range(reps):
-        runs = [("engine", run_engine), ("hf", run_hf)]
-        for side, fn in runs if rep % 2 == 0 else runs[::-1]:
+        runs = [("engine", run_engine, models[0]), ("hf", run_hf, models[1])]
+        for side, fn, model in runs if rep % 2 == 0 else runs[::-1]:
             (engine if side == "engine" else hf).append(useful / fn(model, tok, requests, slots))
         print(f"  {name} rep {rep + 1}: engine {engine[-1]:.1f} tok/s, HF {hf[-1]:.1f} tok/s, "
               f"ratio {engine[-1] / hf[-1]:.2f}", flush=True)
@@ -137,22 +138,24 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(path="smollm2-135m-instruct")
     tok = load_tokenizer(cfg)
-    model = load_model(cfg, device=args.device)
+    # Each side gets its own copy: the engine turns its model's linear layers into prepacked ones.
+    engine_model, hf_model = load_model(cfg, device=args.device), load_model(cfg, device=args.device)
 
     warm = make_requests(tok, [4, 4])
-    run_engine(model, tok, warm, 2)
-    run_hf(model, tok, warm, 2)
+    run_engine(engine_model, tok, warm, 2)
+    run_hf(hf_model, tok, warm, 2)
 
     results = {}
     lengths = long_tail_lengths(32 if args.quick else 64)
     results["step_bound_longtail"] = long_tail_bound(lengths)
     print(f"long-tail: {len(lengths)} requests, {sum(lengths)} useful tokens, structural bound "
           f"{results['step_bound_longtail']:.2f}x", flush=True)
-    compare(results, "longtail", model, tok, make_requests(tok, lengths), 8, args.reps)
+    compare(results, "longtail", (engine_model, hf_model), tok, make_requests(tok, lengths), 8, args.reps)
     new_tokens = 32 if args.quick else 64
     for batch in (8, 32):
         print(f"uniform: batch {batch} x {new_tokens} new tokens", flush=True)
-        compare(results, f"b{batch}", model, tok, make_requests(tok, [new_tokens] * batch), batch, args.reps)
+        compare(results, f"b{batch}", (engine_model, hf_model), tok, make_requests(tok, [new_tokens] * batch), batch,
+                args.reps)
     print("RESULT " + " ".join(f"{k}={v:.2f}" if k.startswith(("ratio", "step")) else f"{k}={v:.1f}"
                                for k, v in results.items()))
 

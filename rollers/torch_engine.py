@@ -17,7 +17,9 @@ Sequences keep their keys/values at their absolute positions in a per-slot cache
 history or its neighbours; greedy output equals Hugging Face ``generate`` token for token.
 
 Decoding a small model on CPU is bound by reading the weights, so one forward for every running slot
-per step is what makes it fast; slots freed by short requests are refilled at the next step.
+per step is what makes it fast; slots freed by short requests are refilled at the next step. For the same
+reason the model's linear layers multiply decode steps' few rows by prepacked weights
+(``rollers.packed_linear``: each weight read once per step instead of about twice).
 
 **Prefix reuse** (what SGLang's radix cache gives multi-turn rollouts): a finished request leaves its
 keys/values in its slot, which is free again; a newcomer that continues it — its token ids start with every
@@ -69,6 +71,7 @@ from rollers.model_limits import (
     position_limit,
     staged_weights,
 )
+from rollers.packed_linear import pack_linears
 from rollers.sampling import RowSampling, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -104,8 +107,10 @@ class _Prefix:
 class TorchEngine(Engine):
     """Continuous-batching generation on any Hugging Face causal LM (CPU fp32, or one GPU).
 
-    ``model``: the causal LM, already on its device (it is put in eval mode; generation runs under
-    ``torch.no_grad``, never ``inference_mode``, so its parameters stay usable for training code).
+    ``model``: the causal LM, already on its device (it is put in eval mode, and its ``nn.Linear`` layers
+    become ``rollers.packed_linear.PackedLinear`` sharing their parameters: prepacked weights for decode
+    steps on CPU; generation runs under ``torch.no_grad``, never ``inference_mode``, so its parameters stay
+    usable for training code, where those layers are plain ``nn.Linear``).
     ``tokenizer_or_eos_ids``: a tokenizer or EOS id(s), added to the model's own EOS ids.
     ``max_batch_slots``: sequences decoded together. ``max_seq_len``: prompt + response limit in tokens
     (default: the model's ``max_position_embeddings``). ``weight_version``: version of the initial
@@ -130,6 +135,7 @@ class TorchEngine(Engine):
             raise ValueError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
         window = attention_window(model.config)
         self._model = model.eval()
+        pack_linears(model)
         self._device = next(model.parameters()).device
         self._eos_ids = collect_eos_ids(model, tokenizer_or_eos_ids)
         self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
