@@ -8,7 +8,9 @@ prepacking inductor's ``freezing`` does for CPU) reads it once. On this project'
 (SmolLM2-135M's 211 linear layers per forward, 2 threads) a forward's linears take, plain → packed: 4 rows
 39 → 30 ms, 8 rows 51 → 36 ms, 16 rows 54 → 45 ms, 32 rows 61 → 58 ms; at 1-3 rows the plain kernel is a
 matrix-vector product already at memory bandwidth and faster (24 → 34 ms), and from ~48 rows (prefill)
-plain wins again. So ``PackedLinear`` takes the packed path for ``PACKED_ROWS`` rows only.
+plain wins again. At one thread (a roller's share in the asynchronous modes) packing gains more: 4 rows
+76 → 50 ms, 8 rows 105 → 60 ms, 32 rows 128 → 107 ms, 1-3 rows ~45 ms either way. So ``PackedLinear``
+takes the packed path for ``PACKED_ROWS`` rows only.
 
 The packed copy is made lazily and kept alongside the parameter (memory: one more copy of every linear
 weight, tied output embedding included); it is rebuilt whenever the parameter changes in place (its
