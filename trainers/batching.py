@@ -173,7 +173,7 @@ def length_order(batch: Mapping[str, Any]) -> list[int]:
     return torch.argsort(prompt + extent, stable=True).tolist()
 
 
-def micro_batch_plan(batch: Mapping[str, Any], micro_batch_size: int, max_token_len: int = 0,
+def micro_batch_plan(batch: Mapping[str, Any] | None, micro_batch_size: int, max_token_len: int = 0,
                      share_prompts: bool = False) -> tuple[list[int], list[slice]]:
     """How a batch is cut into micro-batches: ``(order, slices)``, ``order`` = :func:`length_order` and the
     slices consecutive runs of it, each at most ``micro_batch_size`` samples and, when ``max_token_len`` > 0
@@ -190,7 +190,11 @@ def micro_batch_plan(batch: Mapping[str, Any], micro_batch_size: int, max_token_
     micro-batch shares each prompt among as many samples as it can; the budget counts what that forward
     sees: rows × (longest prompt + the longest row's responses), or one row per sample where that row would be
     wider than :data:`SHARED_ROW_MAX_TOKENS` (the forward then does not share).
+
+    ``batch`` ``None`` or empty (a rank without samples in a mini-batch): ``([], [])``.
     """
+    if not batch:
+        return [], []
     prompt, extent = _lengths(batch)
     if share_prompts:
         groups = prompt_groups(batch)

@@ -78,13 +78,11 @@ def filler_sample(batch: dict) -> dict:
     return row
 
 
-def synced_micro_batches(mini: dict | None, micro_batch_size: int, filler: dict,
-                         max_token_len: int = 0, share_prompts: bool = False) -> Iterator[dict]:
-    """The micro-batches of ``mini`` (``None`` = this rank has no sample in it): ``micro_batch_plan(mini,
-    micro_batch_size, max_token_len, share_prompts)`` (length-sorted; at most ``micro_batch_size`` samples
-    and, if > 0, ``max_token_len`` tokens each), each through ``trim_padding``; then fillers up to the
-    largest micro-batch count of any rank. Collective (one all-reduce)."""
-    order, slices = micro_batch_plan(mini, micro_batch_size, max_token_len, share_prompts) if mini else ([], [])
+def synced_micro_batches(mini: dict | None, plan: tuple[list[int], list[slice]], filler: dict) -> Iterator[dict]:
+    """The micro-batches of ``mini`` (``None`` = this rank has no sample in it) as ``plan`` cuts them
+    (``micro_batch_plan(mini, ...)``, ``([], [])`` for ``None``), each through ``trim_padding``; then fillers
+    up to the largest micro-batch count of any rank. Collective (one all-reduce)."""
+    order, slices = plan
     total = int(collectives.all_reduce([len(slices)], dist.ReduceOp.MAX)[0])
     for i in range(total):
         yield trim_padding(select(mini, order[slices[i]]) if i < len(slices) else filler)
@@ -167,7 +165,8 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
     agg = {"loss_agg_mode": algorithm.loss_agg_mode, "global_num_tokens": tokens, "global_num_seqs": seqs,
            "norm_length": norm_length}
     loss_mode, params = POLICY_LOSSES.get(algorithm.policy_loss), PolicyLossParams.from_config(algorithm)
-    for mb in synced_micro_batches(mini, micro_batch_size, filler, max_token_len, share_prompts):
+    plan = micro_batch_plan(mini, micro_batch_size, max_token_len, share_prompts)
+    for mb in synced_micro_batches(mini, plan, filler):
         mask = mb[schema.RESPONSE_MASK]
         log_probs, entropy = response_log_probs(policy, mb, temperature, with_entropy=True,
                                                 entropy_grad=algorithm.entropy_coeff > 0, share_prompts=share_prompts)
@@ -207,7 +206,8 @@ def critic_step(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, mini:
     ``sums``. Collective."""
     optimizer.zero_grad(set_to_none=True)
     tokens, seqs = _global_counts(mini)
-    for mb in synced_micro_batches(mini, micro_batch_size, filler, max_token_len, share_prompts):
+    plan = micro_batch_plan(mini, micro_batch_size, max_token_len, share_prompts)
+    for mb in synced_micro_batches(mini, plan, filler):
         mask = mb[schema.RESPONSE_MASK]
         values = response_values(critic, mb, share_prompts)
         loss, vf = value_loss(values, mb[schema.VALUES], mb[schema.RETURNS], mask,

@@ -163,9 +163,8 @@ class TrainerWorker:
         cut columns."""
         micro, max_tokens = self.trainer.ppo_micro_batch_size, self.trainer.ppo_max_token_len_per_gpu
         share = self.trainer.prefix_grouper
-        order, slices = micro_batch_plan(batch, micro, max_tokens, share)
-        results = [fn(mb) for mb in synced_micro_batches(batch, micro, filler_sample(batch), max_tokens, share)]
-        results = results[: len(slices)]
+        order, slices = plan = micro_batch_plan(batch, micro, max_tokens, share)
+        results = [fn(mb) for mb in synced_micro_batches(batch, plan, filler_sample(batch))][: len(slices)]
         width = batch[schema.RESPONSES].shape[1]
         inverse = torch.argsort(torch.tensor(order))
         return tuple(torch.cat([F.pad(r[i], (0, width - r[i].shape[1])) for r in results])[inverse.to(self.device)]

@@ -55,3 +55,8 @@ def test_a_budget_puts_long_samples_few_to_a_pass_and_saves_padding():
     assert cost(by_tokens) < cost(by_count)
     _, tiny = micro_batch_plan(batch, 8, 1)  # every sample over the budget: one per pass, none dropped
     assert [s.stop - s.start for s in tiny] == [1] * 16
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_a_rank_without_samples_gets_an_empty_plan(share_prompts):
+    assert micro_batch_plan(None, 8, 100, share_prompts) == ([], [])
