@@ -23,6 +23,8 @@ requires grad), or on another device or dtype than CPU fp32, ``PackedLinear`` is
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,14 +53,18 @@ class PackedLinear(nn.Linear):
         self.weight = linear.weight
         self.bias = linear.bias
         self._packed: torch.Tensor | None = None
-        self._packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight it was packed from
+        self._packed_from: tuple | None = None  # (weakref, data_ptr, version) of the weight it was packed from
 
     def _packed_weight(self) -> torch.Tensor:
-        source = (self.weight.data_ptr(), self.weight._version)
-        if self._packed is None or self._packed_from != source:
+        weight = self.weight
+        if (
+            self._packed is None
+            or self._packed_from[0]() is not weight
+            or self._packed_from[1:] != (weight.data_ptr(), weight._version)
+        ):
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_FOR_ROWS)
-            self._packed_from = source
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_FOR_ROWS)
+            self._packed_from = (weakref.ref(weight), weight.data_ptr(), weight._version)
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +83,9 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` (exactly that type) by a ``PackedLinear`` sharing its
-    parameters, in place; returns how many were replaced (0 without oneDNN, when nothing is changed)."""
+    """Replace every ``nn.Linear`` of ``model`` (exactly that type, so a second call replaces nothing) by a
+    ``PackedLinear`` sharing its parameters, in place; returns how many were replaced (0 without oneDNN,
+    when nothing is changed)."""
     if not packing_available():
         return 0
     targets = [

@@ -51,6 +51,9 @@ def test_shares_the_parameters_and_repacks_after_an_in_place_load_or_a_new_param
     packed.weight = nn.Parameter(torch.randn(96, 64))
     with torch.no_grad():
         torch.testing.assert_close(packed(x), x @ packed.weight.detach().T, rtol=1e-5, atol=1e-5)
+    packed.weight.data = torch.randn(96, 64)  # new storage, same parameter, version unchanged
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), x @ packed.weight.detach().T, rtol=1e-5, atol=1e-5)
 
 
 def test_training_takes_the_plain_kernel_and_its_gradients():
@@ -70,6 +73,7 @@ def test_pack_linears_keeps_names_ties_and_logits():
     keys = list(model.state_dict())
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert pack_linears(model) == linears > 0
+    assert pack_linears(model) == 0  # already packed: nothing to replace
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert list(model.state_dict()) == keys
     embeddings, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
