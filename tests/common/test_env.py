@@ -139,3 +139,35 @@ def test_tcp_store_listens_on_its_host_only(host):
     mine = listening_on(store.port)
     assert mine == [f"{host}:{store.port}"], mine
 
+
+
+_RETAINED = """
+import os, sys
+from common import env
+if sys.argv[1] == "call":
+    assert env.keep_freed_memory()
+page = os.sysconf("SC_PAGE_SIZE")
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
+size = 24 * 2**20
+before = rss()
+buffer = b"x" * size  # malloc'd and written
+held = rss()
+del buffer
+print((rss() - before) / size, (held - before) / size)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc and /proc")
+@pytest.mark.parametrize("how, kept", [("default", False), ("environment", True), ("call", True)])
+def test_freed_buffers_stay_with_the_process(how, kept):
+    """A freed 24 MiB buffer goes back to the OS by default (glibc mmaps it) and stays with a process set up
+    by ``keep_freed_memory`` or started with ``process_env``'s ``MALLOC_*_`` variables (a Ray worker)."""
+    variables = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MALLOC_"))}
+    if how == "environment":
+        variables |= {k: v for k, v in env.process_env().items() if k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _RETAINED, how], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2], env=variables)
+    assert out.returncode == 0, out.stderr
+    retained, touched = map(float, out.stdout.split())
+    assert touched > 0.9  # the buffer really was in memory
+    assert (retained > 0.8) if kept else (retained < 0.2), retained
