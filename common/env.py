@@ -101,14 +101,12 @@ def keep_freed_memory() -> bool:
     CUDA caching allocator keeps it on GPUs).
     """
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the symbols already loaded into this process, libc's among them
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl and others lack it
-    except (OSError, AttributeError, TypeError):
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all(mallopt(_MALLOPT_PARAM[key], value) == 1 for key, value in _MALLOC.items())

@@ -75,7 +75,6 @@ class PackedLinear(nn.Linear):
             and x.dtype == weight.dtype == torch.float32
             and weight.device.type == "cpu"
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-            and x.dim() >= 2
             and x.numel() // max(self.in_features, 1) in PACKED_ROWS
         ):
             bias = None if self.bias is None else self.bias.detach()

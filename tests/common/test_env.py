@@ -106,10 +106,12 @@ def test_token_auth_cannot_be_switched_off(monkeypatch):
     assert os.environ["RAY_AUTH_MODE"] == "token"
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[2],
-                          env={k: v for k, v in os.environ.items() if not k.startswith("RAY_")})
+def _run(code: str, *args: str, drop: tuple[str, ...] = ("RAY_",), add: dict | None = None
+         ) -> subprocess.CompletedProcess:
+    """``python -c code *args`` from the repository root, without the variables starting with ``drop``."""
+    variables = {k: v for k, v in os.environ.items() if not k.startswith(drop)} | (add or {})
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2], env=variables)
 
 
 def test_ray_imported_before_the_environment_is_refused():
@@ -162,11 +164,8 @@ print((rss() - before) / size, (held - before) / size)
 def test_freed_buffers_stay_with_the_process(how, kept):
     """A freed 24 MiB buffer goes back to the OS by default (glibc mmaps it) and stays with a process set up
     by ``keep_freed_memory`` or started with ``process_env``'s ``MALLOC_*_`` variables (a Ray worker)."""
-    variables = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MALLOC_"))}
-    if how == "environment":
-        variables |= {k: v for k, v in env.process_env().items() if k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", _RETAINED, how], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parents[2], env=variables)
+    malloc = {k: v for k, v in env.process_env().items() if k.startswith("MALLOC_")}
+    out = _run(_RETAINED, how, drop=("RAY_", "MALLOC_"), add=malloc if how == "environment" else None)
     assert out.returncode == 0, out.stderr
     retained, touched = map(float, out.stdout.split())
     assert touched > 0.9  # the buffer really was in memory
