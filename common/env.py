@@ -39,7 +39,8 @@ _PROCESS_ENV = {
 # glibc malloc keeps freed memory instead of handing each large buffer back to the OS (see keep_freed_memory).
 _MALLOC = {"MMAP_THRESHOLD": 32 * 2**20, "TRIM_THRESHOLD": 2**31 - 1, "TOP_PAD": 2**30}  # bytes (mallopt takes an int)
 _MALLOPT_PARAM = {"TRIM_THRESHOLD": -1, "TOP_PAD": -2, "MMAP_THRESHOLD": -3}  # glibc's M_* numbers
-_PROCESS_ENV.update({f"MALLOC_{name}_": str(value) for name, value in _MALLOC.items()})
+MALLOC_ENV = {f"MALLOC_{name}_": str(value) for name, value in _MALLOC.items()}  # the same for a child process
+_PROCESS_ENV.update(MALLOC_ENV)
 # Added for a local cluster only (see the module docstring). Ray reads it when it is first imported:
 # setup_process_env must run before anything imports ray (init_ray checks).
 _LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

@@ -7,6 +7,7 @@ Every test that loads weights builds its own models (the tiny Llama re-drawn wit
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -300,3 +301,35 @@ def test_shutdown_aborts_requests_and_joins_the_task(tok, prompts):
     running, waiting = run(body())
     assert running.finish_reason == "abort" and 0 < len(running.output_ids) < 40
     assert waiting.finish_reason == "abort" and waiting.output_ids == []
+
+
+def _file_mapped(tensors, path) -> list[bool]:
+    """Whether each tensor's first byte lies in a mapping of file ``path`` (``/proc/self/maps``)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((low, high))
+    return [any(low <= t.data_ptr() < high for low, high in ranges) for t in tensors]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_engine_weights_leave_the_file_mapping(tok, tmp_path):
+    """Hugging Face maps a safetensors checkpoint's weights from the file; the engine copies them into memory
+    of its own (its first ``load_weights`` would otherwise copy-on-write every page), keeping the Parameter
+    objects (ties hold) and the values."""
+    from transformers import AutoModelForCausalLM
+
+    spiced_tiny().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    file = (tmp_path / "model.safetensors").resolve()
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    assert all(_file_mapped(params, file)), "precondition: from_pretrained maps the weights from the file"
+    engine = TorchEngine(model, tok, max_batch_slots=2)
+    assert list(model.parameters()) == params
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert not any(_file_mapped(params, file))
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    run(engine.shutdown())
