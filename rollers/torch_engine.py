@@ -111,7 +111,7 @@ def own_weights(model: torch.nn.Module) -> None:
     Why: Hugging Face loads safetensors weights as a private mapping of the file. The engine overwrites its
     weights at every update, and the first ``load_weights`` then copies each page on write, reading it back
     from the file wherever the kernel has dropped it from the page cache meanwhile: a roller's first weight
-    sync of SmolLM2-135M took ~1.9 s more than the next ones for that (~0.25 s here, at start-up).
+    sync of SmolLM2-135M took ~1.9 s more than the next ones for that. The copy costs ~0.25 s at start-up.
     """
     with torch.no_grad():
         for param in model.parameters():
@@ -123,9 +123,10 @@ class TorchEngine(Engine):
     """Continuous-batching generation on any Hugging Face causal LM (CPU fp32, or one GPU).
 
     ``model``: the causal LM, already on its device (it is put in eval mode, its CPU parameters get memory of
-    their own (:func:`own_weights`), and its ``nn.Linear`` layers become ``rollers.packed_linear.PackedLinear`` sharing their parameters: prepacked weights for decode
-    steps on CPU; generation runs under ``torch.no_grad``, never ``inference_mode``, so its parameters stay
-    usable for training code, where those layers are plain ``nn.Linear``).
+    their own (:func:`own_weights`), and its ``nn.Linear`` layers become ``rollers.packed_linear.PackedLinear``
+    sharing their parameters: prepacked weights for decode steps on CPU; generation runs under ``torch.no_grad``,
+    never ``inference_mode``, so its parameters stay usable for training code, where those layers are plain
+    ``nn.Linear``).
     ``tokenizer_or_eos_ids``: a tokenizer or EOS id(s), added to the model's own EOS ids.
     ``max_batch_slots``: sequences decoded together. ``max_seq_len``: prompt + response limit in tokens
     (default: the model's ``max_position_embeddings``). ``weight_version``: version of the initial
