@@ -15,8 +15,8 @@ takes the packed path for ``PACKED_ROWS`` rows only.
 The packed copy is made lazily and kept alongside the parameter (memory: one more copy of every linear
 weight, tied output embedding included); it is rebuilt whenever the parameter changes in place (its
 version counter: ``copy_`` by a weight load, as ``TorchEngine.load_weights`` does) or is replaced (another
-parameter or storage); an in-place write through ``weight.data``, which bypasses that counter, is not seen. Results equal ``F.linear`` to fp32 rounding
-(~1e-6 relative: another summation order), not bit for bit.
+parameter or storage); an in-place write through ``weight.data``, which bypasses that counter, is not seen.
+Results equal ``F.linear`` to fp32 rounding (~1e-6 relative: another summation order), not bit for bit.
 
 Only inference takes the packed path: with autograd recording (grad enabled and a parameter that
 requires grad), or on another device or dtype than CPU fp32, ``PackedLinear`` is exactly ``nn.Linear``.
