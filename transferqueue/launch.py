@@ -91,7 +91,10 @@ def _die_with_parent() -> None:
 def _server_main() -> None:
     """Entry of a server subprocess: read the spec from stdin, bind, publish the endpoint, serve."""
     _die_with_parent()
-    spec = json.loads(sys.stdin.read())
+    raw = sys.stdin.read()
+    if not raw:  # the launcher stopped (e.g. a stop signal while pools start) before it sent the spec
+        sys.exit(0)
+    spec = json.loads(raw)
     from transferqueue.server import write_endpoint_file
 
     adopt_node_id(spec["node"])  # the launcher's node (its Ray node id in a Ray cluster)

@@ -41,3 +41,13 @@ def test_servers_exit_when_their_launcher_is_killed():
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_server_whose_launcher_stopped_before_sending_its_spec_exits_quietly():
+    """A stop signal while the pools start can end the launcher between starting a server and writing its spec:
+    the server then reads an empty stdin and exits 0 without a traceback."""
+    server = subprocess.run([sys.executable, "-c", "from transferqueue.launch import _server_main; _server_main()"],
+                            input=b"", capture_output=True, timeout=60,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert server.returncode == 0, server.stderr.decode()[-2000:]
+    assert b"Traceback" not in server.stderr
