@@ -212,47 +212,81 @@ def _attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.T
                      f"model uses {implementation!r}: set trainer.prefix_grouper=false")
 
 
+@contextlib.contextmanager
+def _logits_at(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[None]:
+    """Within the block, a forward of the Hugging Face causal LM ``model`` computes its logits at
+    ``positions`` only: the flat indices ``row * width + column`` (int64 ``(N,)``) into its ``(rows, width)``
+    input; called with ``logits_to_keep=0``, its ``logits`` are then ``(1, N, vocab)`` in that order.
+
+    A forward hook on the decoder (``model.model``) replaces its ``last_hidden_state`` ``(rows, width,
+    hidden)`` by those positions' rows ``(1, N, hidden)`` before the output head: the head and everything after
+    it (log-softmax, entropy: the vocabulary-wide work) then run on the tokens that need them, not on every
+    padded column and observation token. Differentiable (``index_select``). Raises TypeError for a model
+    without ``model.model``."""
+    decoder = getattr(model, "model", None)
+    if not isinstance(decoder, torch.nn.Module):
+        raise TypeError(f"{type(model).__name__} has no decoder at model.model; cannot select its logits")
+
+    def select(module, args, output):
+        hidden = output.last_hidden_state
+        output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions).unsqueeze(0)
+        return output
+
+    handle = decoder.register_forward_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False,
                        entropy_grad: bool = False, share_prompts: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities of ``responses`` given the prompt, at temperature ``temperature``.
 
     ``batch``: ``input_ids``/``attention_mask`` ``(batch, prompt_len)`` left-padded, ``responses``
-    ``(batch, response_len)``. Returns ``log_probs`` ``(batch, response_len)`` fp32, natural log of
-    ``softmax(logits / T)`` at the sampled token (``T <= 0`` means greedy: raw logits, as the rollers do),
-    and the entropy of the same distribution ``(batch, response_len)`` if ``with_entropy`` else None
-    (differentiable only with ``entropy_grad``, else computed on detached logits to save the graph).
-    Position ids are ``cumsum(attention_mask) - 1``, so left padding does not change the result.
+    ``(batch, response_len)``, and ``response_mask`` ``(batch, response_len)`` if it has one. Returns
+    ``log_probs`` ``(batch, response_len)`` fp32, natural log of ``softmax(logits / T)`` at the sampled token
+    (``T <= 0`` means greedy: raw logits, as the rollers do), and the entropy of the same distribution
+    ``(batch, response_len)`` if ``with_entropy`` else None (differentiable only with ``entropy_grad``, else
+    computed on detached logits to save the graph). Both are computed on the tokens ``response_mask`` marks
+    (model tokens: every token a loss, KL or metric reads; all tokens without a mask) and 0 elsewhere: padding
+    and a multi-turn trajectory's observation tokens are context only, and the output head and the
+    vocabulary-wide softmax run on the marked tokens alone (:func:`_logits_at`; the main cost of a small
+    model's training forward on CPU, whose vocabulary is wide). Position ids are ``cumsum(attention_mask) -
+    1``, so left padding does not change the result.
 
     ``share_prompts`` (``trainer.prefix_grouper``): one forward row per distinct prompt, its samples'
     responses after it (``trainers.batching.shared_prompt_layout``; one row per sample where such a row would be
-    too wide); the same values on every token up to a sample's last valid one (``response_mask``), 0 after it.
+    too wide); the same values.
     """
+    responses = batch[schema.RESPONSES]
+    mask = batch.get(schema.RESPONSE_MASK)
+    wanted = mask.to(responses.device) != 0 if mask is not None else torch.ones_like(responses, dtype=torch.bool)
     layout = shared_prompt_layout(batch) if share_prompts else None
     if layout is not None:
-        keep = layout.input_ids.shape[1] - (layout.prompt_width - 1)
-        out = model(input_ids=layout.input_ids, attention_mask=_attention_mask_4d(model, layout.attention_mask),
-                    position_ids=layout.position_ids, logits_to_keep=keep, use_cache=False)
-        # source indexes (row, column) of the full width; the kept columns start at prompt_width - 1
-        width = layout.input_ids.shape[1]
-        rows, cols = layout.source // width, layout.source % width
-        logits = out.logits[rows, (cols - (layout.prompt_width - 1)).clamp(min=0)].float()
+        wanted = wanted & layout.valid
+        with _logits_at(model, layout.source[wanted]):
+            out = model(input_ids=layout.input_ids, attention_mask=_attention_mask_4d(model, layout.attention_mask),
+                        position_ids=layout.position_ids, logits_to_keep=0, use_cache=False)
     else:
-        ids, mask, _, resp_len = _sequence(batch)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                    logits_to_keep=resp_len + 1, use_cache=False)
-        logits = out.logits[:, :-1].float()
-    if temperature > 0:
+        ids, mask_2d, prompt_len, resp_len = _sequence(batch)
+        # the output at column prompt_len - 1 + j predicts response token j
+        source = (torch.arange(ids.shape[0], device=ids.device)[:, None] * ids.shape[1] + prompt_len - 1
+                  + torch.arange(resp_len, device=ids.device)[None, :])
+        with _logits_at(model, source[wanted]):
+            out = model(input_ids=ids, attention_mask=mask_2d, position_ids=position_ids_from_mask(mask_2d),
+                        logits_to_keep=0, use_cache=False)
+    logits = out.logits[0].float()
+    if temperature > 0 and temperature != 1.0:  # dividing by 1 would change nothing and cost a pass
         logits = logits / temperature
-    responses = batch[schema.RESPONSES].to(logits.device)
-    log_probs = log_probs_from_logits(logits, responses)
+    picked = log_probs_from_logits(logits, responses[wanted])
+    log_probs = torch.zeros(responses.shape, dtype=picked.dtype, device=picked.device).masked_scatter(wanted, picked)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    if share_prompts:
-        valid = layout.valid if layout is not None else within_extent(batch)
-        log_probs = torch.where(valid, log_probs, 0.0)
-        entropy = torch.where(valid, entropy, 0.0) if entropy is not None else None
+        token_entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        entropy = torch.zeros(responses.shape, dtype=token_entropy.dtype,
+                              device=token_entropy.device).masked_scatter(wanted, token_entropy)
     return log_probs, entropy
 
 

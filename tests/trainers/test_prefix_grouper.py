@@ -91,10 +91,24 @@ def test_log_probs_and_entropy_equal_one_row_per_sample(policy):
     with torch.no_grad():
         plain, plain_entropy = response_log_probs(policy, batch, 0.7, with_entropy=True)
         shared, shared_entropy = response_log_probs(policy, batch, 0.7, with_entropy=True, share_prompts=True)
-    inside = _within_extent()  # tool tokens included: their log-probs are computed as context
-    torch.testing.assert_close(shared[inside], plain[inside], atol=1e-12, rtol=0)
-    torch.testing.assert_close(shared_entropy[inside], plain_entropy[inside], atol=1e-12, rtol=0)
-    assert shared[~inside].eq(0).all() and shared_entropy[~inside].eq(0).all()
+    model = MASK.bool()  # model tokens; tool tokens and padding are context only
+    torch.testing.assert_close(shared[model], plain[model], atol=1e-12, rtol=0)
+    torch.testing.assert_close(shared_entropy[model], plain_entropy[model], atol=1e-12, rtol=0)
+    assert plain[model].lt(0).all() and plain_entropy[model].gt(0).all()
+    for values in (plain, plain_entropy, shared, shared_entropy):
+        assert values[~model].eq(0).all()
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_output_head_runs_on_model_tokens_only(policy, share):
+    rows: list[int] = []
+    hook = policy.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:-1].numel()))
+    try:
+        with torch.no_grad():
+            response_log_probs(policy, _batch(), 1.0, with_entropy=True, share_prompts=share)
+    finally:
+        hook.remove()
+    assert rows == [int(MASK.sum())]  # 20 of the batch's 48 response positions (6 rows x 8)
 
 
 def test_gradients_equal_one_row_per_sample(policy):
