@@ -10,7 +10,14 @@ prepacking inductor's ``freezing`` does for CPU) reads it once. On this project'
 matrix-vector product already at memory bandwidth and faster (24 → 34 ms), and from ~48 rows (prefill)
 plain wins again. At one thread (a roller's share in the asynchronous modes) packing gains more: 4 rows
 76 → 50 ms, 8 rows 105 → 60 ms, 32 rows 128 → 107 ms, 1-3 rows ~45 ms either way. So ``PackedLinear``
-takes the packed path for ``PACKED_ROWS`` rows only.
+takes the packed path for ``PACKED_ROWS[torch.float32]`` rows only.
+
+bfloat16 (``model.compute_dtype=bfloat16``: the rollers hold the model in it) gains at every row count: oneDNN's
+packed bf16 inner-product against ``F.linear``'s bf16 kernel, the same 211 linears, measured on this project's
+2-core Sapphire Rapids VM (AMX, ``avx512_bf16``; 2026-12-03): one thread, 1-16 rows 37-42 → 30-31 ms, 48 rows
+53 → 38, 256 rows 87 → 59; two threads, 8 rows 23 → 17 ms, 256 rows 58 → 43; results bit-identical in the
+check made. So bf16 takes it for ``PACKED_ROWS[torch.bfloat16]`` (1-256 rows, the range measured). Not
+measured on a CPU without AMX.
 
 The packed copy is made lazily and kept alongside the parameter (memory: one more copy of every linear
 weight, tied output embedding included); it is rebuilt whenever the parameter changes in place (its
@@ -19,7 +26,7 @@ parameter or storage); an in-place write through ``weight.data``, which bypasses
 Results equal ``F.linear`` to fp32 rounding (~1e-6 relative: another summation order), not bit for bit.
 
 Only inference takes the packed path: with autograd recording (grad enabled and a parameter that
-requires grad), or on another device or dtype than CPU fp32, ``PackedLinear`` is exactly ``nn.Linear``.
+requires grad), or on another device or dtype than CPU fp32 or bf16, ``PackedLinear`` is exactly ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_ROWS = range(4, 33)  # input rows (all leading dims together) that take the packed kernel; measured above
+PACKED_ROWS = {torch.float32: range(4, 33), torch.bfloat16: range(1, 257)}
+"""Per dtype, the input rows (all leading dims together) that take the packed kernel; measured above."""
 _PACK_FOR_ROWS = 8  # the row count oneDNN chooses the blocked layout for (4-32 rows ran alike with 8 or 16)
 
 
@@ -41,7 +49,7 @@ def packing_available() -> bool:
 
 class PackedLinear(nn.Linear):
     """``nn.Linear`` sharing another one's ``weight``/``bias`` parameters (same objects, so ``state_dict``
-    names, tying and in-place loads are unchanged) that multiplies CPU fp32 inputs of ``PACKED_ROWS`` rows
+    names, tying and in-place loads are unchanged) that multiplies CPU fp32/bf16 inputs of ``PACKED_ROWS`` rows
     by a prepacked copy of the weight when no gradient is recorded.
 
     ``forward(x)``: ``x`` ``(..., in_features)`` → ``(..., out_features)``, as ``nn.Linear``.
@@ -72,10 +80,10 @@ class PackedLinear(nn.Linear):
         weight = self.weight
         if (
             x.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.float32
+            and x.dtype == weight.dtype
             and weight.device.type == "cpu"
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-            and x.numel() // max(self.in_features, 1) in PACKED_ROWS
+            and x.numel() // max(self.in_features, 1) in PACKED_ROWS.get(x.dtype, ())
         ):
             bias = None if self.bias is None else self.bias.detach()
             return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")
