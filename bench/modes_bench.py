@@ -138,7 +138,7 @@ def run_one(workload: str, mode: str, split: Split, rep: int, args, overrides: l
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "controller.cli", "--mode", mode, "--preset", args.preset,
            *(workload_overrides(workload, args) if overrides is None else overrides), *split.overrides(), f"trainer.total_steps={args.steps}",
-           f"run_dir={run_dir}", "metrics.progress=false", *args.set]
+           f"run_dir={run_dir}", "metrics.progress=false", *args.set, *args.mode_set.get(mode, [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     log(f"{workload} {mode} {split.key} rep {rep}: running")
     start = time.monotonic()
@@ -373,6 +373,8 @@ def add_run_args(p: argparse.ArgumentParser, preset: str, out: Path) -> None:
     p.add_argument("--sweep", choices=("small", "none"), default="small")
     p.add_argument("--preset", default=preset, help="the job's preset (tiny: a smoke test of the benchmark)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
+    p.add_argument("--mode-set", action="append", default=[], metavar="MODE:KEY=VALUE",
+                   help="an override for MODE's runs only (e.g. fully-async:algorithm.max_staleness=2); repeatable")
     p.add_argument("--out", type=Path, default=out)
     p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
     p.add_argument("--split", action="append", default=[], metavar="MODE=rRxT-tU",
@@ -382,7 +384,8 @@ def add_run_args(p: argparse.ArgumentParser, preset: str, out: Path) -> None:
 
 
 def check_run_args(p: argparse.ArgumentParser, args, quick_reps: int = 2) -> None:
-    """``add_run_args``' values: ``--split`` items into ``{mode: [Split]}``, ``--quick`` (4 steps, 1 warm-up, 1
+    """``add_run_args``' values: ``--split`` items into ``{mode: [Split]}``, ``--mode-set`` items into
+    ``{mode: [override]}``, ``--quick`` (4 steps, 1 warm-up, 1
     tail: the window is updates 2-3, without the drain, where ``fully-async``'s last update trains a backlog
     with the roller idle and runs faster than in steady state; ``quick_reps`` runs, no sweep), the window's
     bounds; a bad value is a usage error (exit 2)."""
@@ -391,6 +394,13 @@ def check_run_args(p: argparse.ArgumentParser, args, quick_reps: int = 2) -> Non
         mode, split = parse_split(p, item)
         splits.setdefault(mode, []).append(split)
     args.split = splits
+    mode_sets: dict[str, list[str]] = {}
+    for item in args.mode_set:
+        mode, _, override = item.partition(":")
+        if mode not in MODES or "=" not in override:
+            p.error(f"--mode-set {item!r}: expected MODE:KEY=VALUE with MODE one of {list(MODES)}")
+        mode_sets.setdefault(mode, []).append(override)
+    args.mode_set = mode_sets
     if args.quick:
         args.steps, args.warmup_steps, args.tail_steps, args.reps, args.sweep = 4, 1, 1, quick_reps, "none"
     if not (1 <= args.warmup_steps and 0 <= args.tail_steps and args.warmup_steps + args.tail_steps < args.steps):

@@ -68,9 +68,9 @@ def test_result_line_and_table():
                "turns_per_sample": 2.0, "update_share": 0.5, "trainer_idle_share": 0.4, "sync_share": 0.1,
                "roller_idle_share": 0.3, "tool_wait_share": 0.2, "staleness_mean": 0.5, "staleness_max": 1,
                "num_runs": 2}
-    best = {"sync": dict(summary, samples_per_s=0.25, staleness_max=0), "fully-async": summary}
+    best = {"sync": dict(summary, samples_per_s=0.25, turns_per_s=0.8, staleness_max=0), "fully-async": summary}
     assert agentic_bench.result_line(best) == \
-        "RESULT sync_sps=0.2500 fully_async_sps=0.5000 speedup=2.000 max_staleness=1"
+        "RESULT sync_sps=0.2500 fully_async_sps=0.5000 speedup=2.000 speedup_turns=1.250 max_staleness=1"
     assert "| fully-async | r1x1-t1 | 0.500 |" in agentic_bench.table(best)
     line = agentic_bench.result_line({"sync": {"error": "exit 1"}, "fully-async": summary})
     assert line.startswith("RESULT sync_sps=nan") and "speedup=nan" in line

@@ -34,6 +34,32 @@ def test_a_malformed_split_is_a_usage_error_naming_it(item, capsys):
     assert repr(item) in capsys.readouterr().err
 
 
+def test_a_mode_set_override_reaches_that_modes_runs_only(tmp_path, monkeypatch):
+    args = modes_bench.parse_args(["--preset", "tiny", "--out", str(tmp_path), "--set", "rollout.n=2",
+                                   "--mode-set", "fully-async:algorithm.max_staleness=2"])
+    assert args.mode_set == {"fully-async": ["algorithm.max_staleness=2"]}
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        return modes_bench.subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(modes_bench.subprocess, "run", fake_run)
+    for mode in ("sync", "fully-async"):
+        assert "error" in modes_bench.run_one("main", mode, modes_bench.Split(1, 1, 1), 0, args)
+    sync_cmd, async_cmd = commands
+    assert "rollout.n=2" in sync_cmd and "rollout.n=2" in async_cmd
+    assert "algorithm.max_staleness=2" not in sync_cmd and async_cmd[-1] == "algorithm.max_staleness=2"
+
+
+@pytest.mark.parametrize("item", ["fully-async=algorithm.max_staleness=2", "nope:rollout.n=2", "sync:rollout.n"])
+def test_a_malformed_mode_set_is_a_usage_error_naming_it(item, capsys):
+    with pytest.raises(SystemExit) as exc:
+        modes_bench.parse_args(["--mode-set", item])
+    assert exc.value.code == 2
+    assert repr(item) in capsys.readouterr().err
+
+
 def test_only_a_completed_run_of_the_same_length_is_reused(tmp_path):
     run = tmp_path / "run"
     assert modes_bench._completed_summary(run, 8) is None
