@@ -293,7 +293,8 @@ def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, 
 def response_values(critic: torch.nn.Module, batch: dict, share_prompts: bool = False) -> torch.Tensor:
     """Critic values ``(batch, response_len)`` fp32: the value head at the position *before* each response
     token (the state in which that token was chosen), as GAE (Schulman et al. 2016) expects.
-    ``share_prompts``: as in :func:`response_log_probs` (0 after a sample's last valid token)."""
+    ``share_prompts``: one forward row per distinct prompt, as in :func:`response_log_probs`; values are computed
+    on every token up to a sample's last valid one (observation tokens included) and are 0 after it."""
     layout = shared_prompt_layout(batch) if share_prompts else None
     if layout is not None:
         out = critic(input_ids=layout.input_ids, attention_mask=_attention_mask_4d(critic, layout.attention_mask),
