@@ -280,13 +280,12 @@ def response_log_probs(model: torch.nn.Module, batch: dict, temperature: float, 
     logits = out.logits[0].float()
     if temperature > 0 and temperature != 1.0:  # dividing by 1 would change nothing and cost a pass
         logits = logits / temperature
-    picked = log_probs_from_logits(logits, responses[wanted])
-    log_probs = torch.zeros(responses.shape, dtype=picked.dtype, device=picked.device).masked_scatter(wanted, picked)
-    entropy = None
-    if with_entropy:
-        token_entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-        entropy = torch.zeros(responses.shape, dtype=token_entropy.dtype,
-                              device=token_entropy.device).masked_scatter(wanted, token_entropy)
+
+    def spread(values: torch.Tensor) -> torch.Tensor:  # (N,) on the wanted tokens -> (batch, response_len)
+        return values.new_zeros(responses.shape).masked_scatter(wanted, values)
+
+    log_probs = spread(log_probs_from_logits(logits, responses[wanted]))
+    entropy = spread(entropy_from_logits(logits if entropy_grad else logits.detach())) if with_entropy else None
     return log_probs, entropy
 
 
