@@ -52,7 +52,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from modes_bench import add_run_args, bench_workload, check_run_args, log, splits_for  # noqa: E402
+from modes_bench import (  # noqa: E402
+    add_run_args,
+    bench_workload,
+    check_mode_sets,
+    check_run_args,
+    log,
+    splits_for,
+)
 from schedule_sim import parse_lengths  # noqa: E402
 
 from bench.agentic_env import DEFAULT_TURNS, num_turns  # noqa: E402
@@ -204,8 +211,7 @@ def main(argv=None) -> None:
         shutil.rmtree(args.out / "env_log", ignore_errors=True)
     overrides = workload_overrides(args)
     cfg = load_config(preset=args.preset, overrides=overrides + list(args.set))  # a bad override fails here
-    for mode_overrides in args.mode_set.values():
-        load_config(preset=args.preset, overrides=overrides + list(args.set) + mode_overrides)
+    check_mode_sets(args, overrides)
     log(f"workload: {' '.join(overrides)}; splits sync {[s.key for s in splits_for('sync', cores)]}, "
         f"fully-async {[s.key for s in splits_for('fully-async', cores)]}")
     result = bench_workload(WORKLOAD, args, cores, overrides)

@@ -127,6 +127,15 @@ def workload_overrides(name: str, args) -> list[str]:
             f"rollout.forced_response_lengths={json.dumps(buckets).replace(' ', '')}"]
 
 
+def check_mode_sets(args, overrides: list[str]) -> None:
+    """Load the config with each ``--mode-set`` mode's overrides added to ``overrides`` and ``--set``, so a bad
+    one fails before any run does (as a bad ``--set`` does)."""
+    from controller.config import load_config
+
+    for mode_overrides in args.mode_set.values():
+        load_config(preset=args.preset, overrides=overrides + list(args.set) + mode_overrides)
+
+
 def run_one(workload: str, mode: str, split: Split, rep: int, args, overrides: list[str] | None = None) -> dict:
     """One ``hflow-async`` run; its steady-state metrics (``read_run``) or ``{"error": ...}``. ``overrides``:
     the workload's config overrides (default ``workload_overrides(workload, args)``)."""
@@ -455,6 +464,8 @@ def main(argv=None) -> None:
                "cores": cores, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "workloads": {}}
     configs = {name: load_config(preset=args.preset, overrides=workload_overrides(name, args) + list(args.set))
                for name in args.workloads}
+    for name in configs:
+        check_mode_sets(args, workload_overrides(name, args))
     for name, cfg in configs.items():
         wl = bench_workload(name, args, cores)
         wl["sim_workload"] = sim_workload(name, wl["runs"], args, cfg)

@@ -52,6 +52,13 @@ def test_a_mode_set_override_reaches_that_modes_runs_only(tmp_path, monkeypatch)
     assert "algorithm.max_staleness=2" not in sync_cmd and async_cmd[-1] == "algorithm.max_staleness=2"
 
 
+def test_a_bad_mode_set_value_fails_before_any_run():
+    args = modes_bench.parse_args(["--preset", "tiny", "--mode-set", "fully-async:algorithm.max_staleness=-1"])
+    modes_bench.check_mode_sets(modes_bench.parse_args(["--preset", "tiny"]), [])  # none given: nothing to fail
+    with pytest.raises(ValueError, match="max_staleness"):
+        modes_bench.check_mode_sets(args, [])
+
+
 @pytest.mark.parametrize("item", ["fully-async=algorithm.max_staleness=2", "nope:rollout.n=2", "sync:rollout.n"])
 def test_a_malformed_mode_set_is_a_usage_error_naming_it(item, capsys):
     with pytest.raises(SystemExit) as exc:
