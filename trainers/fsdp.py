@@ -10,8 +10,10 @@ Construction (torchtitan's recipe, PyTorch FSDP2 ``fully_shard``)::
                                       broadcasts; the other ranks never read the weights from disk
 
 Every rank holds ``Shard(0)`` rows of every parameter (``DTensor``). Gradients are reduce-scattered as
-sums (``set_gradient_divide_factor(1.0)``, SUM-only collectives so gloo works): the loss on each rank is already normalised by the *global*
-token count, so the sum over ranks is the gradient of the global mini-batch loss.
+sums (``set_gradient_divide_factor(1.0)`` with more than one rank, SUM-only collectives so gloo works): the
+loss on each rank is already normalised by the *global* token count, so the sum over ranks is the gradient
+of the global mini-batch loss. A one-rank group reduces once per optimizer step
+(``trainers.update.synced_micro_batches``).
 
 Parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``).
 With tied embeddings (``tie_word_embeddings``, e.g. the tiny model and SmolLM2) ``lm_head.weight`` *is*
@@ -175,7 +177,8 @@ def build_fsdp_model(model_cfg: models.ModelConfig, kind: str, device: torch.dev
     fully_shard(model, **mixed)
     models.materialize(model, device)
     for module in fsdp_modules(model):
-        module.set_gradient_divide_factor(1.0)
+        if dist.get_world_size() > 1:  # one rank: nothing to divide (a factor there divides a copy of every grad)
+            module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM/AVG: plain SUM
     state = _rank0_state_dict(model_cfg, kind, model) if dist.get_rank() == 0 else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

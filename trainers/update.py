@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from common import schema
@@ -78,14 +79,29 @@ def filler_sample(batch: dict) -> dict:
     return row
 
 
-def synced_micro_batches(mini: dict | None, plan: tuple[list[int], list[slice]], filler: dict) -> Iterator[dict]:
+def synced_micro_batches(mini: dict | None, plan: tuple[list[int], list[slice]], filler: dict,
+                         model: torch.nn.Module | None = None) -> Iterator[dict]:
     """The micro-batches of ``mini`` (``None`` = this rank has no sample in it) as ``plan`` cuts them
     (``micro_batch_plan(mini, ...)``, ``([], [])`` for ``None``), each through ``trim_padding``; then fillers
-    up to the largest micro-batch count of any rank. Collective (one all-reduce)."""
+    up to the largest micro-batch count of any rank. Collective (one all-reduce).
+
+    ``model`` (an FSDP2 model whose gradients the micro-batches accumulate): on a one-rank group its
+    gradients are reduced only after the last micro-batch's backward (``set_requires_gradient_sync``), as
+    the unsharded gradient is the whole one there and FSDP's per-micro-batch reduce (a flat float32 copy of
+    every gradient, then added into the sharded one) is pure overhead; with mixed precision the gradients
+    still accumulate in float32. With more ranks every micro-batch reduces (holding unsharded gradients
+    would undo the sharding's memory saving)."""
     order, slices = plan
     total = int(collectives.all_reduce([len(slices)], dist.ReduceOp.MAX)[0])
-    for i in range(total):
-        yield trim_padding(select(mini, order[slices[i]]) if i < len(slices) else filler)
+    defer = isinstance(model, FSDPModule) and dist.get_world_size() == 1
+    try:
+        for i in range(total):
+            if defer:
+                model.set_requires_gradient_sync(i == total - 1)
+            yield trim_padding(select(mini, order[slices[i]]) if i < len(slices) else filler)
+    finally:
+        if defer:
+            model.set_requires_gradient_sync(True)
 
 
 @dataclass
@@ -166,7 +182,7 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
            "norm_length": norm_length}
     loss_mode, params = POLICY_LOSSES.get(algorithm.policy_loss), PolicyLossParams.from_config(algorithm)
     plan = micro_batch_plan(mini, micro_batch_size, max_token_len, share_prompts)
-    for mb in synced_micro_batches(mini, plan, filler):
+    for mb in synced_micro_batches(mini, plan, filler, model=policy):
         mask = mb[schema.RESPONSE_MASK]
         log_probs, entropy = response_log_probs(policy, mb, temperature, with_entropy=True,
                                                 entropy_grad=algorithm.entropy_coeff > 0, share_prompts=share_prompts)
@@ -207,7 +223,7 @@ def critic_step(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, mini:
     optimizer.zero_grad(set_to_none=True)
     tokens, seqs = _global_counts(mini)
     plan = micro_batch_plan(mini, micro_batch_size, max_token_len, share_prompts)
-    for mb in synced_micro_batches(mini, plan, filler):
+    for mb in synced_micro_batches(mini, plan, filler, model=critic):
         mask = mb[schema.RESPONSE_MASK]
         values = response_values(critic, mb, share_prompts)
         loss, vf = value_loss(values, mb[schema.VALUES], mb[schema.RETURNS], mask,

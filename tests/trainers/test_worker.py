@@ -116,6 +116,36 @@ def test_gradient_accumulation_1x8_equals_8x1(mode, split):
     assert_same_updates(before, one.full_state_dict(), before, eight.full_state_dict())
 
 
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_one_rank_reduces_gradients_once_per_update(monkeypatch, compute_dtype):
+    """On a one-rank group FSDP reduces each parameter group's gradients once per optimizer step, after the
+    last micro-batch, not once per micro-batch; the gradients that reach the optimizer are still the whole
+    batch's (float32 master gradients, accumulated in float32 under bf16 compute), and the next update
+    reduces again."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    reduces = []
+    real = _fsdp_param_group.foreach_reduce
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: reduces.append(1) or real(*a, **k))
+    model = ModelConfig(path="tiny", compute_dtype=compute_dtype)
+    cfg = {"ppo_mini_batch_size": 2, "lr": 1e-3, "num_threads": 1}
+    one, eight = (TrainerWorker(TrainerConfig(ppo_micro_batch_size=m, **cfg), AlgorithmConfig(), model,
+                                temperature=0.7, max_response_length=5) for m in (8, 1))
+    batch = with_training_fields(one, make_batch(seed=2))
+    units = len(fsdp.fsdp_modules(eight.policy))
+    one.update_actor(batch)
+    reduces.clear()
+    eight.update_actor(batch)
+    assert len(reduces) == units  # 8 micro-batches; before: 8 × units
+    tolerance = 1e-5 if compute_dtype == "float32" else 2e-2  # bf16: each micro-batch's gradient rounds alone
+    for (name, p_one), (_, p_eight) in zip(one.policy.named_parameters(), eight.policy.named_parameters(), strict=True):
+        g_one, g_eight = p_one.grad.full_tensor(), p_eight.grad.full_tensor()
+        assert g_eight.dtype == torch.float32, name
+        torch.testing.assert_close(g_eight, g_one, atol=tolerance * g_one.abs().max().item(), rtol=0, msg=name)
+    eight.update_actor(batch)
+    assert len(reduces) == 2 * units
+
+
 def _more_padding(batch: dict, left: int = 3, right: int = 6) -> dict:
     """``batch`` with ``left`` more prompt pad columns and ``right`` more response pad columns (0 in every
     field): padding that no sample needs, as a long-tail batch's short samples carry."""
