@@ -478,6 +478,10 @@ class TorchEngine(Engine):
                     self._busy_flag.set(False)
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                # One more turn of the loop before a step: callbacks the waker's own completion scheduled run
+                # first. A weight update's reply to the controller is one: it would otherwise wait behind the
+                # re-prefill its resume() starts (its Ray future completes in a callback after this task's wakeup).
+                await asyncio.sleep(0)
                 continue
             if self._busy_flag is not None:
                 self._busy_flag.set(True)

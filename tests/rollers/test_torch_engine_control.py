@@ -124,6 +124,38 @@ def test_retract_load_weights_resume_recomputes_under_new_weights(tok, prompts, 
     assert outs[0].max_weight_version == 1 and outs[0].weight_versions.count(0) >= 4
 
 
+def test_resume_steps_only_after_the_resumers_completion_callbacks(tok, prompts):
+    """A weight update's reply to the controller (its Ray future completes in a done callback of the update's
+    task) is not held behind the re-prefill that the update's resume() starts: between the update returning
+    and its done callbacks the engine runs no forward."""
+
+    async def body():
+        engine = TorchEngine(spiced_tiny(), tok, max_batch_slots=2)
+        seen = {}
+
+        async def update():
+            await engine.pause("retract")
+            await asyncio.sleep(0.05)  # the weights' receive: the engine loop sees the pause and waits
+            await engine.resume()
+            return engine.stats()["num_forwards"]
+
+        async def act():
+            task = asyncio.create_task(update())
+            task.add_done_callback(lambda t: seen.update(returned=t.result(),
+                                                         at_callback=engine.stats()["num_forwards"]))
+            await task
+
+        try:
+            out = await _stream_until(engine, greedy("a", prompts[0]), 4, act)
+            return seen, out, engine.stats()["num_forwards"]
+        finally:
+            await engine.shutdown()
+
+    seen, out, forwards = run(body())
+    assert seen["at_callback"] == seen["returned"]
+    assert forwards > seen["returned"] and len(out.output_ids) == MAX_NEW  # the engine did resume afterwards
+
+
 def test_in_place_pause_keeps_kv_and_requests(tok, prompts, new_weights):
     model = spiced_tiny()
     reference = hf_greedy(model, prompts[0], MAX_NEW)
