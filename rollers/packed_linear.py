@@ -16,8 +16,10 @@ bfloat16 (``model.compute_dtype=bfloat16``: the rollers hold the model in it) ga
 packed bf16 inner-product against ``F.linear``'s bf16 kernel, the same 211 linears, measured on this project's
 2-core Sapphire Rapids VM (AMX, ``avx512_bf16``; 2026-12-03): one thread, 1-16 rows 37-42 → 30-31 ms, 48 rows
 53 → 38, 256 rows 87 → 59; two threads, 8 rows 23 → 17 ms, 256 rows 58 → 43; results bit-identical in the
-check made. So bf16 takes it for ``PACKED_ROWS[torch.bfloat16]`` (1-256 rows, the range measured). Not
-measured on a CPU without AMX.
+check made. So bf16 takes it for ``PACKED_ROWS[torch.bfloat16]`` (1-256 rows, the range measured), on CPUs
+whose oneDNN runs bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
+elsewhere oneDNN refuses to pack a bf16 weight, e.g. on an AVX2-only AMD EPYC, and bf16 takes ``F.linear``).
+Not measured on a CPU without AMX.
 
 The packed copy is made lazily and kept alongside the parameter (memory: one more copy of every linear
 weight, tied output embedding included); it is rebuilt whenever the parameter changes in place (its
@@ -37,8 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_ROWS = {torch.float32: range(4, 33), torch.bfloat16: range(1, 257)}
-"""Per dtype, the input rows (all leading dims together) that take the packed kernel; measured above."""
+
+def _measured_rows() -> dict[torch.dtype, range]:
+    rows = {torch.float32: range(4, 33)}
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        rows[torch.bfloat16] = range(1, 257)
+    return rows
+
+
+PACKED_ROWS = _measured_rows()
+"""Per dtype, the input rows (all leading dims together) that take the packed kernel (measured above); no
+bf16 entry where this CPU's oneDNN has no bf16 kernels."""
 _PACK_FOR_ROWS = 8  # the row count oneDNN chooses the blocked layout for (4-32 rows ran alike with 8 or 16)
 
 
