@@ -10,7 +10,7 @@ index, turn), so both modes do exactly the same work: the same prompts, seeds, t
 trained samples; only ``--mode`` and the split differ. Forced lengths measure throughput, not learning.
 
 Reused from ``bench/modes_bench.py`` (imported, one implementation): the splits and their sweep
-(``splits_for``, ``--sweep``, ``--split``), running one ``hflow-async`` subprocess per run (``run_one``,
+(``candidate_splits``, ``--sweep``, ``--split``), running one ``hflow-async`` subprocess per run (``run_one``,
 ``--reuse-runs``), the steady-state window and its metrics (``bench/modes_runs.py``: updates after
 ``--warmup-steps`` up to the last ``--tail-steps``), the best split by samples/s repeated to ``--reps`` runs
 and the median (``bench_workload``, ``summarize``). Added per run (``agentic_metrics``):
@@ -55,10 +55,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from modes_bench import (  # noqa: E402
     add_run_args,
     bench_workload,
+    candidate_splits,
     check_mode_sets,
     check_run_args,
     log,
-    splits_for,
 )
 from schedule_sim import parse_lengths  # noqa: E402
 
@@ -212,8 +212,8 @@ def main(argv=None) -> None:
     overrides = workload_overrides(args)
     cfg = load_config(preset=args.preset, overrides=overrides + list(args.set))  # a bad override fails here
     check_mode_sets(args, overrides)
-    log(f"workload: {' '.join(overrides)}; splits sync {[s.key for s in splits_for('sync', cores)]}, "
-        f"fully-async {[s.key for s in splits_for('fully-async', cores)]}")
+    log(f"workload: {' '.join(overrides)}; splits "
+        + ", ".join(f"{m} {[s.key for s in candidate_splits(m, args, cores)]}" for m in args.modes))
     result = bench_workload(WORKLOAD, args, cores, overrides)
     add_agentic(result, args, cfg.rollout.seed, cfg.rollout.n)
     line = result_line(result["best"])

@@ -208,13 +208,17 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
+def candidate_splits(mode: str, args, cores: int) -> list[Split]:
+    """The splits ``mode`` runs first: ``--split``'s for it, else its small sweep (``--sweep none``: its first)."""
+    return args.split.get(mode) or splits_for(mode, cores)[: 1 if args.sweep == "none" else None]
+
+
 def bench_workload(name: str, args, cores: int, overrides: list[str] | None = None) -> dict:
     """Sweep and repeat every mode on one workload (``overrides``: as ``run_one``); returns
     ``{"best": {mode: summary}, "runs": [...]}``."""
     all_runs, best = [], {}
     for mode in (args.longtail_modes if name == "longtail" else args.modes):
-        candidates = args.split.get(mode) or splits_for(mode, cores)[: 1 if args.sweep == "none" else None]
-        swept = [(s, run_one(name, mode, s, 0, args, overrides)) for s in candidates]
+        swept = [(s, run_one(name, mode, s, 0, args, overrides)) for s in candidate_splits(mode, args, cores)]
         all_runs += [dict(r, mode=mode) for _, r in swept]
         good = [(s, r) for s, r in swept if "error" not in r]
         if not good:

@@ -40,8 +40,9 @@ failed forward, which no request parameter can cause, fails every request and th
 Limits: the model's attention must go through transformers' ``Cache.update`` with a 4-D additive mask
 (Llama, Qwen2/3, Mistral, Gemma-style attention). The per-slot mask is full causal, so a model with a
 sliding window gets ``max_seq_len`` capped at the window (where both agree) with a warning; chunked,
-linear or recurrent layers (``config.layer_types``) are refused at construction with ValueError. Newcomers admitted together are right-padded to the longest of
-them, so one very long prompt makes that prefill forward wider for the others.
+linear or recurrent layers (``config.layer_types``) are refused at construction with ValueError. Newcomers
+admitted together are right-padded to the longest of them, so one very long prompt makes that prefill forward
+wider for the others.
 """
 
 from __future__ import annotations

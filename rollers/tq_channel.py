@@ -47,7 +47,8 @@ class TQGroupChannel:
     sample's response fields, with the tags ``uid``, ``min_weight_version``, ``max_weight_version``,
     ``finish_reason``, ``response_length``, ``reward`` (the sequence reward), ``greedy`` (0/1) and
     ``response_digest``; with ``put_text``, also ``response_text`` (for generation dumps), marking the prompt
-    row consumed by ``ANSWERED_TASK`` in the same index step. Then the prompt row is cleared. Every put is checked against ``common.schema.ROLLER`` (ValueError on a mismatch).
+    row consumed by ``ANSWERED_TASK`` in the same index step. Then the prompt row is cleared. Every put is
+    checked against ``common.schema.ROLLER`` (ValueError on a mismatch).
     ``validation``: a ``GroupSource`` polled (without waiting) before each take of a training group.
     """
 

@@ -18,6 +18,15 @@ def test_split_items_form_each_modes_sweep_in_order():
     assert args.split == {"fully-async": [modes_bench.Split(1, 1, 1), modes_bench.Split(1, 2, 2)]}
 
 
+def test_a_modes_candidate_splits_are_its_pinned_ones_else_its_sweep():
+    pinned = modes_bench.parse_args(["--split", "fully-async=r1x1-t1"])
+    assert modes_bench.candidate_splits("fully-async", pinned, 2) == [modes_bench.Split(1, 1, 1)]
+    assert modes_bench.candidate_splits("sync", pinned, 2) == modes_bench.splits_for("sync", 2)
+    assert len(modes_bench.splits_for("sync", 2)) > 1
+    none = modes_bench.parse_args(["--sweep", "none"])
+    assert modes_bench.candidate_splits("sync", none, 2) == modes_bench.splits_for("sync", 2)[:1]
+
+
 def test_quick_leaves_the_drain_out_of_the_window():
     # fully-async's last update trains a backlog with the roller idle: faster than steady state (an agentic
     # run measured 0.466 samples/s with it in the window, 0.353 without).
