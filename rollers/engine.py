@@ -9,7 +9,10 @@ weight update), loaded with new weights, flushed and resumed. Pause modes follow
   far (the caller may resubmit prompt + partial output to continue: partial rollout);
 * ``retract``: in-flight requests are kept, their KV cache dropped and recomputed on resume (under the
   new weights, if an update happened meanwhile);
-* ``in_place``: in-flight requests are kept with their KV cache as it is.
+* ``in_place``: in-flight requests are kept with their KV cache as it is, and an update neither flushes nor
+  drops cached prefixes: tokens sampled after it attend to keys/values of the old weights (their log-probs
+  are still those they were sampled with), and nothing is recomputed (``retract`` re-prefills every
+  in-flight request and, in the torch engine, every cached turn of an agent loop's trajectories).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class TorchEngine(Engine):
         self._running: list[_Sequence] = []
         self._waiting: deque[_Sequence] = deque()
         self._by_id: dict[str, _Sequence] = {}
-        self._paused = False
+        self._paused, self._pause_mode = False, None
         self._closed = False
         self._error: BaseException | None = None
         self._wakeup = asyncio.Event()
@@ -239,7 +239,7 @@ class TorchEngine(Engine):
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {list(PAUSE_MODES)}")
         self._check_usable()
-        self._paused = True
+        self._paused, self._pause_mode = True, mode
         if mode == "abort":
             for seq in [*self._running, *self._waiting]:
                 self._finish(seq, "abort")
@@ -253,7 +253,7 @@ class TorchEngine(Engine):
 
     async def resume(self) -> None:
         self._check_usable()
-        self._paused = False
+        self._paused, self._pause_mode = False, None
         self._wakeup.set()
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> None:
@@ -262,7 +262,9 @@ class TorchEngine(Engine):
         Names are the model's ``state_dict`` keys; either name of a tied pair (``lm_head.weight`` /
         ``model.embed_tokens.weight``) updates the shared tensor. Every tensor is checked before any is
         copied. Raises EngineError unless paused, KeyError for an unknown name, ValueError for a shape
-        mismatch or a ``weight_version`` that does not increase.
+        mismatch or a ``weight_version`` that does not increase. The cached prefixes of finished requests
+        (the module docstring) are dropped, their keys/values being the old weights', except under an
+        ``in_place`` pause, which keeps every key/value as it is: the running requests' and these alike.
         """
         self._check_usable()
         if not self._paused:
@@ -276,7 +278,8 @@ class TorchEngine(Engine):
             for target, tensor in staged:
                 target.copy_(tensor)
         self._weight_version = weight_version
-        self._drop_prefixes()
+        if self._pause_mode != "in_place":
+            self._drop_prefixes()
 
     async def flush_cache(self) -> None:
         """Free the KV cache. Raises EngineError while any request holds KV: decoding, or kept by an

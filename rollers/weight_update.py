@@ -2,8 +2,8 @@
 
 ``apply_update``: pause(``pause_mode``) → receive every bucket (``checkpointengine.WeightReceiver``, in a
 worker thread) → ``load_weights`` (atomic: the engine commits the weight_version or keeps the old one) →
-flush the prefix cache → resume → ack. ``RollerActor.update_weights`` calls it; the trainer side sends
-meanwhile (``trainers.weight_sync.send_weights``).
+flush the prefix cache (not after an ``in_place`` pause, which keeps every key/value) → resume → ack.
+``RollerActor.update_weights`` calls it; the trainer side sends meanwhile (``trainers.weight_sync.send_weights``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ async def apply_update(engine: Engine, receiver: WeightReceiver, weight_version:
                        ) -> UpdateResult:
     """Update ``engine`` to ``weight_version`` through ``receiver`` (a ``checkpointengine.WeightReceiver``):
     pause(``pause_mode``) → receive and load every bucket → commit the weight_version → flush the prefix
-    cache → resume → ack.
+    cache (unless ``in_place``) → resume → ack.
 
     The receive runs in a worker thread (it blocks on the socket) so the engine's event loop keeps
     serving. On any failure the engine keeps its old weights and weight_version (``load_weights`` is
@@ -63,7 +63,8 @@ async def apply_update(engine: Engine, receiver: WeightReceiver, weight_version:
         await engine.pause(pause_mode)
         tensors = await asyncio.to_thread(lambda: list(receiver.receive(weight_version)))
         await engine.load_weights(tensors, weight_version)
-        await _flush(engine, pause_mode)
+        if pause_mode != "in_place":  # in_place keeps every key/value by design (SGLang's too)
+            await _flush(engine, pause_mode)
     except BaseException as exc:
         receiver.fail(weight_version, f"{type(exc).__name__}: {exc}")
         try:

@@ -196,3 +196,36 @@ def test_a_weight_load_drops_every_prefix(tiny):
     cached, context, second, stats = run(body())
     assert cached == 1 and stats["num_reused_tokens"] == 0
     check_log_probs(new_model, [(context, second)])
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_weight_update_drops_cached_prefixes_unless_paused_in_place(tiny, mode):
+    """A finished turn's keys/values are the old weights': an update under a retract (or abort) pause drops
+    them, so the next turn prefills its whole context under the new weights; an in_place pause keeps every
+    key/value as it is, these too, so the next turn reuses them (an agent loop's tool-waiting trajectories are
+    not re-prefilled after each fully-async sync)."""
+    _, tok, prompts = tiny
+    model, new = spiced_tiny(), spiced_tiny(seed=1)  # not the module's model: load_weights changes it
+
+    async def body():
+        engine = TorchEngine(model, tok, max_batch_slots=2)
+        try:
+            first = await engine.generate(sampled("u/t0", prompts[0], seed=1, max_new_tokens=4))
+            before = engine.stats()
+            await engine.pause(mode)
+            await engine.load_weights(new.state_dict().items(), weight_version=1)
+            await engine.resume()
+            context = (*prompts[0], *first.output_ids, *OBSERVATION)
+            second = await engine.generate(sampled("u/t1", context, seed=2, max_new_tokens=4))
+            return context, second, before, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    context, second, before, after = run(body())
+    assert before["num_cached_prefixes"] == 1 and second.weight_versions == [1] * 4
+    reused = after["num_reused_tokens"] - before["num_reused_tokens"]
+    if mode == "in_place":
+        assert reused == len(context) - len(OBSERVATION) - 1  # the prompt and all but the last sampled token
+    else:
+        assert reused == 0
+        check_log_probs(new, [(context, second)])

@@ -67,6 +67,14 @@ def test_engine_refusing_a_flush_after_retract_is_a_warning(caplog):
     assert "prefix cache not flushed after a retract pause" in caplog.text
 
 
+def test_an_in_place_update_does_not_flush():
+    """in_place keeps every key/value by design (SGLang's does too): no flush to refuse or to drop them."""
+    engine, receiver = FakeEngine(EngineError("requests hold KV cache")), FakeReceiver()
+    result = asyncio.run(apply_update(engine, receiver, 1, "in_place"))
+    assert result.weight_version == 1 and receiver.outcomes == [("ack", 1)]
+    assert engine.calls == [("pause", "in_place"), ("load", ["model.w"], 1), ("resume",)]
+
+
 def test_any_other_flush_error_fails_the_update():
     """A plain RuntimeError is not an engine's refusal: the update fails, is reported, the engine resumes."""
     engine, receiver = FakeEngine(RuntimeError("CUDA error: illegal memory access")), FakeReceiver()
