@@ -175,29 +175,6 @@ def test_random_interleavings_keep_every_slot_right(tiny):
         check_log_probs(model, record)
 
 
-def test_a_weight_load_drops_every_prefix(tiny):
-    model, tok, prompts = tiny
-    new_model = spiced_tiny(seed=1)
-
-    async def body():
-        engine = TorchEngine(spiced_tiny(), tok, max_batch_slots=2)
-        try:
-            first = await engine.generate(sampled("a", prompts[2], seed=1, max_new_tokens=4))
-            cached = engine.stats()["num_cached_prefixes"]
-            await engine.pause("retract")
-            await engine.load_weights(new_model.state_dict().items(), weight_version=1)
-            await engine.resume()
-            context = (*prompts[2], *first.output_ids, *OBSERVATION)
-            second = await engine.generate(sampled("b", context, seed=2, max_new_tokens=4))
-            return cached, context, second, engine.stats()
-        finally:
-            await engine.shutdown()
-
-    cached, context, second, stats = run(body())
-    assert cached == 1 and stats["num_reused_tokens"] == 0
-    check_log_probs(new_model, [(context, second)])
-
-
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_a_weight_update_drops_cached_prefixes_unless_paused_in_place(tiny, mode):
     """A finished turn's keys/values are the old weights': an update under a retract (or abort) pause drops
@@ -210,13 +187,13 @@ def test_a_weight_update_drops_cached_prefixes_unless_paused_in_place(tiny, mode
     async def body():
         engine = TorchEngine(model, tok, max_batch_slots=2)
         try:
-            first = await engine.generate(sampled("u/t0", prompts[0], seed=1, max_new_tokens=4))
+            first = await engine.generate(sampled("a", prompts[2], seed=1, max_new_tokens=4))
             before = engine.stats()
             await engine.pause(mode)
             await engine.load_weights(new.state_dict().items(), weight_version=1)
             await engine.resume()
-            context = (*prompts[0], *first.output_ids, *OBSERVATION)
-            second = await engine.generate(sampled("u/t1", context, seed=2, max_new_tokens=4))
+            context = (*prompts[2], *first.output_ids, *OBSERVATION)
+            second = await engine.generate(sampled("b", context, seed=2, max_new_tokens=4))
             return context, second, before, engine.stats()
         finally:
             await engine.shutdown()
