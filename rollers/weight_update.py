@@ -37,9 +37,9 @@ class UpdateResult:
 
 
 async def _flush(engine: Engine, pause_mode: str) -> None:
-    """Flush the prefix cache. Requests kept by a ``retract``/``in_place`` pause make engines refuse a
-    flush (SGLang does too); their KV is recomputed (retract) or deliberately kept (in_place), so the
-    flush is skipped with a warning then. After an ``abort`` pause a refusal is an error."""
+    """Flush the prefix cache (never after an ``in_place`` pause: ``apply_update``). Requests kept by a
+    ``retract`` pause can make an engine refuse a flush (SGLang does); their KV is recomputed on resume, so
+    the flush is skipped with a warning then. After an ``abort`` pause a refusal is an error."""
     try:
         await engine.flush_cache()
     except EngineError as exc:
