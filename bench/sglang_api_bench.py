@@ -26,6 +26,7 @@ from rollers.engine import Engine, GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher
 from rollers.torch_engine import TorchEngine
+from rollers.weight_update import paused_update
 
 
 def make_requests(num: int, max_new_tokens: int) -> list[GenerationRequest]:
@@ -74,7 +75,7 @@ async def main(args) -> dict[str, float]:
         size_mb = sum(p.numel() * p.element_size() for _, p in weights) / 1e6
         version = await client.get_weight_version() + 1
         started = time.perf_counter()
-        await client.update_weights(lambda: client.load_weights(weights, version), mode="abort")
+        await paused_update(client, lambda: client.load_weights(weights, version), "abort")
         results["weight_sync_s"] = time.perf_counter() - started
         results["weight_sync_mb_s"] = size_mb / results["weight_sync_s"]
     finally:

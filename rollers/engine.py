@@ -170,6 +170,12 @@ class Engine(abc.ABC):
     async def flush_cache(self) -> None:
         """Drop cached prefixes. Raises EngineError while requests are running."""
 
+    async def flush_cache_with_retry(self) -> None:
+        """``flush_cache`` once requests an ``abort`` pause ended have drained: engines whose abort is
+        asynchronous retry while refused (SGLang: ``SGLangEngine``). The default is one attempt (an engine
+        whose abort ends its requests before ``pause`` returns). Raises EngineError when still refused."""
+        await self.flush_cache()
+
     @abc.abstractmethod
     async def health(self) -> bool:
         """True when the engine can serve requests."""

@@ -4,13 +4,16 @@ Works against a real SGLang 0.5.x server and against ``rollers.sglang_server`` (
 the same endpoints) alike; ``rollers.sglang_launcher`` starts either. Field names are SGLang's
 (``rollers.sglang_protocol``).
 
-Weight updates, the sequence a roller runs (``update_weights``)::
+Weight updates, the sequence a roller runs (``rollers.weight_update.paused_update``, one implementation for
+every engine)::
 
     /pause_generation {mode} ──> apply(): /begin_weight_update (newer SGLang; skipped where 404)
                                          /update_weights_from_distributed or /update_weights_from_disk
                                          /end_weight_update
-                             ──> /flush_cache, retried with exponential backoff while it answers 400
-                                 (requests still draining), at most ``max_retries`` times
+                             ──> /flush_cache: after ``abort`` retried with exponential backoff while it
+                                 answers 400 (aborted requests still draining), at most ``max_retries``
+                                 times; after ``retract`` once (refused while retracted requests wait:
+                                 logged); none after ``in_place``
                              ──> /continue_generation (also after a failure: the old weights stay)
 
 ``load_weights`` (the ``Engine`` method) sends tensors from this process: it makes this client rank 0
@@ -198,8 +201,9 @@ class SGLangEngine(Engine):
         await self._call("POST", "/flush_cache")
 
     async def flush_cache_with_retry(self) -> None:
-        """``/flush_cache``, retried with exponential backoff while it answers 400 (requests draining).
-        Raises EngineError after ``max_retries`` retries, with the server's last message."""
+        """``/flush_cache``, retried with exponential backoff while it answers 400 (requests draining: SGLang
+        ends the requests of an ``abort`` pause asynchronously). Raises EngineError after ``max_retries``
+        retries, with the server's last message."""
         delay = self.backoff_s
         for attempt in range(self.max_retries + 1):
             try:
@@ -236,20 +240,6 @@ class SGLangEngine(Engine):
         return proto.parse_weight_version(info["weight_version"], f"{self._model_info_path} weight_version")
 
     # ---------------------------------------------------------------------------- weight updates
-
-    async def update_weights(self, apply: Callable[[], Awaitable[Any]], mode: str = "retract") -> None:
-        """pause(``mode``) → ``await apply()`` → flush (retried) → resume; resumes on failure too and
-        re-raises. ``in_place`` keeps every request's cache by design, and SGLang refuses a flush while
-        they hold it, so that mode skips the flush (logged)."""
-        await self.pause(mode)
-        try:
-            await apply()
-            if mode == "in_place":
-                logger.info("in_place weight update: cache kept, flush skipped (SGLang refuses it)")
-            else:
-                await self.flush_cache_with_retry()
-        finally:
-            await self.resume()
 
     async def _in_update_session(self, path: str, body: dict[str, Any]) -> str:
         """POST ``body`` to ``path`` inside SGLang's ``/begin_weight_update`` … ``/end_weight_update``

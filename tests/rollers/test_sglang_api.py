@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from rollers.config import RolloutConfig
 from rollers.engine import EngineError, GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher
+from rollers.weight_update import paused_update
 from tests.listening import is_loopback, listening_sockets
 from tests.rollers.engine_helpers import TIMEOUT_S, run
 
@@ -93,7 +95,7 @@ def _perturbed(model_cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 async def _push(client: SGLangEngine, weights: dict[str, torch.Tensor], mode: str = "abort") -> int:
     version = await client.get_weight_version() + 1
-    await client.update_weights(lambda: client.load_weights(weights.items(), version), mode=mode)
+    await paused_update(client, lambda: client.load_weights(weights.items(), version), mode)
     return version
 
 
@@ -354,7 +356,7 @@ def test_trainer_path_flattened_bucket_broadcast(torch_only):
                                             proto.FLATTENED_BUCKET)
                     await update
 
-                await client.update_weights(apply, mode="abort")
+                await paused_update(client, apply, "abort")
                 assert await client.get_weight_version() == version
                 outs = [await client.generate(r) for r in requests]
             finally:
@@ -377,12 +379,12 @@ def test_update_from_disk_and_failed_update_keeps_version(torch_only, tmp_path):
     async def main():
         async with connected(torch_only.url) as client:
             version = await client.get_weight_version() + 1
-            await client.update_weights(lambda: client.update_weights_from_disk(str(tmp_path), version))
+            await paused_update(client, lambda: client.update_weights_from_disk(str(tmp_path), version))
             assert await client.get_weight_version() == version
             outs = [await client.generate(r) for r in requests]
             bad = {"no.such.tensor": torch.zeros(2)}
             with pytest.raises(EngineError, match="no.such.tensor"):
-                await client.update_weights(lambda: client.load_weights(bad.items(), version + 1))
+                await paused_update(client, lambda: client.load_weights(bad.items(), version + 1))
             assert await client.get_weight_version() == version  # the old version stays
             assert (await client.generate(requests[0])).output_ids == outs[0].output_ids
             await _push(client, weights)  # a new group after the failed one: updates still work
@@ -477,10 +479,11 @@ def test_client_rejects_bad_arguments_before_sending(served):
         SGLangEngine("127.0.0.1:1")
 
 
-def test_client_against_an_older_sglang_api():
+def test_client_against_an_older_sglang_api(caplog):
     """An older server (stub): no ``/model_info``, no ``/begin_weight_update``, version ``"default"``,
-    and ``/flush_cache`` answering 400 twice while requests drain: the client falls back, retries, and
-    completes pause → update → flush → continue."""
+    and ``/flush_cache`` answering 400 twice while aborted requests drain: the client falls back, retries,
+    and completes pause → update → flush → continue. After a ``retract`` pause a refused flush is not
+    retried (retracted requests wait until the resume): logged, and the update completes."""
     from aiohttp import web
 
     calls: list[str] = []
@@ -510,15 +513,21 @@ def test_client_against_an_older_sglang_api():
         try:
             async with connected(f"http://127.0.0.1:{runner.addresses[0][1]}", backoff_s=0.01) as client:
                 assert client.weight_version == 0  # SGLang's "default"
-                await client.update_weights(lambda: client.update_weights_from_disk("/ckpt", 1), mode="retract")
+                await paused_update(client, lambda: client.update_weights_from_disk("/ckpt", 1), "abort")
                 assert client.weight_version == 1
+                flush_refusals[0] = 1
+                await paused_update(client, lambda: client.update_weights_from_disk("/ckpt", 2), "retract")
+                assert client.weight_version == 2
         finally:
             await runner.cleanup()
 
-    run(main())
+    with caplog.at_level(logging.WARNING, logger="rollers.weight_update"):
+        run(main())
     # (/model_info and /begin_weight_update got aiohttp's 404 before reaching ``handle``.)
-    assert calls == ["/health", "/get_model_info", "/pause_generation", "/update_weights_from_disk",
-                     "/flush_cache", "/flush_cache", "/flush_cache", "/continue_generation"]
+    update = ["/pause_generation", "/update_weights_from_disk"]
+    assert calls == ["/health", "/get_model_info", *update, "/flush_cache", "/flush_cache", "/flush_cache",
+                     "/continue_generation", *update, "/flush_cache", "/continue_generation"]
+    assert "prefix cache not flushed after a retract pause" in caplog.text
 
 
 def test_load_weights_group_listens_on_loopback_only(torch_only):

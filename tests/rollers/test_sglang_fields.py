@@ -25,6 +25,7 @@ from rollers import sglang_protocol as proto
 from rollers.engine import GenerationRequest, SamplingParams
 from rollers.sglang_engine import SGLangEngine
 from rollers.sglang_launcher import SGLangLauncher
+from rollers.weight_update import paused_update
 
 WHEEL_SPEC = "sglang>=0.5,<0.6"
 IO_STRUCT = "sglang/srt/managers/io_struct.py"
@@ -175,8 +176,8 @@ async def _exercise(url: str, model: ModelConfig, tmp_path: Path) -> list[tuple[
             await client.resume()
         await client.flush_cache()
         version = await client.get_weight_version()
-        await client.update_weights(lambda: client.load_weights(weights.items(), version + 1), mode="abort")
-        await client.update_weights(lambda: client.update_weights_from_disk(str(tmp_path), version + 2))
+        await paused_update(client, lambda: client.load_weights(weights.items(), version + 1), "abort")
+        await paused_update(client, lambda: client.update_weights_from_disk(str(tmp_path), version + 2))
     finally:
         await client.shutdown()
     return client.sent

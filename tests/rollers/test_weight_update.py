@@ -54,6 +54,11 @@ class FakeEngine:
         if self.flush_error is not None:
             raise self.flush_error
 
+    async def flush_cache_with_retry(self):  # Engine's: retried while aborted requests drain (SGLang)
+        self.calls.append(("flush_with_retry",))
+        if self.flush_error is not None:
+            raise self.flush_error
+
     async def resume(self):
         self.calls.append(("resume",))
 
@@ -89,3 +94,4 @@ def test_a_refused_flush_after_abort_fails_the_update():
     with pytest.raises(WeightUpdateError, match="KV cache"):
         asyncio.run(apply_update(engine, receiver, 1, "abort"))
     assert receiver.outcomes[0][:2] == ("fail", 1)
+    assert engine.calls == [("pause", "abort"), ("load", ["model.w"], 1), ("flush_with_retry",), ("resume",)]
