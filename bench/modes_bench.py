@@ -387,7 +387,9 @@ def add_run_args(p: argparse.ArgumentParser, preset: str, out: Path) -> None:
     p.add_argument("--preset", default=preset, help="the job's preset (tiny: a smoke test of the benchmark)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
     p.add_argument("--mode-set", action="append", default=[], metavar="MODE:KEY=VALUE",
-                   help="an override for MODE's runs only (e.g. fully-async:algorithm.max_staleness=2); repeatable")
+                   help="an override for MODE's hflow-async runs only (e.g. fully-async:algorithm.max_staleness=2); "
+                        "repeatable. The TRL peer and the machine limit's decode calibration are no mode's: they "
+                        "take --set alone")
     p.add_argument("--out", type=Path, default=out)
     p.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run before it is killed")
     p.add_argument("--split", action="append", default=[], metavar="MODE=rRxT-tU",
