@@ -54,7 +54,8 @@ class Admission:
         self.started += num_groups
 
     def drop(self, num_groups: int) -> None:
-        """Record ``num_groups`` dropped (discarded as too stale; their prompts are re-issued)."""
+        """Record ``num_groups`` dropped (discarded as too stale and re-issued, replaced by dynamic sampling, or
+        failed and skipped in fully-async): their slots may start other groups."""
         self.dropped += num_groups
 
 

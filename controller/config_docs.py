@@ -78,13 +78,13 @@ KEY_DOCS: dict[str, str] = {
     "rollout.seed": "base of the per-sample seeds (responses do not depend on batching or schedule)",
     "rollout.reward": "auto (data.task's reward) | reasoning_gym | tiny_repeat | math_verify | "
                       "module:function",
-    "rollout.reward_timeout_s": "seconds one group's scoring may take before the group is marked failed",
+    "rollout.reward_timeout_s": "seconds one reward call may take before its group is marked failed",
+    "rollout.reward_max_concurrency": "reward calls one roller runs at once",
     "rollout.max_resubmits": "times one sample may be paused (abort mode) and resumed before it fails",
     "rollout.forced_response_lengths": "benchmarks: [[weight, min, max], ...] forced lengths, EOS ignored; [] = off",
     "rollout.environment": "multi-turn: a registered environment (calculator | module:name); empty = single-turn",
     "rollout.max_turns": "multi-turn: most model turns in one trajectory",
-    "rollout.env_timeout_s": "multi-turn: limit of one environment, tool or reward call (seconds)",
-    "rollout.env_max_concurrency": "multi-turn: reward calls one roller runs at once",
+    "rollout.env_timeout_s": "multi-turn: limit of one environment or tool call (seconds)",
     "rollout.env_kwargs": "multi-turn: options of the environment (the keys it declares, e.g. gem's env_id)",
     # rollers
     "rollers.num_replicas": "roller processes generating in parallel",

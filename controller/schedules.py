@@ -63,6 +63,9 @@ TRAIN_FIELDS = list(schema.CONTROLLER.read_fields())  # a group is ready for tra
 REWARD_TAG = schema.REWARD
 TRAIN_TASK = "train"  # the trainer's consumer task in the TransferQueue (the rollers' is "rollout")
 POLL_S = 0.5
+# fully-async replaces failed groups (rollers.on_failed_group=skip); the run fails once this many in a row (or
+# two steps' worth, if more) failed with no group succeeding between: a reward or environment that always fails
+MIN_FAILED_IN_A_ROW = 16
 
 
 class RolloutFailure(RuntimeError):
@@ -87,6 +90,10 @@ class Stages:
         # Skipped training groups not yet counted by ``generate`` (the validator's collector also calls
         # check_rollers, so a failure it drains must still reach the generate that waits for the group).
         self.num_unclaimed_skips = 0
+        # fully-async: a failed group's slot goes to a fresh prompt, so its steps stay full (the batch of a sync
+        # or one-step-off step is admitted before it is generated: that step trains fewer groups instead)
+        self.replaces_failed = cfg.mode == "fully-async"
+        self.failed_in_a_row = 0  # fully-async: groups failed since the last one that succeeded
         self.num_dropped_groups = 0
         self.num_zero_variance_groups = 0  # dropped by dynamic sampling (each replaced by a fresh prompt)
         self.refill_depth: dict[str, int] = {}  # uid -> refill round that admitted it (absent = 0)
@@ -141,8 +148,9 @@ class Stages:
     async def generate(self, num_groups: int, train_weight_version: int, enforce_staleness: bool = False):
         """Wait until ``num_groups`` whole prompt groups are generated and scored; their BatchMeta.
 
-        Groups that failed (``rollers.on_failed_group=skip``) count toward ``num_groups`` and are not
-        returned. With ``enforce_staleness``, a group whose staleness at ``train_weight_version`` exceeds
+        Groups that failed (``rollers.on_failed_group=skip``) are not returned: in fully-async a fresh prompt
+        takes each one's place (``check_rollers``) and the step waits for it; in sync and one-step-off they
+        count toward ``num_groups`` (the step trains fewer). With ``enforce_staleness``, a group whose staleness at ``train_weight_version`` exceeds
         ``algorithm.max_staleness`` follows ``algorithm.stale_policy``. With ``algorithm.dynamic_sampling``,
         a zero-variance group is replaced (``refill``) and waited for. Returns fewer groups only when the
         prompt data has run out. Raises RolloutFailure (also when there is no group at all).
@@ -155,9 +163,20 @@ class Stages:
                                               options={"group_size": self.n}, timeout_s=POLL_S)
             if len(meta) == 0:
                 await self.check_rollers()
-                skipped, self.num_unclaimed_skips = skipped + self.num_unclaimed_skips, 0
+                if self.replaces_failed:
+                    self.failed_in_a_row, self.num_unclaimed_skips = self.failed_in_a_row + self.num_unclaimed_skips, 0
+                    if self.failed_in_a_row >= max(2 * self.groups_per_step, MIN_FAILED_IN_A_ROW):
+                        raise RolloutFailure(f"{self.failed_in_a_row} groups in a row failed, none succeeded "
+                                             f"(rollers.on_failed_group=skip replaces failed groups in fully-async; "
+                                             f"a run fails when their replacements keep failing)")
+                    continue
+                # Claim only the skips this step still needs: the rest count toward the next steps (a step
+                # that claimed them all would leave a later step waiting for groups that never come).
+                take = min(self.num_unclaimed_skips, num_groups - len(metas) - skipped)
+                skipped, self.num_unclaimed_skips = skipped + take, self.num_unclaimed_skips - take
                 continue
             self.num_samples_received += len(meta)
+            self.failed_in_a_row = 0
             self.metrics.count_produced(self.num_samples_received)
             group_staleness = max(staleness(train_weight_version, t[schema.MIN_WEIGHT_VERSION])
                                   for t in meta.tags)
@@ -175,6 +194,9 @@ class Stages:
                 raise RolloutFailure(f"all {num_groups} groups of step {self.step + 1} failed")
             refills = (f"; {self.num_zero_variance_groups} prompts went to replace zero-variance groups "
                        "(algorithm.dynamic_sampling)" if self.cfg.algorithm.dynamic_sampling else "")
+            if self.replaces_failed and self.num_failed_groups:
+                refills += (f"; {self.num_failed_groups} prompts went to replace failed groups "
+                            "(rollers.on_failed_group=skip)")
             raise RolloutFailure(f"the prompt data ran out before step {self.step + 1} "
                                  f"(data.epochs={self.cfg.data.epochs}){refills}: raise data.epochs or data.size")
         return BatchMeta.concat(metas)
@@ -265,7 +287,8 @@ class Stages:
     async def check_rollers(self) -> int:
         """Raise what ended the pool keeper (no roller left); handle failed groups per
         ``rollers.on_failed_group`` (``fail``: raise; ``skip``: count, clear, return how many training groups
-        were skipped and add them to ``num_unclaimed_skips`` for ``generate``). Failed validation groups go
+        were skipped and add them to ``num_unclaimed_skips`` for ``generate``; in fully-async also free their
+        slots in the admission bound for fresh prompts). Failed validation groups go
         to the validator (``Validator.on_failed``). A roller that died or stopped answering is the keeper's
         (``controller.pool_keeper``): replaced, its groups re-issued."""
         from controller.pool import RollerLost
@@ -297,6 +320,10 @@ class Stages:
             await self.rt.tq.aclear(PROMPT_PARTITION, [f.prompt_id])
         self.outstanding -= len(failures)
         self.num_unclaimed_skips += len(failures)
+        if self.replaces_failed:  # their slots in the admission bound go to fresh prompts (_keep_admitting)
+            async with self.feeder_lock:
+                self.admission.drop(len(failures))
+            self.changed.set()
         return len(failures)
 
     # -------------------------------------------------------------------------------------- bookkeeping

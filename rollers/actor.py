@@ -210,8 +210,6 @@ class RollerActor:
             self.receiver = None
         if self.engine is not None:
             await self.engine.shutdown()
-        if self.roller is not None:
-            self.roller.close()
 
 
 def remote_roller(num_cpus: float = 0.5, resources: dict[str, float] | None = None):

@@ -41,7 +41,6 @@ it); a request the engine rejects raises ValueError and an ``EngineError`` propa
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -61,6 +60,7 @@ from rollers.environments import (
     StepResult,
 )
 from rollers.response_fields import forced_response_length, sample_seed
+from rollers.rewards import reward_result
 from rollers.roller import PromptGroup, build_response_fields
 
 _PLACEHOLDER = "\x00OBSERVATION\x00"
@@ -152,15 +152,14 @@ def environment_seed(rollout_seed: int, key: str, index: int) -> int:
 
 class AgentLoop:
     """Runs trajectories for a roller (see the module docstring). ``rollout``: the config (``environment``,
-    ``max_turns``, ``env_timeout_s``, ``env_max_concurrency``, sampling); ``tokenizer``: decodes turns and
-    formats observations; ``reward_fn``: the task's reward ``(text, ground_truth) -> float``; ``stop_ids``:
+    ``max_turns``, ``env_timeout_s``, sampling); ``tokenizer``: decodes turns and formats observations;
+    ``reward``: the roller's task reward (what environments score with, ``EnvContext.reward``); ``stop_ids``:
     the model's stop tokens. Raises ValueError for an unknown ``rollout.environment``."""
 
-    def __init__(self, rollout: RolloutConfig, tokenizer, reward_fn: Callable, stop_ids: tuple[int, ...]):
+    def __init__(self, rollout: RolloutConfig, tokenizer, reward: AsyncReward, stop_ids: tuple[int, ...]):
         self.rollout, self.tokenizer, self.stop_ids = rollout, tokenizer, stop_ids
         self.spec = ENVIRONMENTS.get(rollout.environment)
-        self.context = EnvContext(AsyncReward(reward_fn, rollout.env_max_concurrency, rollout.env_timeout_s),
-                                  rollout.env_timeout_s, self.spec.resolve_options(rollout.env_kwargs))
+        self.context = EnvContext(reward, rollout.env_timeout_s, self.spec.resolve_options(rollout.env_kwargs))
         self.formatter = ObservationFormatter(tokenizer)
         self.num_turns = 0
         self.num_trajectories = 0
@@ -186,13 +185,18 @@ class AgentLoop:
         except Exception as exc:  # a user's factory may fail in any way: its trajectory fails
             traj.error = f"environment {self.spec.name!r} could not be built: {type(exc).__name__}: {exc}"
             return traj
+        missing = [m for m in ("reset", "step", "close") if not callable(getattr(env, m, None))]
+        if missing:  # e.g. a factory that forgot its return: None
+            traj.error = (f"environment {self.spec.name!r}'s factory returned {type(env).__name__}, not an "
+                          f"Environment (no {', '.join(missing)})")
+            return traj
         try:  # engine errors (ValueError: a rejected request; EngineError) propagate as in single-turn
             await self._run(env, traj, group, index, greedy, generate, max_seq_len)
         except (EnvironmentFailure, _TurnAborted) as exc:
             traj.error = f"{type(exc).__name__}: {exc}"
         finally:
             try:
-                await self._env_call(traj, env.close())
+                await self._env_call(traj, env.close)
             except EnvironmentFailure as exc:
                 traj.error = traj.error or f"close: {exc}"
         self.num_trajectories += 1
@@ -200,12 +204,13 @@ class AgentLoop:
         self.env_wait_s += traj.env_wait_s
         return traj
 
-    async def _env_call(self, traj: Trajectory, call: Awaitable):
-        """Await an environment call, bounded by ``rollout.env_timeout_s``; whatever it raises (but
-        cancellation) becomes EnvironmentFailure, so it can only fail its trajectory."""
+    async def _env_call(self, traj: Trajectory, method: Callable, *args):
+        """``await method(*args)`` (an environment's ``reset``/``step``/``close``), bounded by
+        ``rollout.env_timeout_s``; whatever the call raises (but cancellation), a method that is not async
+        included, becomes EnvironmentFailure, so it can only fail its trajectory."""
         started = time.perf_counter()
         try:
-            return await asyncio.wait_for(call, self.rollout.env_timeout_s)
+            return await asyncio.wait_for(method(*args), self.rollout.env_timeout_s)
         except TimeoutError as exc:
             raise EnvironmentFailure(f"an environment call took longer than rollout.env_timeout_s="
                                      f"{self.rollout.env_timeout_s}") from exc
@@ -230,7 +235,7 @@ class AgentLoop:
 
     async def _run(self, env: Environment, traj: Trajectory, group: PromptGroup, index: int, greedy: bool,
                    generate: GenerateFn, max_seq_len: int | None) -> None:
-        first = await self._env_call(traj, env.reset(group.ground_truth))
+        first = await self._env_call(traj, env.reset, group.ground_truth)
         if first:
             ids = self._observation(env.observation_role, first)
             if len(ids) >= self._room(traj, group, max_seq_len):
@@ -239,15 +244,15 @@ class AgentLoop:
         while True:
             reason = await self._turn(traj, group, index, greedy, generate, max_seq_len)
             traj.num_turns += 1
-            result = await self._env_call(traj, env.step(self._last_turn_text(traj)))
+            result = await self._env_call(traj, env.step, self._last_turn_text(traj))
             if not isinstance(result, StepResult):
                 raise EnvironmentFailure(f"step returned {type(result).__name__}, not a StepResult")
-            if isinstance(result.reward, bool) or not isinstance(result.reward, int | float) \
-                    or not math.isfinite(result.reward):
-                raise EnvironmentFailure(f"step returned reward {result.reward!r}, not a finite number")
+            scored = reward_result(result.reward)  # the same numbers a reward function may return
+            if scored.failed:
+                raise EnvironmentFailure(f"step's StepResult.reward: {scored.error}")
             last = max(i for i, m in enumerate(traj.response_mask) if m)
-            traj.token_scores[last] += float(result.reward)
-            traj.reward += float(result.reward)
+            traj.token_scores[last] += scored.score
+            traj.reward += scored.score
             if result.done or reason == "length" or traj.num_turns >= self.rollout.max_turns:
                 traj.finish_reason = reason
                 return

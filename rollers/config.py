@@ -23,8 +23,10 @@ class RolloutConfig:
     earlier where prompt + response reach the model's context length.
     ``reward``: auto (the reward ``data.task`` names, resolved by the controller:
     ``controller.tasks.resolve_reward``) | reasoning_gym | tiny_repeat | math_verify | ``module:function``
-    (``rollers.rewards.build_reward_fn``); ``reward_timeout_s`` bounds one group's scoring (a group that
-    exceeds it is marked failed); ``max_resubmits``: how many times one sample may be aborted (pause in
+    (``rollers.rewards.build_reward_fn``), sync or ``async def``; ``reward_timeout_s`` bounds one reward call
+    (seconds; a sample whose call exceeds it fails its group) and ``reward_max_concurrency`` is how many reward
+    calls one roller runs at once (single-turn and environments' alike, ``rollers.environments.AsyncReward``);
+    ``max_resubmits``: how many times one sample may be aborted (pause in
     ``abort`` mode) and resubmitted with its partial output before it is marked failed.
 
     ``forced_response_lengths``: for throughput benchmarks (``bench/modes_bench.py``'s long-tail workload):
@@ -39,9 +41,8 @@ class RolloutConfig:
     Multi-turn (``rollers.agent_loop``): ``environment`` names a registered environment
     (``rollers.environments.ENVIRONMENTS``, or ``module:name``); empty (the default) = single-turn. A
     trajectory has at most ``max_turns`` model turns, and ``max_response_length`` bounds all its tokens (model
-    and environment); ``env_timeout_s`` bounds each environment call, tool call and reward call (seconds);
-    ``env_max_concurrency`` is how many reward calls one roller runs at once; ``env_kwargs``: options of the
-    environment (the keys its spec declares, ``rollers.environments.EnvironmentSpec.options``).
+    and environment); ``env_timeout_s`` bounds each environment call and tool call (seconds);
+    ``env_kwargs``: options of the environment (the keys its spec declares, ``rollers.environments.EnvironmentSpec.options``).
     """
 
     n: int = 4
@@ -52,12 +53,12 @@ class RolloutConfig:
     seed: int = 0
     reward: str = "auto"
     reward_timeout_s: float = 30.0
+    reward_max_concurrency: int = 8
     max_resubmits: int = 16
     forced_response_lengths: list[list[int]] = field(default_factory=list)
     environment: str = ""
     max_turns: int = 4
     env_timeout_s: float = 30.0
-    env_max_concurrency: int = 8
     env_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -66,6 +67,8 @@ class RolloutConfig:
             raise ValueError("rollout.reward must be auto | reasoning_gym | tiny_repeat | math_verify | module:function")
         if self.reward_timeout_s <= 0:
             raise ValueError(f"rollout.reward_timeout_s must be > 0 (seconds), got {self.reward_timeout_s}")
+        if self.reward_max_concurrency < 1:
+            raise ValueError(f"rollout.reward_max_concurrency must be >= 1, got {self.reward_max_concurrency}")
         if self.max_resubmits < 0:
             raise ValueError(f"rollout.max_resubmits must be >= 0, got {self.max_resubmits}")
         if self.n < 1:
@@ -80,8 +83,6 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
         if self.env_timeout_s <= 0:
             raise ValueError(f"rollout.env_timeout_s must be > 0 (seconds), got {self.env_timeout_s}")
-        if self.env_max_concurrency < 1:
-            raise ValueError(f"rollout.env_max_concurrency must be >= 1, got {self.env_max_concurrency}")
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"rollout.env_kwargs must be a mapping of option -> value, got {self.env_kwargs!r}")
         if self.env_kwargs and not self.environment:

@@ -44,14 +44,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.registry import Registry
+from rollers.rewards import RewardResult, reward_result
 from rollers.tools import Tool, calculator, call_tool, parse_tool_call
+from rollers.user_calls import call_user
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,15 @@ class EnvironmentFailure(RuntimeError):
 
 
 class AsyncReward:
-    """A reward function ``fn(text, ground_truth) -> float`` (sync: run in a worker thread; or async) called
-    with at most ``max_concurrency`` calls at once and each bounded by ``timeout_s`` seconds.
+    """A roller's reward function ``fn(text, ground_truth) -> float`` (sync, run in a thread of its own; or
+    async), called with at most ``max_concurrency`` calls at once (``rollout.reward_max_concurrency``) and each
+    bounded by ``timeout_s`` seconds (``rollout.reward_timeout_s``): ``rollers.user_calls.call_user``.
+    Single-turn groups and environments score through the same one.
 
-    ``await reward(text, ground_truth)`` returns the float; raises EnvironmentFailure when the function
-    raises, times out, or returns something that is not a finite number."""
+    ``await reward.score(text, ground_truth)`` returns a ``RewardResult``: failed (never 0) when the function
+    raises, times out, or returns something that is not a finite real number (``rewards.reward_result``: bool
+    and numpy scalars count as numbers). ``await reward(text, ground_truth)`` returns the float and raises
+    EnvironmentFailure where ``score`` fails (what environments call)."""
 
     def __init__(self, fn: Callable, max_concurrency: int, timeout_s: float):
         if max_concurrency < 1 or timeout_s <= 0:
@@ -100,20 +105,22 @@ class AsyncReward:
                              f"{max_concurrency}, {timeout_s}")
         self.fn, self.timeout_s = fn, timeout_s
         self._slots = asyncio.Semaphore(max_concurrency)
-        self._is_async = inspect.iscoroutinefunction(fn)
+
+    async def score(self, text: str, ground_truth: dict) -> RewardResult:
+        async with self._slots:
+            try:
+                value = await call_user(self.timeout_s, self.fn, text, ground_truth)
+            except TimeoutError:
+                return RewardResult(math.nan, f"reward took longer than rollout.reward_timeout_s={self.timeout_s}")
+            except Exception as exc:  # a user's reward may fail in any way: its sample fails
+                return RewardResult(math.nan, f"reward raised {type(exc).__name__}: {exc}")
+        return reward_result(value)
 
     async def __call__(self, text: str, ground_truth: dict) -> float:
-        async with self._slots:
-            call = self.fn(text, ground_truth) if self._is_async else asyncio.to_thread(self.fn, text, ground_truth)
-            try:
-                value = await asyncio.wait_for(call, self.timeout_s)
-            except TimeoutError as exc:
-                raise EnvironmentFailure(f"reward took longer than {self.timeout_s} s") from exc
-            except Exception as exc:  # a user's reward may fail in any way: the trajectory fails
-                raise EnvironmentFailure(f"reward raised {type(exc).__name__}: {exc}") from exc
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise EnvironmentFailure(f"reward returned {value!r}, not a finite number")
-        return float(value)
+        result = await self.score(text, ground_truth)
+        if result.failed:
+            raise EnvironmentFailure(result.error)
+        return result.score
 
 
 @dataclass(frozen=True)

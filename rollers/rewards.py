@@ -9,9 +9,10 @@ package: a reward the module registers under ``name``, else the module's functio
 resolved by the controller, which knows ``data.task`` (``controller.tasks.resolve_reward``: each task
 names its reward), before the rollers see it.
 
-``score_responses`` calls a reward function on many responses and never lets one failure pass for a
-score: a function that raises or returns NaN/inf (or a non-number) yields a failed ``RewardResult``
-carrying the error, never a silent 0.
+A reward function may also be ``async def``. The rollers call it through
+``rollers.environments.AsyncReward`` (a concurrency limit and a per-call timeout) and never let one failure
+pass for a score: a function that raises, times out or returns NaN/inf (or a non-number) yields a failed
+``RewardResult`` carrying the error (``reward_result``), never a silent 0.
 
 Answer extraction (``extract_answer``) is tuned to how SmolLM2-135M-Instruct actually answers short
 arithmetic prompts (measured with ``bench/answer_extraction.py``): explicit markers first, then phrases that state a
@@ -27,7 +28,7 @@ import math
 import numbers
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -233,21 +234,11 @@ class RewardResult:
         return self.error is not None
 
 
-def score_one(fn: RewardFn, response_text: str, ground_truth: dict) -> RewardResult:
-    """Call ``fn`` once; an exception, a non-number, NaN or ±inf becomes a failed result (never 0)."""
-    try:
-        value = fn(response_text, ground_truth)
-    except Exception as exc:  # a user function may raise anything; it is reported, not swallowed
-        return RewardResult(math.nan, f"{type(exc).__name__}: {exc}")
+def reward_result(value) -> RewardResult:
+    """What a reward function returned, as a result: a finite real number (bool and numpy scalars
+    included: ``numbers.Real``) is its score; anything else, NaN or ±inf fails it (never 0)."""
     if not isinstance(value, numbers.Real):
         return RewardResult(math.nan, f"reward returned {type(value).__name__} {value!r}, not a number")
     if not math.isfinite(value):
         return RewardResult(math.nan, f"reward returned {value}")
     return RewardResult(float(value))
-
-
-def score_responses(fn: RewardFn, texts: Sequence[str], ground_truths: Sequence[dict]) -> list[RewardResult]:
-    """``score_one`` for each (text, ground truth) pair; raises ValueError when the lengths differ."""
-    if len(texts) != len(ground_truths):
-        raise ValueError(f"{len(texts)} responses but {len(ground_truths)} ground truths")
-    return [score_one(fn, text, gt) for text, gt in zip(texts, ground_truths, strict=True)]

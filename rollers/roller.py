@@ -39,7 +39,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -49,8 +48,9 @@ import torch
 from common import schema
 from rollers.config import RolloutConfig
 from rollers.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
+from rollers.environments import AsyncReward
 from rollers.response_fields import build_response_fields, forced_response_length, sample_seed
-from rollers.rewards import RewardFn, RewardResult, score_responses
+from rollers.rewards import RewardFn, RewardResult
 
 logger = logging.getLogger(__name__)
 
@@ -196,26 +196,23 @@ class Roller:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = tokenizer.eos_token_id
         self._stop_ids = (eos,) if eos is not None else ()
+        # Every reward call of this roller, single-turn and environments' alike (concurrency and timeout)
+        self.reward = AsyncReward(reward_fn, rollout.reward_max_concurrency, rollout.reward_timeout_s)
         self.agent = None  # multi-turn trajectories when rollout.environment is set (rollers.agent_loop)
         if rollout.environment:
             from rollers.agent_loop import AgentLoop
 
-            self.agent = AgentLoop(rollout, tokenizer, reward_fn, self._stop_ids)
+            self.agent = AgentLoop(rollout, tokenizer, self.reward, self._stop_ids)
         self._counters = _Counters()
         self._failures: deque[FailedGroup] = deque(maxlen=_MAX_FAILURES_KEPT)
         self._stopping = asyncio.Event()
         self._held: dict[str, int] = {}  # uid -> prompt id of the groups taken and not yet done
-        self._reward_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{roller_id}-reward")
 
     # ------------------------------------------------------------------------------ control
 
     def stop(self) -> None:
         """Ask ``run`` to stop starting groups; it returns once the running ones are put."""
         self._stopping.set()
-
-    def close(self) -> None:
-        """Release the reward threads (a reward call that hangs is abandoned). Idempotent."""
-        self._reward_pool.shutdown(wait=False, cancel_futures=True)
 
     def held_uids(self, include_failed: bool = True) -> list[str]:
         """The uids of the groups this roller took and has not yet put or failed, and (``include_failed``)
@@ -317,17 +314,7 @@ class Roller:
                 return self._fail(group, "environment", failed)
             return await self._put(group, outputs[:n], [RewardResult(o.reward) for o in outputs], greedy,
                                    tuple(texts[:n]))
-        try:
-            results = await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(
-                    self._reward_pool, score_responses, self.reward_fn, texts, [group.ground_truth] * len(texts)
-                ),
-                self.rollout.reward_timeout_s,
-            )
-        except TimeoutError:
-            self._counters.num_failed_rewards += len(texts)
-            return self._fail(group, "reward", [f"scoring took longer than rollout.reward_timeout_s="
-                                                f"{self.rollout.reward_timeout_s}"])
+        results = await asyncio.gather(*(self.reward.score(text, group.ground_truth) for text in texts))
         failed = [f"sample {i}: {r.error}" for i, r in enumerate(results) if r.failed]
         if failed:
             self._counters.num_failed_rewards += len(failed)

@@ -2,7 +2,7 @@
 
 A :class:`Tool` is a function plus the JSON schema of its arguments (the ``parameters`` object of the
 OpenAI / Hermes function-calling convention). ``@tool(schema)`` turns a function into one; the function may
-be sync (run in a worker thread) or async. Arguments are validated against the schema (``jsonschema``)
+be sync (run in a thread of its own) or async. Arguments are validated against the schema (``jsonschema``)
 before the call.
 
 Tool-call format (what the model writes; Hermes / Qwen2.5 function calling, which SmolLM2 and Qwen
@@ -14,15 +14,16 @@ chat models are prompted with)::
 a malformed call (bad JSON, no name) is returned as a :class:`ToolCall` with ``error`` set, so the
 environment can tell the model what was wrong instead of ending the trajectory.
 
-``call_tool(tool, arguments, timeout_s)`` runs one call: a bad argument is an *answer* to the model (the
-text of the error), while a tool that raises or runs past ``timeout_s`` raises :class:`ToolError`, which
-fails the trajectory (``rollers.agent_loop``), never the roller.
+``call_tool(tools, call, timeout_s)`` runs one parsed call on the tool it names: an unknown tool or a bad
+argument is an *answer* to the model (the text of the error), while a tool that raises or runs past
+``timeout_s`` raises :class:`ToolError`, which fails the trajectory (``rollers.agent_loop``), never the
+roller. A sync tool runs in a thread of its own (``rollers.user_calls``): one that blocks forever holds
+only its own thread, and later calls still run.
 """
 
 from __future__ import annotations
 
 import ast
-import asyncio
 import inspect
 import json
 import operator
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+
+from rollers.user_calls import call_user
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -117,10 +120,7 @@ async def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float) ->
     except jsonschema.ValidationError as exc:
         return f"error: bad arguments for {call.name}: {exc.message}"
     try:
-        if inspect.iscoroutinefunction(target.fn):
-            result = await asyncio.wait_for(target.fn(**call.arguments), timeout_s)
-        else:
-            result = await asyncio.wait_for(asyncio.to_thread(target.fn, **call.arguments), timeout_s)
+        result = await call_user(timeout_s, target.fn, **call.arguments)
     except TimeoutError as exc:
         raise ToolError(f"tool {call.name!r} took longer than {timeout_s} s") from exc
     except Exception as exc:  # a tool may fail in any way: its trajectory fails, not the roller

@@ -232,6 +232,20 @@ def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
     assert all(r["val/num_failed_groups"] == 2 and r["val/num_prompts"] == 2 for r in rounds)
 
 
+def test_failed_groups_are_replaced_in_fully_async(tmp_path, ray_cluster):
+    """fully-async with rollers.on_failed_group=skip: a fresh prompt takes each failed group's slot, so
+    every step trains a full batch (they used to count toward the step that saw them, and the last step
+    then waited for groups that never came); the replacements draw on the further epochs."""
+    seed = next(s for s in range(1000) if [r.ground_truth["answer"] for r in tiny_repeat_records(8, s)].count("c")
+                >= 3)  # a c among any 6 of the 8 prompts: at least one group fails
+    code, steps, summary = run(tmp_path, "fully-async", "data.size=8", "data.epochs=3", f"data.seed={seed}",
+                               "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=3",
+                               f"rollout.reward={HOOKS}:raise_on_c", "rollers.on_failed_group=skip")
+    assert code == EXIT_OK and [s["num_groups"] for s in steps] == [2, 2, 2]
+    assert summary["num_failed_groups"] >= 1
+    assert summary["num_groups_admitted"] == 6 + summary["num_failed_groups"]  # each failure replaced once
+
+
 def test_prompts_near_the_context_limit_are_truncated_not_failed(tmp_path, ray_cluster):
     """The tiny prompts are 9 tokens; a context of 11 leaves 2 of rollout.max_response_length=4: every
     response is cut (finish_reason=length) and the run completes (it used to fail every group)."""

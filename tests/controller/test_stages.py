@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import pytest
+
 from common import schema
 from controller.config import load_config
 from controller.metrics import JobMetrics
 from controller.report import RunReport
-from controller.schedules import Stages
+from controller.schedules import RolloutFailure, Stages
 from transferqueue.records import BatchMeta
 
 
@@ -20,7 +22,7 @@ class _FakeTQ:
         self.groups, self.next_id = list(groups), 0
 
     async def aget_meta(self, fields, batch_size, task, partition, **kwargs):
-        tags = self.groups.pop(0)
+        tags = self.groups.pop(0) if self.groups else []  # none ready: the poll comes back empty
         ids = list(range(self.next_id, self.next_id + len(tags)))
         self.next_id += len(tags)
         return BatchMeta(partition, ids, list(fields), tags)
@@ -49,8 +51,8 @@ def _group(uid: str, n: int, version: int = 0) -> list[dict]:
              "reward": float(i % 2), schema.RESPONSE_LENGTH: 3, schema.FINISH_REASON: "stop"} for i in range(n)]
 
 
-def _stages(tmp_path, groups, *overrides):
-    cfg = load_config(mode="sync", preset="tiny", overrides=["data.train_batch_size=2", "trainer.ppo_mini_batch_size=2",
+def _stages(tmp_path, groups, *overrides, mode="sync"):
+    cfg = load_config(mode=mode, preset="tiny", overrides=["data.train_batch_size=2", "trainer.ppo_mini_batch_size=2",
                                                              f"run_dir={tmp_path}", "metrics.progress=false",
                                                              *overrides])
     metrics, report = JobMetrics(), RunReport(tmp_path, total_steps=2, progress=False)
@@ -96,3 +98,53 @@ def test_a_short_step_is_logged_with_its_reason(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "prompt groups" in r.getMessage()]
     assert lines == ["step 2 trains 1 of 2 prompt groups: the prompt data has no more: a final partial batch "
                      "(data.drop_last=true drops it instead)"]
+
+
+def test_failed_groups_skipped_beyond_a_step_count_toward_the_next(tmp_path):
+    """``rollers.on_failed_group=skip``: one check finds three failed groups while step 1 needs only one
+    more; step 1 claims one, and the other two complete step 2 (a step that claimed all three left the
+    next one waiting forever for groups that never come)."""
+    st, _, report = _stages(tmp_path, [_group("u0", 8)], "rollers.on_failed_group=skip")
+    st.outstanding = 4
+    reported = [3]  # failures the rollers report: three at the first check, none after
+
+    async def check_rollers():
+        failed, reported[0] = reported[0], 0
+        st.outstanding -= failed
+        st.num_unclaimed_skips += failed
+        return failed
+
+    st.check_rollers = check_rollers
+
+    async def steps():
+        first = await st.generate(2, train_weight_version=0)
+        assert [t[schema.UID] for t in first.tags] == ["u0"] * 8 and st.num_unclaimed_skips == 2
+        await st.update(first)
+        with pytest.raises(RolloutFailure, match="all 2 groups of step 2 failed"):
+            await asyncio.wait_for(st.generate(2, train_weight_version=1), timeout=5)
+        assert st.num_unclaimed_skips == 0
+
+    asyncio.run(steps())
+    report.close()
+
+
+def test_fully_async_waits_for_replacements_and_fails_when_they_keep_failing(tmp_path):
+    """fully-async: a failed group does not count toward the step (a fresh prompt takes its place), so the
+    step waits for whole groups; with none succeeding, the run fails after MIN_FAILED_IN_A_ROW failures."""
+    st, _, report = _stages(tmp_path, [[], _group("u0", 8), _group("u1", 8)], "rollers.on_failed_group=skip",
+                            mode="fully-async")
+
+    async def check_rollers(failed=5):
+        st.num_unclaimed_skips += failed
+        return failed
+
+    st.check_rollers = check_rollers
+
+    async def steps():
+        meta = await st.generate(2, train_weight_version=0)  # 5 failures, then two whole groups: a full step
+        assert sorted({t[schema.UID] for t in meta.tags}) == ["u0", "u1"] and st.failed_in_a_row == 0
+        with pytest.raises(RolloutFailure, match="20 groups in a row failed"):
+            await asyncio.wait_for(st.generate(2, train_weight_version=1), timeout=5)
+
+    asyncio.run(steps())
+    report.close()

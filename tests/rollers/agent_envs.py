@@ -4,7 +4,9 @@ works in any process that can import ``tests``).
 * ``scripted_turns``: answers each of the first ``SCRIPT_TURNS`` turns with ``SCRIPT_OBSERVATION`` (words of the
   tiny vocabulary) and reward ``TURN_REWARD``; the next turn is scored with the task's reward and ends it.
 * ``raising``: ``step`` raises; ``hanging``: ``step`` never returns (its trajectory times out);
-  ``nan_reward``: ``step`` answers reward NaN.
+  ``nan_reward``: ``step`` answers reward NaN; ``none_factory``: the factory returns None;
+  ``sync_methods``: ``reset``/``step`` are plain functions (not ``async``); ``numpy_reward``: one turn, reward
+  ``np.float32(NUMPY_REWARD)``.
 * ``gated``: like ``scripted_turns`` with one observation, but ``step`` waits for ``GATE`` (an
   ``asyncio.Event`` set by the test): a trajectory waiting on its tool while the weights change.
 """
@@ -12,6 +14,8 @@ works in any process that can import ``tests``).
 from __future__ import annotations
 
 import asyncio
+
+import numpy as np
 
 from rollers.environments import EnvContext, Environment, StepResult, register_environment
 
@@ -115,3 +119,31 @@ class _NaNReward(ScriptedTurns):
 @register_environment("nan_reward")
 def nan_reward(ctx: EnvContext) -> Environment:
     return _NaNReward(ctx)
+
+
+@register_environment("none_factory")
+def none_factory(ctx: EnvContext):
+    return None  # a factory that forgot its return
+
+
+class _SyncMethods(ScriptedTurns):
+    def reset(self, ground_truth: dict) -> str:  # noqa: D102 - not async: the loop must fail the trajectory
+        return ""
+
+
+@register_environment("sync_methods")
+def sync_methods(ctx: EnvContext) -> Environment:
+    return _SyncMethods(ctx)
+
+
+NUMPY_REWARD = 0.5
+
+
+class _NumpyReward(ScriptedTurns):
+    async def step(self, action: str) -> StepResult:
+        return StepResult(reward=np.float32(NUMPY_REWARD), done=True)
+
+
+@register_environment("numpy_reward")
+def numpy_reward(ctx: EnvContext) -> Environment:
+    return _NumpyReward(ctx)

@@ -52,7 +52,6 @@ def test_tiny_model_learns_to_call_the_tool():
                 _update(model, optimizer, groups, results, rollout.max_response_length)
         finally:
             await engine.shutdown()
-            roller.close()
         return called
 
     called = run(train(), timeout_s=560)  # generous: a loaded 2-core machine is 5x slower

@@ -62,7 +62,6 @@ async def _roll(model, tok, groups, environment, engine=None, **rollout_kwargs):
         await roller.run(max_groups=len(groups))
     finally:
         await engine.shutdown()
-        roller.close()
     results = []
     while not channel.results.empty():
         results.append(channel.results.get_nowait())
@@ -128,15 +127,25 @@ def test_max_turns_and_length_budget_end_the_trajectory(model, tok):
     assert int(f[schema.RESPONSE_LENGTH].max()) <= 12 and f[schema.RESPONSES].shape[1] <= 12
 
 
-@pytest.mark.parametrize("environment, timeout_s", [("raising", 30.0), ("hanging", 0.2), ("nan_reward", 30.0)])
-def test_failing_environment_fails_its_group_never_the_roller(model, tok, environment, timeout_s):
+@pytest.mark.parametrize("environment, timeout_s, error", [
+    ("raising", 30.0, "the environment broke"), ("hanging", 0.2, "rollout.env_timeout_s=0.2"),
+    ("nan_reward", 30.0, "reward returned nan"), ("none_factory", 30.0, "returned NoneType, not an Environment"),
+    ("sync_methods", 30.0, "TypeError")])
+def test_failing_environment_fails_its_group_never_the_roller(model, tok, environment, timeout_s, error):
     results, roller = run(_roll(model, tok, [make_group(tok, i, n=2) for i in range(2)], environment,
                                 n=2, env_timeout_s=timeout_s))
     assert results == []  # run() returned: the roller survived both groups
     failures = roller.drain_failures()
     assert [f.stage for f in failures] == ["environment", "environment"]
-    assert all(isinstance(f, FailedGroup) for f in failures)
+    assert all(isinstance(f, FailedGroup) for f in failures) and error in failures[0].errors[0]
     assert roller.stats()["num_failed_rewards"] == 2 * 2
+
+
+def test_numpy_step_rewards_count_as_in_single_turn(model, tok):
+    """A step's reward follows the rule of reward functions (``rewards.reward_result``): a numpy scalar is a
+    number, as it is for a single-turn reward."""
+    results, roller = run(_roll(model, tok, [make_group(tok, 0, n=2)], "numpy_reward", n=2))
+    assert roller.drain_failures() == [] and results[0].rewards == [agent_envs.NUMPY_REWARD] * 2
 
 
 def test_turn_aborted_mid_generation_resumes_with_its_prefix(tok):
@@ -150,7 +159,6 @@ def test_turn_aborted_mid_generation_resumes_with_its_prefix(tok):
     roller = Roller(engine, tok, lambda text, gt: 1.0, rollout, channel, poll_timeout_s=0.05)
     group = make_group(tok, 0, n=1)
     result = run(roller.process_group(group))
-    roller.close()
     assert isinstance(result, GroupResult)
     obs = ObservationFormatter(tok).tokens("user", agent_envs.SCRIPT_OBSERVATION)
     assert engine.requests[1].input_ids == group.input_ids + (10, 11)
@@ -184,7 +192,6 @@ def test_trajectory_paused_while_waiting_on_its_tool_records_both_versions(tok):
         gate.set()
         result = await asyncio.wait_for(task, 60)
         await engine.shutdown()
-        roller.close()
         return result
 
     result = run(scenario())

@@ -44,13 +44,10 @@ async def _roll(url: str, tok, rollout: RolloutConfig, group: PromptGroup, durin
     """``group`` through a Roller whose engine is the SGLang client; ``during(client)`` runs meanwhile."""
     async with connected(url) as client:
         roller = Roller(client, tok, tiny_repeat_reward, rollout, LocalGroupChannel(), poll_timeout_s=0.05)
-        try:
-            task = asyncio.create_task(roller.process_group(group))
-            if during is not None:
-                await during(client)
-            return await task, roller.stats()
-        finally:
-            roller.close()
+        task = asyncio.create_task(roller.process_group(group))
+        if during is not None:
+            await during(client)
+        return await task, roller.stats()
 
 
 def test_trajectories_over_sglang_mask_observations_in_the_chat_template(sglang_server):

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 import types
 
+import numpy as np
 import pytest
 
 from controller.tasks import reasoning_gym_records
+from rollers.environments import AsyncReward
 from rollers.rewards import (
     build_reward_fn,
     extract_answer,
     load_user_reward,
     math_verify_reward,
     reasoning_gym_reward,
-    score_one,
-    score_responses,
+    reward_result,
     tiny_repeat_reward,
 )
 
@@ -174,6 +176,11 @@ def _raises(text, gt):
     raise RuntimeError("boom")
 
 
+async def _async_half(text, gt):
+    await asyncio.sleep(0)
+    return 0.5
+
+
 @pytest.mark.parametrize(
     "fn, error",
     [
@@ -182,22 +189,40 @@ def _raises(text, gt):
         (lambda t, g: math.inf, "inf"),
         (lambda t, g: "1.0", "not a number"),
         (lambda t, g: None, "not a number"),
+        (lambda t, g: np.float32("nan"), "nan"),
     ],
 )
 def test_failed_rewards_are_reported_not_zero(fn, error):
-    result = score_one(fn, "x", {})
+    result = asyncio.run(AsyncReward(fn, 1, 5.0).score("x", {}))
     assert result.failed and error in result.error
     assert math.isnan(result.score)
 
 
-def test_score_responses_keeps_good_scores_beside_failures():
-    def fn(text, gt):
+@pytest.mark.parametrize("fn, expected", [(lambda t, g: 1, 1.0), (lambda t, g: True, 1.0),
+                                          (lambda t, g: np.float32(0.25), 0.25), (lambda t, g: np.int64(2), 2.0),
+                                          (_async_half, 0.5), (lambda t, g: _async_half(t, g), 0.5)])
+def test_every_real_number_is_a_score_sync_or_async(fn, expected):
+    """One rule for single-turn and environments' rewards (both score through AsyncReward): any finite
+    ``numbers.Real`` (bool and numpy scalars too) is a float score; an async function, or one returning a
+    coroutine, is awaited."""
+    result = asyncio.run(AsyncReward(fn, 1, 5.0).score("x", {}))
+    assert not result.failed and result.score == expected and type(result.score) is float
+    assert reward_result(True).score == 1.0 and reward_result(np.float32(0.5)).score == 0.5
+
+
+def test_reward_calls_time_out_each_and_keep_good_scores_beside_failures():
+    async def fn(text, gt):
+        if text == "slow":
+            await asyncio.sleep(10)
         if text == "bad":
             raise ValueError("bad text")
         return 0.5
 
-    results = score_responses(fn, ["ok", "bad", "ok"], [{}, {}, {}])
-    assert [r.failed for r in results] == [False, True, False]
-    assert results[0].score == 0.5 and results[2].score == 0.5
-    with pytest.raises(ValueError, match="2 responses but 1"):
-        score_responses(fn, ["a", "b"], [{}])
+    async def scenario():
+        reward = AsyncReward(fn, 8, 0.2)
+        return await asyncio.gather(*(reward.score(t, {}) for t in ["ok", "bad", "slow", "ok"]))
+
+    results = asyncio.run(scenario())
+    assert [r.failed for r in results] == [False, True, True, False]
+    assert "ValueError: bad text" in results[1].error and "rollout.reward_timeout_s=0.2" in results[2].error
+    assert results[0].score == 0.5 and results[3].score == 0.5

@@ -113,7 +113,6 @@ async def _roll(model, tok, groups, reward_fn=tiny_repeat_reward, slots=16, max_
         await roller.run(max_groups=len(groups))
     finally:
         await engine.shutdown()
-        roller.close()
     results = {}
     while not channel.results.empty():
         result = channel.results.get_nowait()
@@ -222,6 +221,28 @@ def test_hanging_reward_times_out_and_the_pipeline_continues(model, tok):
     assert "reward_timeout_s" in roller.drain_failures()[0].errors[0]
 
 
+def test_async_reward_scores_single_turn_groups_like_multi_turn(model, tok):
+    """An ``async def`` reward scores single-turn groups (its coroutine used to be taken for a non-number:
+    every group failed), with at most ``rollout.reward_max_concurrency`` calls at once."""
+    running, peak = 0, 0
+
+    async def reward(text, gt):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        return tiny_repeat_reward(text, gt)
+
+    rollout = RolloutConfig(n=N, max_response_length=6, seed=3, reward_max_concurrency=2)
+    async_results, roller = run(_roll(model, tok, [make_group(tok, i) for i in range(2)], reward_fn=reward,
+                                      rollout=rollout))
+    sync_results, _ = run(_roll(model, tok, [make_group(tok, i) for i in range(2)], rollout=rollout))
+    assert roller.drain_failures() == [] and sorted(async_results) == ["uid0", "uid1"]
+    assert {u: r.rewards for u, r in async_results.items()} == {u: r.rewards for u, r in sync_results.items()}
+    assert peak == 2
+
+
 def test_remax_puts_the_greedy_baseline_reward(model, tok):
     group = make_group(tok, 0)
     greedy_text_reward = {}
@@ -260,7 +281,6 @@ def test_permits_gate_group_starts(model, tok):
         roller.stop()
         await asyncio.wait_for(task, 10)
         await engine.shutdown()
-        roller.close()
         return {first.uid, second.uid}
 
     assert run(scenario()) == {"uid0", "uid1"}
@@ -326,7 +346,6 @@ def test_aborted_sample_is_resubmitted_with_its_prefix(tok):
     engine, channel, roller = _scripted_roller(tok, [([10, 11, 12], [0, 0, 0], "abort"), ([13, eos], [1, 1], "stop")])
     group = make_group(tok, 0, n=1)
     result = run(roller.process_group(group))
-    roller.close()
     first, second = engine.requests
     assert second.input_ids == group.input_ids + (10, 11, 12)
     assert second.sampling.max_new_tokens == 8 - 3
@@ -343,7 +362,6 @@ def test_pad_to_max_length(tok):
     engine, channel, roller = _scripted_roller(tok, [([5, 6], [0, 0], "stop")])
     roller.pad_to_max_length = True
     result = run(roller.process_group(make_group(tok, 0, n=1)))
-    roller.close()
     assert result.fields[schema.RESPONSES].shape == (1, 8)  # rollout.max_response_length
     assert result.fields[schema.RESPONSE_MASK].tolist() == [[1, 1, 0, 0, 0, 0, 0, 0]]
 
@@ -351,7 +369,6 @@ def test_pad_to_max_length(tok):
 def test_too_many_aborts_fail_the_group(tok):
     engine, channel, roller = _scripted_roller(tok, [([10], [0], "abort")] * 3, max_resubmits=2)
     failure = run(roller.process_group(make_group(tok, 0, n=1)))
-    roller.close()
     assert failure.stage == "generate" and "rollout.max_resubmits" in failure.errors[0]
     assert len(engine.requests) == 3 and channel.results.empty()
 
@@ -361,7 +378,6 @@ def test_rejected_request_fails_only_its_group(tok):
     failure = run(roller.process_group(make_group(tok, 0, n=1)))
     assert failure.stage == "generate" and "ValueError: prompt too long" in failure.errors[0]
     assert isinstance(run(roller.process_group(make_group(tok, 1, n=1))), GroupResult)
-    roller.close()
 
 
 def test_prompt_near_the_context_limit_is_truncated_not_failed(model, tok):
@@ -385,7 +401,6 @@ def test_engine_error_ends_run_with_that_error(tok):
     channel.groups.put_nowait(make_group(tok, 0, n=1))
     with pytest.raises(EngineError, match="boom"):
         run(roller.run())
-    roller.close()
 
 
 def test_abort_during_weight_update_records_both_versions(tok):
@@ -411,7 +426,6 @@ def test_abort_during_weight_update_records_both_versions(tok):
         await engine.resume()
         await asyncio.wait_for(task, 60)
         await engine.shutdown()
-        roller.close()
         return channel.results.get_nowait(), roller.stats()
 
     result, stats = run(scenario())
@@ -528,7 +542,6 @@ def test_roller_loop_against_a_real_transferqueue(tq_servers, model, tok):
                             max_groups_in_flight=2, poll_timeout_s=0.2)
             assert await roller.run(max_groups=3) == 3
             await engine.shutdown()
-            roller.close()
             assert await channel.take_group(0.1) is None  # every group consumed by the rollout task
             own = TQGroupChannel.from_handle(tq_servers.handle.to_dict(), "step0.prompts", "step0", n=N)
             try:  # as a roller builds it
@@ -617,7 +630,6 @@ def test_validation_groups_go_first_to_their_own_partition_with_common_seeds(tq_
             for group in groups:
                 await roller.process_group(group)
             await engine.shutdown()
-            roller.close()
             val = await client.aget_meta([schema.RESPONSES, schema.RESPONSE_TEXT], 6, "validate", "v", timeout_s=10)
             return groups, val, await client.aget_data(val), await client.asample_info("vp")
         finally:

@@ -565,10 +565,7 @@ def test_agent_loop_drives_the_server_with_input_ids(served):
         roller = Roller(engine, tok, tiny_repeat_reward, rollout, LocalGroupChannel(), poll_timeout_s=0.05)
         if served.kind == "torch":
             roller.agent.stop_ids = short_turn_stops(tok)
-        try:
-            return await roller.process_group(make_group(tok, 0, n=2)), roller.stats()
-        finally:
-            roller.close()
+        return await roller.process_group(make_group(tok, 0, n=2)), roller.stats()
 
     # Known weights on the server first: earlier tests of this module push other weights to the same server.
     weights = _perturbed(served.model, seed=303)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
+from rollers import user_calls
 from rollers.environments import ENVIRONMENTS, AsyncReward, EnvContext, EnvironmentFailure
 from rollers.rewards import math_verify_reward
 from rollers.tools import (
@@ -67,6 +69,64 @@ def test_call_tool_answers_mistakes_and_fails_on_tool_errors():
         Tool("t", lambda: 1, {"type": "string"})
 
 
+def test_blocking_sync_tools_hold_only_their_own_threads():
+    """Sync tool calls that block forever time out one by one, and a later call still runs at once (a shared
+    worker pool, asyncio.to_thread's 6 threads on 2 cores, was used up by them: every later call timed out).
+    The overdue count follows the threads and goes back to 0 once they return."""
+    release = threading.Event()
+
+    @tool({"type": "object", "properties": {}})
+    def stuck():
+        release.wait(30)
+        return "late"
+
+    @tool({"type": "object", "properties": {"timeout_s": {"type": "number"}}})
+    def quick(timeout_s=None):
+        return f"quick {timeout_s}"
+
+    tools = {"stuck": stuck, "quick": quick}
+
+    async def scenario():
+        calls = [call_tool(tools, ToolCall("stuck", {}), 0.1) for _ in range(12)]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(o, ToolError) and "longer than" in str(o) for o in outcomes)
+        assert user_calls.num_overdue() == 12
+        # a tool argument named like call_user's own parameter reaches the tool
+        return await call_tool(tools, ToolCall("quick", {"timeout_s": 3}), 1.0)
+
+    try:
+        assert run(scenario()) == "quick 3"
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while user_calls.num_overdue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert user_calls.num_overdue() == 0
+
+
+def test_overdue_calls_are_bounded(monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(user_calls, "MAX_OVERDUE", 2)
+
+    async def scenario():
+        for _ in range(2):
+            with pytest.raises(TimeoutError):
+                await user_calls.call_user(0.05, release.wait, 30)
+        with pytest.raises(user_calls.TooManyOverdueCalls, match="2 earlier calls"):
+            await user_calls.call_user(5.0, lambda: 1)
+        assert await user_calls.call_user(5.0, asyncio.sleep, 0, "async calls need no thread") == \
+            "async calls need no thread"
+
+    try:
+        run(scenario())
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while user_calls.num_overdue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert user_calls.num_overdue() == 0
+
+
 def test_async_reward_limits_concurrency_and_times_out():
     running, peak = 0, 0
 
@@ -90,7 +150,7 @@ def test_async_reward_limits_concurrency_and_times_out():
 
     with pytest.raises(EnvironmentFailure, match="longer than"):
         run(AsyncReward(hanging, 1, 0.05)("x", {}))
-    with pytest.raises(EnvironmentFailure, match="finite"):
+    with pytest.raises(EnvironmentFailure, match="reward returned nan"):
         run(AsyncReward(lambda t, g: float("nan"), 1, 5.0)("x", {}))
     with pytest.raises(EnvironmentFailure, match="KeyError"):
         run(AsyncReward(lambda t, g: g["missing"], 1, 5.0)("x", {}))
