@@ -253,10 +253,38 @@ def check_finite(node: Any, path: str = "") -> None:
         raise ValueError(f"{path}={node} is not a finite number")
 
 
+def _kind(value: Any) -> str:
+    return "mapping" if isinstance(value, dict) else "list" if isinstance(value, list | tuple) else "single value"
+
+
+def _shape_conflict(base: dict, other: dict, prefix: str = "") -> tuple[str, str, str] | None:
+    """The first key (dotted path) where ``other`` puts a mapping, list or single value in place of another
+    of these in ``base`` (plain containers); (key, expected kind, given kind), or None."""
+    for key, given in other.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        expected = base.get(key) if isinstance(base, dict) else None
+        if expected is None or given is None:  # unknown key, or an optional value: OmegaConf says
+            continue
+        if _kind(expected) != _kind(given):
+            return path, _kind(expected), _kind(given)
+        if isinstance(given, dict):
+            found = _shape_conflict(expected, given, path)
+            if found:
+                return found
+    return None
+
+
 def _merge(base, other, source: str):
     try:
         return OmegaConf.merge(base, other)
-    except OmegaConfBaseException as exc:
+    except (OmegaConfBaseException, TypeError) as exc:  # TypeError: a list merged into a mapping, or back
+        conflict = _shape_conflict(OmegaConf.to_container(base), OmegaConf.to_container(other))
+        if conflict:
+            key, expected, given = conflict
+            raise ValueError(f"bad value for config key {key!r} (from {source}): it takes a {expected}, "
+                             f"not a {given}") from None
+        if isinstance(exc, TypeError):
+            raise ValueError(f"config error (from {source}): {exc}") from None
         raise _friendly(exc, source) from None
 
 

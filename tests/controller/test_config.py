@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from controller.cli import main
@@ -50,11 +52,25 @@ def test_override_and_mode():
         ("transferqueue.host=0.0.0.0", "transferqueue.host"),
         ("checkpointengine.host=nodes", "checkpointengine.host"),
         ("metrics.host=node", "metrics.host"),
+        # a list where a mapping goes, or back (OmegaConf raised a bare TypeError, or named key '?')
+        ("rollout.env_kwargs=[1,2]", "'rollout.env_kwargs' (from override 'rollout.env_kwargs=[1,2]'): it takes a "
+                                     "mapping, not a list"),
+        ("rollers.resources=[1]", "'rollers.resources'"),
+        ("trainer.betas={a:1}", "'trainer.betas' (from override 'trainer.betas={a:1}'): it takes a list, not a mapping"),
+        ("rollers.fault_injection={a:1}", "'rollers.fault_injection'"),
+        ("model.tiny=[1]", "'model.tiny'"),
+        ("rollout=5", "'rollout' (from override 'rollout=5'): it takes a mapping, not a single value"),
     ],
 )
 def test_bad_overrides_name_the_key(override, needle):
-    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(needle)):
         load_config(overrides=override.split(" "))
+
+
+def test_a_config_file_of_the_wrong_shape_names_the_key(tmp_path):
+    (tmp_path / "bad.yaml").write_text("rollout:\n  env_kwargs: [1, 2]\n")
+    with pytest.raises(ValueError, match=r"'rollout\.env_kwargs' \(from .*bad\.yaml\): it takes a mapping, not a list"):
+        load_config(config_file=str(tmp_path / "bad.yaml"))
 
 
 def test_cross_field_validation():
