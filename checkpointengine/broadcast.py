@@ -17,6 +17,7 @@ with ``create_sender_store`` + ``create_sender_group`` (a store that listens on 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -59,18 +60,20 @@ def _rendezvous(host: str, port: int, rank: int, world_size: int, timeout_s: flo
 
 
 def _new_group(store: dist.Store, rank: int, world_size: int, group_name: str, backend: str,
-               timeout_s: float) -> dist.ProcessGroup:
+               timeout_s: float, master_addr: str, who: str) -> dist.ProcessGroup:
     """A process group of its own under ``group_name``, built exactly as SGLang's
     ``init_custom_process_group`` does (torch's ``_new_process_group_helper``), so both sides derive
-    the same store keys whichever of them is ours."""
+    the same store keys whichever of them is ours. A gloo group binds the interface on ``master_addr``'s
+    network (``common.net.gloo_interface``: loopback for a one-node job, not the host name's address)."""
     from torch.distributed import distributed_c10d as c10d
 
     if backend not in GROUP_BACKENDS:
         raise ValueError(f"broadcast backend {backend!r} is not one of {list(GROUP_BACKENDS)}")
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
-        group_name=group_name, backend_options=None, timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    with net.gloo_interface(master_addr, who) if backend == "gloo" else contextlib.nullcontext():
+        group, _ = c10d._new_process_group_helper(
+            world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
+            group_name=group_name, backend_options=None, timeout=datetime.timedelta(seconds=timeout_s),
+        )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
@@ -83,9 +86,11 @@ def create_sender_store(host: str = "127.0.0.1", port: int = 0, world_size: int 
 
 
 def create_sender_group(store: dist.Store, world_size: int, group_name: str, backend: str = "gloo",
-                        timeout_s: float = 120.0) -> WeightUpdateGroup:
-    """Rank 0's side of the group; blocks until all ``world_size`` members joined (or ``timeout_s``)."""
-    pg = _new_group(store, 0, world_size, group_name, backend, timeout_s)
+                        timeout_s: float = 120.0, host: str = "127.0.0.1") -> WeightUpdateGroup:
+    """Rank 0's side of the group; blocks until all ``world_size`` members joined (or ``timeout_s``).
+    ``host``: the address the store listens on (``create_sender_store``); a gloo group binds the interface
+    on its network (``common.net.gloo_interface``)."""
+    pg = _new_group(store, 0, world_size, group_name, backend, timeout_s, host, "weight sender")
     return WeightUpdateGroup(pg, store, 0, world_size, group_name, backend, store.port)
 
 
@@ -102,7 +107,8 @@ def init_weights_update_group(master_address: str, master_port: int, rank_offset
     if backend not in GROUP_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(GROUP_BACKENDS)}")
     store = _rendezvous(master_address, master_port, rank_offset, world_size, timeout_s)
-    pg = _new_group(store, rank_offset, world_size, group_name, backend, timeout_s)
+    pg = _new_group(store, rank_offset, world_size, group_name, backend, timeout_s, master_address,
+                    f"weight receiver rank {rank_offset}")
     return WeightUpdateGroup(pg, store, rank_offset, world_size, group_name, backend, master_port)
 
 

@@ -16,9 +16,13 @@ from this machine only, and one on a configured address from that address only.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import logging
+import os
 import socket
+from collections.abc import Iterator
 
 import psutil
 import torch.distributed as dist
@@ -26,6 +30,9 @@ import torch.distributed as dist
 from common.node import node_ip_address
 
 NODE_HOST = "node"
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+logger = logging.getLogger(__name__)
 
 
 def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, timeout_s: float,
@@ -126,3 +133,45 @@ def interface_of(address: str) -> str:
         raise ValueError(f"no network interface of this machine is on the network of {address}: the "
                          f"interfaces hold {', '.join(seen) or 'no IPv4 address'}")
     return best[2]
+
+
+def gloo_interface_name(master_addr: str) -> str:
+    """The network interface this process's gloo device binds for a group that meets at ``master_addr``:
+    the interface on ``master_addr``'s network (:func:`interface_of`; loopback gives the loopback
+    interface), else, for a member on another network than the master, the interface of this process's Ray
+    node address. Raises ValueError naming the address(es) when no interface is on either network."""
+    try:
+        return interface_of(master_addr)
+    except ValueError as exc:
+        try:
+            node_address = node_ip_address()
+        except RuntimeError:
+            raise ValueError(f"gloo rendezvous at {master_addr}: {exc}") from None
+        try:
+            return interface_of(node_address)
+        except ValueError as node_exc:
+            raise ValueError(f"gloo rendezvous at {master_addr}: no interface is on its network, nor on that of "
+                             f"this process's Ray node address: {node_exc}") from None
+
+
+@contextlib.contextmanager
+def gloo_interface(master_addr: str, who: str) -> Iterator[None]:
+    """Set ``GLOO_SOCKET_IFNAME`` to :func:`gloo_interface_name` while a gloo group is created (the trainers'
+    group, ``trainers.fsdp``; the checkpoint engine's ``broadcast`` group), then restore it: without it gloo
+    binds, and tells its peers, the address the host name resolves to (127.0.1.1 on Debian, a node address
+    where the host name resolves to one: a one-node job would listen beyond loopback). Scoped to one group,
+    so each group of a process gets its own. A value the user set is left alone (logged). ``who`` names
+    the member in the log line. Raises ValueError as :func:`gloo_interface_name`."""
+    if os.environ.get(GLOO_IFNAME_ENV):
+        logger.info("%s: %s=%s is set, gloo uses it (not the interface looked up for %s)",
+                    who, GLOO_IFNAME_ENV, os.environ[GLOO_IFNAME_ENV], master_addr)
+        yield
+        return
+    name = gloo_interface_name(master_addr)
+    logger.info("%s: gloo uses interface %s for the group at %s (set %s to override)",
+                who, name, master_addr, GLOO_IFNAME_ENV)
+    os.environ[GLOO_IFNAME_ENV] = name
+    try:
+        yield
+    finally:
+        os.environ.pop(GLOO_IFNAME_ENV, None)

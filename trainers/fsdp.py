@@ -28,7 +28,6 @@ import contextlib
 import copy
 import logging
 import math
-import os
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import NamedTuple
@@ -40,13 +39,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from common import models, net, schema
-from common.node import node_ip_address
 from trainers.batching import position_ids_from_mask, shared_prompt_layout, within_extent
 from trainers.losses import entropy_from_logits, log_probs_from_logits
 
 logger = logging.getLogger(__name__)
-
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 POLICY = "policy"
 CRITIC = "critic"
@@ -58,7 +54,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
     Idempotent when this process already belongs to a group of the same rank and size; raises
     RuntimeError when it belongs to a different one. ``timeout_s`` bounds every collective. A gloo group
-    binds the interface :func:`gloo_interface` picks (ValueError naming the address when none fits).
+    binds the interface ``common.net.gloo_interface`` picks (ValueError naming the address when none fits).
     """
     if dist.is_initialized():
         if dist.get_rank() != rank or dist.get_world_size() != world_size:
@@ -69,50 +65,9 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         return
     # Our own store: torch's tcp:// init method would listen on every interface (see common/net.py).
     store = net.tcp_store(master_addr, master_port, world_size, rank == 0, timeout_s)
-    with gloo_interface(master_addr, rank) if backend == "gloo" else contextlib.nullcontext():
+    with net.gloo_interface(master_addr, f"trainer rank {rank}") if backend == "gloo" else contextlib.nullcontext():
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-
-
-def gloo_interface_name(master_addr: str) -> str:
-    """The network interface this rank's gloo device binds for a group that meets at ``master_addr``:
-    the interface on ``master_addr``'s network (``common.net.interface_of``; loopback gives the loopback
-    interface), else, for a rank on another network than rank 0, the interface of this process's Ray node
-    address. Raises ValueError naming the address(es) when no interface is on either network."""
-    try:
-        return net.interface_of(master_addr)
-    except ValueError as exc:
-        try:
-            node_address = node_ip_address()
-        except RuntimeError:
-            raise ValueError(f"gloo rendezvous at {master_addr}: {exc}") from None
-        try:
-            return net.interface_of(node_address)
-        except ValueError as node_exc:
-            raise ValueError(f"gloo rendezvous at {master_addr}: no interface is on its network, nor on that of "
-                             f"this rank's Ray node address: {node_exc}") from None
-
-
-@contextlib.contextmanager
-def gloo_interface(master_addr: str, rank: int) -> Iterator[None]:
-    """Set ``GLOO_SOCKET_IFNAME`` to :func:`gloo_interface_name` while the trainers' gloo group is created,
-    then restore it: without it gloo binds, and tells its peers, the address the host name resolves to
-    (127.0.1.1 on Debian, or anything a cluster's DNS says). Scoped to this group so that other gloo groups
-    of the process (the checkpoint engine's ``broadcast`` group) keep their own choice. A value the user
-    set is left alone (logged). Raises ValueError as :func:`gloo_interface_name`."""
-    if os.environ.get(GLOO_IFNAME_ENV):
-        logger.info("trainer rank %d: %s=%s is set, gloo uses it (not the interface looked up for %s)",
-                    rank, GLOO_IFNAME_ENV, os.environ[GLOO_IFNAME_ENV], master_addr)
-        yield
-        return
-    name = gloo_interface_name(master_addr)
-    logger.info("trainer rank %d: gloo uses interface %s for the group at %s (set %s to override)",
-                rank, name, master_addr, GLOO_IFNAME_ENV)
-    os.environ[GLOO_IFNAME_ENV] = name
-    try:
-        yield
-    finally:
-        os.environ.pop(GLOO_IFNAME_ENV, None)
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:

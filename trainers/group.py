@@ -15,7 +15,7 @@ several Ray nodes (``PACK`` fills one node first), rank 0 binds ``trainer.host``
 node address, resolved in rank 0's process) and the ranks meet at the address rank 0 reports. The store
 listens on that one address only (``common.net.tcp_store``); gloo/NCCL then connect rank to rank: gloo on
 the interface each rank finds on the rendezvous address's network (loopback: ``lo``; a rank on another
-network: its Ray node address's interface), unless ``GLOO_SOCKET_IFNAME`` is set (``trainers.fsdp.
+network: its Ray node address's interface), unless ``GLOO_SOCKET_IFNAME`` is set (``common.net.
 gloo_interface``); NCCL on the interface its own ``NCCL_SOCKET_IFNAME`` picks.
 
 Errors: an exception raised inside any rank reaches the caller as the original exception (same type and

@@ -58,7 +58,7 @@ class BroadcastSender(BackendSender):
         name = f"hflow-weights-{uuid.uuid4().hex[:12]}"
         for i, roller in enumerate(members):
             sender.control.send_to(roller, GroupInit(self.cfg.host, store.port, i + 1, world, name, backend))
-        self.group = bc.create_sender_group(store, world, name, backend, self.cfg.timeout_s)
+        self.group = bc.create_sender_group(store, world, name, backend, self.cfg.timeout_s, self.cfg.host)
         self.members = members
 
     def full_body(self, sender, stream):
