@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -27,6 +28,21 @@ def spiced_tiny(seed: int = 0) -> torch.nn.Module:
             if param.dim() > 1:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
     return model
+
+
+def concurrency_probe(score, delay_s: float):
+    """An async reward that sleeps ``delay_s`` then returns ``score(text, ground_truth)``, and its state:
+    ``state.peak`` is the most calls that ran at once."""
+    state = SimpleNamespace(running=0, peak=0)
+
+    async def reward(text, ground_truth):
+        state.running += 1
+        state.peak = max(state.peak, state.running)
+        await asyncio.sleep(delay_s)
+        state.running -= 1
+        return score(text, ground_truth)
+
+    return reward, state
 
 
 class PermitAdmission:

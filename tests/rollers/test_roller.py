@@ -25,7 +25,14 @@ from rollers.roller import (
     sample_seed,
 )
 from rollers.torch_engine import TorchEngine
-from tests.rollers.engine_helpers import LocalGroupChannel, PermitAdmission, PermitChannel, run, spiced_tiny
+from tests.rollers.engine_helpers import (
+    LocalGroupChannel,
+    PermitAdmission,
+    PermitChannel,
+    concurrency_probe,
+    run,
+    spiced_tiny,
+)
 
 N = 4
 
@@ -224,23 +231,14 @@ def test_hanging_reward_times_out_and_the_pipeline_continues(model, tok):
 def test_async_reward_scores_single_turn_groups_like_multi_turn(model, tok):
     """An ``async def`` reward scores single-turn groups (its coroutine used to be taken for a non-number:
     every group failed), with at most ``rollout.reward_max_concurrency`` calls at once."""
-    running, peak = 0, 0
-
-    async def reward(text, gt):
-        nonlocal running, peak
-        running += 1
-        peak = max(peak, running)
-        await asyncio.sleep(0.01)
-        running -= 1
-        return tiny_repeat_reward(text, gt)
-
+    reward, probe = concurrency_probe(tiny_repeat_reward, 0.01)
     rollout = RolloutConfig(n=N, max_response_length=6, seed=3, reward_max_concurrency=2)
     async_results, roller = run(_roll(model, tok, [make_group(tok, i) for i in range(2)], reward_fn=reward,
                                       rollout=rollout))
     sync_results, _ = run(_roll(model, tok, [make_group(tok, i) for i in range(2)], rollout=rollout))
     assert roller.drain_failures() == [] and sorted(async_results) == ["uid0", "uid1"]
     assert {u: r.rewards for u, r in async_results.items()} == {u: r.rewards for u, r in sync_results.items()}
-    assert peak == 2
+    assert probe.peak == 2
 
 
 def test_remax_puts_the_greedy_baseline_reward(model, tok):

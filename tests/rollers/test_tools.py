@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -21,7 +22,7 @@ from rollers.tools import (
     parse_tool_call,
     tool,
 )
-from tests.rollers.engine_helpers import run
+from tests.rollers.engine_helpers import concurrency_probe, run
 
 
 def call_text(name: str, arguments: str) -> str:
@@ -69,6 +70,19 @@ def test_call_tool_answers_mistakes_and_fails_on_tool_errors():
         Tool("t", lambda: 1, {"type": "string"})
 
 
+@contextlib.contextmanager
+def _released(release: threading.Event):
+    """Set ``release`` on leaving (the blocked calls return), then check the overdue count drains to 0."""
+    try:
+        yield
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while user_calls.num_overdue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert user_calls.num_overdue() == 0
+
+
 def test_blocking_sync_tools_hold_only_their_own_threads():
     """Sync tool calls that block forever time out one by one, and a later call still runs at once (a shared
     worker pool, asyncio.to_thread's 6 threads on 2 cores, was used up by them: every later call timed out).
@@ -94,14 +108,8 @@ def test_blocking_sync_tools_hold_only_their_own_threads():
         # a tool argument named like call_user's own parameter reaches the tool
         return await call_tool(tools, ToolCall("quick", {"timeout_s": 3}), 1.0)
 
-    try:
+    with _released(release):
         assert run(scenario()) == "quick 3"
-    finally:
-        release.set()
-    deadline = time.monotonic() + 10
-    while user_calls.num_overdue() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert user_calls.num_overdue() == 0
 
 
 def test_overdue_calls_are_bounded(monkeypatch):
@@ -117,32 +125,18 @@ def test_overdue_calls_are_bounded(monkeypatch):
         assert await user_calls.call_user(5.0, asyncio.sleep, 0, "async calls need no thread") == \
             "async calls need no thread"
 
-    try:
+    with _released(release):
         run(scenario())
-    finally:
-        release.set()
-    deadline = time.monotonic() + 10
-    while user_calls.num_overdue() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert user_calls.num_overdue() == 0
 
 
 def test_async_reward_limits_concurrency_and_times_out():
-    running, peak = 0, 0
-
-    async def reward(text, gt):
-        nonlocal running, peak
-        running += 1
-        peak = max(peak, running)
-        await asyncio.sleep(0.02)
-        running -= 1
-        return 1.0 if text == gt["answer"] else 0.0
+    reward, probe = concurrency_probe(lambda text, gt: 1.0 if text == gt["answer"] else 0.0, 0.02)
 
     async def scenario():
         limited = AsyncReward(reward, max_concurrency=2, timeout_s=5.0)
         return await asyncio.gather(*(limited("7", {"answer": "7"}) for _ in range(6)))
 
-    assert run(scenario()) == [1.0] * 6 and peak == 2
+    assert run(scenario()) == [1.0] * 6 and probe.peak == 2
 
     def hanging(text, gt):
         time.sleep(1.0)
