@@ -65,8 +65,9 @@ class PromptFeeder:
 
     The feeder never produces beyond ``num_batches`` — except with ``algorithm.dynamic_sampling``, whose
     refills draw further prompts of the same stream (in order, so no prompt twice in an epoch), up to every
-    batch of ``data.epochs``; so do fully-async's replacements of failed groups (``rollers.on_failed_group=
-    skip``, ``controller.schedules.Stages.check_rollers``).
+    batch of ``data.epochs``; so, in fully-async, do the replacements of failed groups
+    (``rollers.on_failed_group=skip``, ``controller.schedules.Stages.check_rollers``; the stream is sized so
+    in every fully-async run, whatever that key, so that a resume may change it).
     """
 
     def __init__(self, cfg: HFlowConfig, num_batches: int, context_length: int | None, partition: str,
@@ -86,8 +87,7 @@ class PromptFeeder:
                 if dataset is not None:
                     dataset.check_context(context_length)
         self._pending: deque[tuple[str, int, Prompt]] = deque()
-        replaces = cfg.algorithm.dynamic_sampling or (cfg.mode == "fully-async" and cfg.rollers.on_failed_group == "skip")
-        if replaces:  # refills and replacements may use every prompt the epochs provide
+        if cfg.algorithm.dynamic_sampling or cfg.mode == "fully-async":  # refills, replacements: every epoch's prompts
             num_batches = self.dataset.num_available_steps()
         self._num_batches = num_batches
         self._batches = self.dataset.batches(num_batches)

@@ -150,8 +150,10 @@ class Stages:
 
         Groups that failed (``rollers.on_failed_group=skip``) are not returned: in fully-async a fresh prompt
         takes each one's place (``check_rollers``) and the step waits for it; in sync and one-step-off they
-        count toward ``num_groups`` (the step trains fewer). With ``enforce_staleness``, a group whose staleness at ``train_weight_version`` exceeds
-        ``algorithm.max_staleness`` follows ``algorithm.stale_policy``. With ``algorithm.dynamic_sampling``,
+        count toward ``num_groups`` (the step trains fewer; ``num_groups`` was taken from ``outstanding``, which
+        failures already left, so every failure seen counts here). With ``enforce_staleness``, a group whose
+        staleness at ``train_weight_version`` exceeds ``algorithm.max_staleness`` follows
+        ``algorithm.stale_policy``. With ``algorithm.dynamic_sampling``,
         a zero-variance group is replaced (``refill``) and waited for. Returns fewer groups only when the
         prompt data has run out. Raises RolloutFailure (also when there is no group at all).
         """
@@ -170,10 +172,7 @@ class Stages:
                                              f"(rollers.on_failed_group=skip replaces failed groups in fully-async; "
                                              f"a run fails when their replacements keep failing)")
                     continue
-                # Claim only the skips this step still needs: the rest count toward the next steps (a step
-                # that claimed them all would leave a later step waiting for groups that never come).
-                take = min(self.num_unclaimed_skips, num_groups - len(metas) - skipped)
-                skipped, self.num_unclaimed_skips = skipped + take, self.num_unclaimed_skips - take
+                skipped, self.num_unclaimed_skips = skipped + self.num_unclaimed_skips, 0
                 continue
             self.num_samples_received += len(meta)
             self.failed_in_a_row = 0
@@ -315,16 +314,25 @@ class Stages:
         self.num_failed_groups += len(failures)  # counted whatever follows: the summary of a failed run too
         if self.cfg.rollers.on_failed_group == "fail":
             raise RolloutFailure(f"group {first.uid} failed in {first.stage}: {'; '.join(first.errors)}")
-        for f in failures:
-            logger.warning("group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
-            await self.rt.tq.aclear(PROMPT_PARTITION, [f.prompt_id])
-        self.outstanding -= len(failures)
-        self.num_unclaimed_skips += len(failures)
-        if self.replaces_failed:  # their slots in the admission bound go to fresh prompts (_keep_admitting)
-            async with self.feeder_lock:
-                self.admission.drop(len(failures))
-            self.changed.set()
+        await _finish_before_cancel(self._skip(failures))
         return len(failures)
+
+    async def _skip(self, failures: list) -> None:
+        """Clear skipped training groups and count them, holding ``feeder_lock`` (a job checkpoint's snapshot
+        sees each either before, as in flight, or after: gone and, in fully-async, its admission slot freed
+        for a fresh prompt, ``_keep_admitting``)."""
+        async with self.feeder_lock:
+            for f in failures:
+                logger.warning("group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
+                await self.rt.tq.aclear(PROMPT_PARTITION, [f.prompt_id])
+                self.admitted_at.pop(f.uid, None)
+                self.refill_depth.pop(f.uid, None)
+            self.outstanding -= len(failures)
+            self.num_unclaimed_skips += len(failures)
+            if self.replaces_failed:
+                self.admission.drop(len(failures))
+        if self.replaces_failed:
+            self.changed.set()
 
     # -------------------------------------------------------------------------------------- bookkeeping
 

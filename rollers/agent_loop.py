@@ -40,7 +40,6 @@ it); a request the engine rejects raises ValueError and an ``EngineError`` propa
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -62,6 +61,7 @@ from rollers.environments import (
 from rollers.response_fields import forced_response_length, sample_seed
 from rollers.rewards import reward_result
 from rollers.roller import PromptGroup, build_response_fields
+from rollers.user_calls import call_user
 
 _PLACEHOLDER = "\x00OBSERVATION\x00"
 
@@ -205,12 +205,12 @@ class AgentLoop:
         return traj
 
     async def _env_call(self, traj: Trajectory, method: Callable, *args):
-        """``await method(*args)`` (an environment's ``reset``/``step``/``close``), bounded by
-        ``rollout.env_timeout_s``; whatever the call raises (but cancellation), a method that is not async
-        included, becomes EnvironmentFailure, so it can only fail its trajectory."""
+        """``method(*args)`` (an environment's ``reset``/``step``/``close``: async, or sync in a thread of its
+        own, ``rollers.user_calls``), bounded by ``rollout.env_timeout_s``; whatever the call raises (but
+        cancellation) becomes EnvironmentFailure, so it can only fail its trajectory."""
         started = time.perf_counter()
         try:
-            return await asyncio.wait_for(method(*args), self.rollout.env_timeout_s)
+            return await call_user(self.rollout.env_timeout_s, method, *args)
         except TimeoutError as exc:
             raise EnvironmentFailure(f"an environment call took longer than rollout.env_timeout_s="
                                      f"{self.rollout.env_timeout_s}") from exc

@@ -35,9 +35,10 @@ packages, is text-in/text-out gym-style, and its number games, puzzles and ``rg:
 (GEM's word games, hangman/wordle/word search, need that NLTK data too: not offline); ``verifiers`` adds 38
 and ``openenv-core`` 58 (web servers, MCP, gradio), both built around chat messages and HTTP sandboxes.
 
-Failures: an environment whose ``reset``/``step`` raises or runs past ``rollout.env_timeout_s``, a tool
-that does (``rollers.tools.ToolError``), or a reward that raises, returns NaN or times out fails its
-trajectory, and with it its group (counted as a reward failure, like single-turn rewards); never the roller.
+Failures: an environment whose ``reset``/``step``/``close`` raises or runs past ``rollout.env_timeout_s``, a
+factory that raises or returns no environment, a tool that raises or times out (``rollers.tools.ToolError``),
+or a reward that raises, returns NaN or times out fails its trajectory, and with it its group (counted as a
+reward failure, like single-turn rewards); never the roller.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class StepResult:
 
 class Environment(abc.ABC):
     """One trajectory's environment (see the module docstring). ``observation_role``: the chat role its
-    observations are formatted as (``tool`` for tool results; ``user`` for a text game)."""
+    observations are formatted as (``tool`` for tool results; ``user`` for a text game). Its methods are
+    ``async``; an object with plain (sync) ``reset``/``step``/``close`` works too: each call then runs in a
+    thread of its own (``rollers.user_calls``), bounded by ``rollout.env_timeout_s`` all the same."""
 
     observation_role: str = "tool"
 

@@ -36,16 +36,37 @@ async def call_user(timeout_s: float, fn: Callable, /, *args: Any, **kwargs: Any
     """``fn(*args, **kwargs)`` (awaited when it is async or returns an awaitable), within ``timeout_s`` seconds
     (positional-only, so any keyword, ``timeout_s`` included, goes to ``fn``).
 
-    Returns its result; raises what it raises, TimeoutError past ``timeout_s``, and TooManyOverdueCalls when
-    ``MAX_OVERDUE`` earlier sync calls are still running past their timeouts.
+    Returns its result; raises what it raises (StopIteration, SystemExit, KeyboardInterrupt as RuntimeError),
+    TimeoutError past ``timeout_s``, and TooManyOverdueCalls when ``MAX_OVERDUE`` earlier sync calls are
+    still running past their timeouts.
     """
     deadline = time.monotonic() + timeout_s
     if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+        return await asyncio.wait_for(_contained(fn(*args, **kwargs)), timeout_s)
     result = await _in_thread(fn, args, kwargs, timeout_s)
     if inspect.isawaitable(result):  # e.g. an object whose __call__ is async, a lambda returning a coroutine
-        return await asyncio.wait_for(result, max(deadline - time.monotonic(), 0.0))
+        return await asyncio.wait_for(_contained(result), max(deadline - time.monotonic(), 0.0))
     return result
+
+
+def _plain(exc: BaseException) -> BaseException:
+    """``exc`` as the caller may receive it: an Exception other than StopIteration (which a future cannot
+    carry) as it is; StopIteration, SystemExit (a ``sys.exit()`` in user code), KeyboardInterrupt and
+    other BaseExceptions as a RuntimeError naming them, so that they fail the call, not the process."""
+    if isinstance(exc, Exception) and not isinstance(exc, StopIteration):
+        return exc
+    error = RuntimeError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    error.__cause__ = exc
+    return error
+
+
+async def _contained(awaitable) -> Any:
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # SystemExit and the like would stop the event loop (see _plain)
+        raise _plain(exc) from exc
 
 
 async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
@@ -70,8 +91,8 @@ async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
         result, error = None, None
         try:
             result = fn(*args, **kwargs)
-        except BaseException as exc:  # handed to the caller as it is
-            error = exc
+        except BaseException as exc:  # handed to the caller (_plain: never one that would end its process)
+            error = _plain(exc)
         with lock:
             if state["overdue"]:  # the caller gave up on it: only the count is left to settle
                 with _overdue_lock:

@@ -5,8 +5,8 @@ works in any process that can import ``tests``).
   tiny vocabulary) and reward ``TURN_REWARD``; the next turn is scored with the task's reward and ends it.
 * ``raising``: ``step`` raises; ``hanging``: ``step`` never returns (its trajectory times out);
   ``nan_reward``: ``step`` answers reward NaN; ``none_factory``: the factory returns None;
-  ``sync_methods``: ``reset``/``step`` are plain functions (not ``async``); ``numpy_reward``: one turn, reward
-  ``np.float32(NUMPY_REWARD)``.
+  ``sync_turns`` / ``sync_hanging``: plain (not ``async``) methods (:class:`SyncTurns`); ``numpy_reward``: one
+  turn, reward ``np.float32(NUMPY_REWARD)``.
 * ``gated``: like ``scripted_turns`` with one observation, but ``step`` waits for ``GATE`` (an
   ``asyncio.Event`` set by the test): a trajectory waiting on its tool while the weights change.
 """
@@ -14,6 +14,7 @@ works in any process that can import ``tests``).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 
@@ -126,14 +127,37 @@ def none_factory(ctx: EnvContext):
     return None  # a factory that forgot its return
 
 
-class _SyncMethods(ScriptedTurns):
-    def reset(self, ground_truth: dict) -> str:  # noqa: D102 - not async: the loop must fail the trajectory
+class SyncTurns:
+    """``sync_turns``: ``scripted_turns`` with plain (not ``async``) methods, its last turn scored 1.0; each
+    call runs in a thread of its own (``rollers.user_calls``). ``sync_hanging``: its ``step`` blocks 2 s."""
+
+    observation_role = "user"
+
+    def __init__(self, block_s: float = 0.0):
+        self.block_s, self.num_steps = block_s, 0
+
+    def reset(self, ground_truth: dict) -> str:
         return ""
 
+    def step(self, action: str) -> StepResult:
+        time.sleep(self.block_s)
+        self.num_steps += 1
+        if self.num_steps <= SCRIPT_TURNS:
+            return StepResult(SCRIPT_OBSERVATION, TURN_REWARD, False)
+        return StepResult(reward=1.0, done=True)
 
-@register_environment("sync_methods")
-def sync_methods(ctx: EnvContext) -> Environment:
-    return _SyncMethods(ctx)
+    def close(self) -> None:
+        pass
+
+
+@register_environment("sync_turns")
+def sync_turns(ctx: EnvContext):
+    return SyncTurns()
+
+
+@register_environment("sync_hanging")
+def sync_hanging(ctx: EnvContext):
+    return SyncTurns(block_s=2.0)
 
 
 NUMPY_REWARD = 0.5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 
@@ -127,6 +128,25 @@ def test_overdue_calls_are_bounded(monkeypatch):
 
     with _released(release):
         run(scenario())
+
+
+def _stop_iteration():
+    raise StopIteration
+
+
+async def _async_exit():
+    sys.exit(3)
+
+
+@pytest.mark.parametrize("fn, name", [(_stop_iteration, "StopIteration"), (lambda: sys.exit(3), "SystemExit: 3"),
+                                      (_async_exit, "SystemExit: 3")])
+def test_a_call_raising_what_would_end_the_process_fails_at_once(fn, name):
+    """StopIteration (which a future cannot carry: the caller used to wait out the timeout) and SystemExit
+    (which would stop the roller's event loop) fail the call at once, as RuntimeError naming them."""
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=name):
+        run(user_calls.call_user(30.0, fn))
+    assert time.monotonic() - started < 10
 
 
 def test_async_reward_limits_concurrency_and_times_out():
