@@ -128,7 +128,9 @@ class RollersConfig:
     ``sglang_request_timeout_s``: limit of one ``/generate``; ``sglang_max_retries``: ``/flush_cache``
     retries (exponential backoff) while requests drain during a weight update.
     ``on_failed_group``: what the controller does with a group whose reward or generation failed —
-    ``fail`` (stop the run with that error) | ``skip`` (count it, train the step on the other groups).
+    ``fail`` (stop the run with that error) | ``skip`` (count it and train on: in sync and one-step-off the
+    step trains its other groups; in fully-async a fresh prompt takes its place, and the run fails once
+    ``controller.schedules.MIN_FAILED_IN_A_ROW`` groups, or two steps' worth, fail in a row).
     ``resources``: Ray custom resources each roller asks for (name -> amount, e.g. ``{hflow_roller: 1}``),
     so rollers are placed only on the nodes started with them (``common.env.check_ray_resources``).
 
