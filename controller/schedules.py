@@ -94,6 +94,7 @@ class Stages:
         # or one-step-off step is admitted before it is generated: that step trains fewer groups instead)
         self.replaces_failed = cfg.mode == "fully-async"
         self.failed_in_a_row = 0  # fully-async: groups failed since the last one that succeeded
+        self.last_failure = ""  # the last skipped group's failure: uid, stage, first error
         self.num_dropped_groups = 0
         self.num_zero_variance_groups = 0  # dropped by dynamic sampling (each replaced by a fresh prompt)
         self.refill_depth: dict[str, int] = {}  # uid -> refill round that admitted it (absent = 0)
@@ -170,7 +171,8 @@ class Stages:
                     if self.failed_in_a_row >= max(2 * self.groups_per_step, MIN_FAILED_IN_A_ROW):
                         raise RolloutFailure(f"{self.failed_in_a_row} groups in a row failed, none succeeded "
                                              f"(rollers.on_failed_group=skip replaces failed groups in fully-async; "
-                                             f"a run fails when their replacements keep failing)")
+                                             f"a run fails when their replacements keep failing); the last: "
+                                             f"{self.last_failure}")
                     continue
                 skipped, self.num_unclaimed_skips = skipped + self.num_unclaimed_skips, 0
                 continue
@@ -327,6 +329,7 @@ class Stages:
                 await self.rt.tq.aclear(PROMPT_PARTITION, [f.prompt_id])
                 self.admitted_at.pop(f.uid, None)
                 self.refill_depth.pop(f.uid, None)
+                self.last_failure = f"group {f.uid} failed in {f.stage}: {f.errors[0] if f.errors else '?'}"
             self.outstanding -= len(failures)
             self.num_unclaimed_skips += len(failures)
             if self.replaces_failed:

@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from common import schema
@@ -250,6 +251,8 @@ class AgentLoop:
             scored = reward_result(result.reward)  # the same numbers a reward function may return
             if scored.failed:
                 raise EnvironmentFailure(f"step's StepResult.reward: {scored.error}")
+            if not isinstance(result.done, bool | np.bool_):  # "False" would end the trajectory
+                raise EnvironmentFailure(f"step returned StepResult.done={result.done!r}, not a bool")
             last = max(i for i, m in enumerate(traj.response_mask) if m)
             traj.token_scores[last] += scored.score
             traj.reward += scored.score

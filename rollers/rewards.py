@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from common.registry import Registry
 
 RewardFn = Callable[[str, dict], float]
@@ -235,10 +237,15 @@ class RewardResult:
 
 
 def reward_result(value) -> RewardResult:
-    """What a reward function returned, as a result: a finite real number (bool and numpy scalars
-    included: ``numbers.Real``) is its score; anything else, NaN or ±inf fails it (never 0)."""
-    if not isinstance(value, numbers.Real):
+    """What a reward function returned, as a result: a finite real number (``numbers.Real``: bool and numpy
+    scalars included, and numpy's bool) is its score; anything else, NaN, ±inf or an integer too large for a
+    float fails it (never 0)."""
+    if not isinstance(value, numbers.Real | np.bool_):
         return RewardResult(math.nan, f"reward returned {type(value).__name__} {value!r}, not a number")
-    if not math.isfinite(value):
-        return RewardResult(math.nan, f"reward returned {value}")
-    return RewardResult(float(value))
+    try:
+        score = float(value)
+    except (OverflowError, ValueError, TypeError) as exc:  # 10**400; a Real subclass that will not convert
+        return RewardResult(math.nan, f"reward returned a {type(value).__name__} that is not a float: {exc}")
+    if not math.isfinite(score):
+        return RewardResult(math.nan, f"reward returned {score}")
+    return RewardResult(score)

@@ -128,6 +128,7 @@ def test_failed_groups_count_once_toward_the_step_that_sees_them(tmp_path):
     asyncio.run(step())
     report.close()
     assert st.outstanding == 0 and st.num_unclaimed_skips == 0 and st.admission.dropped == 0
+    assert st.last_failure == "group f2 failed in reward: boom"  # what a fully-async give-up would quote
 
 
 def test_fully_async_waits_for_replacements_and_fails_when_they_keep_failing(tmp_path):
@@ -138,6 +139,7 @@ def test_fully_async_waits_for_replacements_and_fails_when_they_keep_failing(tmp
 
     async def check_rollers(failed=5):
         st.num_unclaimed_skips += failed
+        st.last_failure = "group s0.p9 failed in reward: KeyError: 'nope'"
         return failed
 
     st.check_rollers = check_rollers
@@ -145,7 +147,7 @@ def test_fully_async_waits_for_replacements_and_fails_when_they_keep_failing(tmp
     async def steps():
         meta = await st.generate(2, train_weight_version=0)  # 5 failures, then two whole groups: a full step
         assert sorted({t[schema.UID] for t in meta.tags}) == ["u0", "u1"] and st.failed_in_a_row == 0
-        with pytest.raises(RolloutFailure, match="20 groups in a row failed"):
+        with pytest.raises(RolloutFailure, match="20 groups in a row failed.*the last: group s0.p9 failed in reward: KeyError: 'nope'"):
             await asyncio.wait_for(st.generate(2, train_weight_version=1), timeout=5)
 
     asyncio.run(steps())

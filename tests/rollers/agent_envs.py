@@ -6,7 +6,7 @@ works in any process that can import ``tests``).
 * ``raising``: ``step`` raises; ``hanging``: ``step`` never returns (its trajectory times out);
   ``nan_reward``: ``step`` answers reward NaN; ``none_factory``: the factory returns None;
   ``sync_turns`` / ``sync_hanging``: plain (not ``async``) methods (:class:`SyncTurns`); ``numpy_reward``: one
-  turn, reward ``np.float32(NUMPY_REWARD)``.
+  turn, reward ``np.float32(NUMPY_REWARD)``; ``done_str``: ``step`` answers ``done="False"``.
 * ``gated``: like ``scripted_turns`` with one observation, but ``step`` waits for ``GATE`` (an
   ``asyncio.Event`` set by the test): a trajectory waiting on its tool while the weights change.
 """
@@ -171,3 +171,13 @@ class _NumpyReward(ScriptedTurns):
 @register_environment("numpy_reward")
 def numpy_reward(ctx: EnvContext) -> Environment:
     return _NumpyReward(ctx)
+
+
+class _DoneStr(ScriptedTurns):
+    async def step(self, action: str) -> StepResult:
+        return StepResult("go on", 0.0, "False")
+
+
+@register_environment("done_str")
+def done_str(ctx: EnvContext) -> Environment:
+    return _DoneStr(ctx)

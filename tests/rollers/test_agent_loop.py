@@ -131,7 +131,7 @@ def test_max_turns_and_length_budget_end_the_trajectory(model, tok):
 @pytest.mark.parametrize("environment, timeout_s, error", [
     ("raising", 30.0, "the environment broke"), ("hanging", 0.2, "rollout.env_timeout_s=0.2"),
     ("nan_reward", 30.0, "reward returned nan"), ("none_factory", 30.0, "returned NoneType, not an Environment"),
-    ("sync_hanging", 0.2, "rollout.env_timeout_s=0.2")])
+    ("sync_hanging", 0.2, "rollout.env_timeout_s=0.2"), ("done_str", 30.0, "StepResult.done='False', not a bool")])
 def test_failing_environment_fails_its_group_never_the_roller(model, tok, environment, timeout_s, error):
     results, roller = run(_roll(model, tok, [make_group(tok, i, n=2) for i in range(2)], environment,
                                 n=2, env_timeout_s=timeout_s))
