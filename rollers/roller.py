@@ -186,7 +186,7 @@ class Roller:
     ):
         if max_groups_in_flight < 1:
             raise ValueError(f"max_groups_in_flight must be >= 1, got {max_groups_in_flight}")
-        self.engine, self.tokenizer, self.reward_fn = engine, tokenizer, reward_fn
+        self.engine, self.tokenizer = engine, tokenizer
         self.rollout, self.channel = rollout, channel
         self.max_groups_in_flight = max_groups_in_flight
         self.remax_baseline = remax_baseline
