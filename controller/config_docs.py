@@ -99,8 +99,8 @@ KEY_DOCS: dict[str, str] = {
     "rollers.sglang_request_timeout_s": "seconds one /generate request may take",
     "rollers.sglang_max_retries": "/flush_cache retries (exponential backoff) during a weight update",
     "rollers.resources": "Ray custom resources each roller asks for, e.g. {hflow_roller: 1}: places the pool",
-    "rollers.on_failed_group": "a group whose generation or reward failed: fail (stop the run) | skip (train on; "
-                               "fully-async replaces it with a fresh prompt)",
+    "rollers.on_failed_group": "a failed group: fail (stop the run) | skip (train on; fully-async admits a fresh "
+                               "prompt instead)",
     "rollers.health_timeout_s": "seconds a roller may leave a health check or weight update unanswered; "
                                 "then it is replaced",
     "rollers.max_replicas": "the most rollers a scale request (hflow-async scale) may ask for",
