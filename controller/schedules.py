@@ -327,10 +327,8 @@ class Stages:
             for f in failures:
                 logger.warning("group %s failed in %s (skipped): %s", f.uid, f.stage, "; ".join(f.errors))
                 await self.rt.tq.aclear(PROMPT_PARTITION, [f.prompt_id])
-                self.admitted_at.pop(f.uid, None)
-                self.refill_depth.pop(f.uid, None)
+                self._forget(f.uid)
                 self.last_failure = f"group {f.uid} failed in {f.stage}: {f.errors[0] if f.errors else '?'}"
-            self.outstanding -= len(failures)
             self.num_unclaimed_skips += len(failures)
             if self.replaces_failed:
                 self.admission.drop(len(failures))
@@ -372,7 +370,7 @@ class Stages:
             self._track(fed)
 
     def _forget(self, uid: str) -> int:
-        """Stop tracking dropped group ``uid``; returns its refill round."""
+        """Stop tracking group ``uid`` (dropped, or failed and skipped); returns its refill round."""
         self.admitted_at.pop(uid, None)
         self.outstanding -= 1
         return self.refill_depth.pop(uid, 0)

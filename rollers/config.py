@@ -41,8 +41,8 @@ class RolloutConfig:
     Multi-turn (``rollers.agent_loop``): ``environment`` names a registered environment
     (``rollers.environments.ENVIRONMENTS``, or ``module:name``); empty (the default) = single-turn. A
     trajectory has at most ``max_turns`` model turns, and ``max_response_length`` bounds all its tokens (model
-    and environment); ``env_timeout_s`` bounds each environment call and tool call (seconds);
-    ``env_kwargs``: options of the environment (the keys its spec declares, ``rollers.environments.EnvironmentSpec.options``).
+    and environment); ``env_timeout_s`` bounds each environment call and tool call (seconds); ``env_kwargs``:
+    options of the environment (the keys its spec declares, ``rollers.environments.EnvironmentSpec.options``).
     """
 
     n: int = 4

@@ -76,8 +76,7 @@ async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
                                   f"(at most {MAX_OVERDUE}); {getattr(fn, '__name__', fn)!r} was not started")
     loop = asyncio.get_running_loop()
     future = loop.create_future()
-    state = {"overdue": False, "returned": False}
-    lock = threading.Lock()
+    state = {"overdue": False, "returned": False}  # guarded by _overdue_lock, as the count is
 
     def settle(result, error) -> None:
         if not future.done():
@@ -93,10 +92,9 @@ async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
             result = fn(*args, **kwargs)
         except BaseException as exc:  # handed to the caller (_plain: never one that would end its process)
             error = _plain(exc)
-        with lock:
+        with _overdue_lock:
             if state["overdue"]:  # the caller gave up on it: only the count is left to settle
-                with _overdue_lock:
-                    _overdue -= 1
+                _overdue -= 1
                 return
             state["returned"] = True
         try:
@@ -108,9 +106,8 @@ async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except (TimeoutError, asyncio.CancelledError):
-        with lock:
+        with _overdue_lock:
             if not state["returned"]:
                 state["overdue"] = True
-                with _overdue_lock:
-                    _overdue += 1
+                _overdue += 1
         raise
