@@ -36,10 +36,13 @@ composition, roller or schedule (``fully-async`` at ``max_staleness=0`` equals `
 **Failures.** An environment, tool or reward that raises or times out, or a turn aborted more than
 ``rollout.max_resubmits`` times, gives a trajectory with ``error`` set (the roller fails its group and counts
 it); a request the engine rejects raises ValueError and an ``EngineError`` propagates, as in single-turn.
+``close`` is cleanup: one that raises or times out is logged and counted (``num_env_close_failures``), and the
+trajectory keeps its score.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -65,6 +68,8 @@ from rollers.roller import PromptGroup, build_response_fields
 from rollers.user_calls import call_user
 
 _PLACEHOLDER = "\x00OBSERVATION\x00"
+_ARG_PREVIEW = 80
+logger = logging.getLogger(__name__)
 
 GenerateFn = Callable[[GenerationRequest], Awaitable[GenerationOutput]]
 
@@ -145,6 +150,16 @@ def _seed_key(group: PromptGroup) -> str:
     return group.seed_key or group.uid
 
 
+def _describe_call(env_name: str, method: Callable, args: tuple) -> str:
+    """``environment 'NAME'.step('<tool_call>{"name": "calc...')``: which call failed, each argument's repr cut
+    to ``_ARG_PREVIEW`` characters (a step's action shows the tool it calls)."""
+    shown = []
+    for arg in args:
+        text = repr(arg)
+        shown.append(text if len(text) <= _ARG_PREVIEW else text[:_ARG_PREVIEW] + "...")
+    return f"environment {env_name!r}.{getattr(method, '__name__', 'call')}({', '.join(shown)})"
+
+
 def environment_seed(rollout_seed: int, key: str, index: int) -> int:
     """The seed of sample ``index``'s environment (``EnvContext.seed``; 62 bits) in group ``key`` (its uid, or
     ``seed_key``): depends on (``rollout.seed``, key, index) only, and differs from the turns' sampling seeds."""
@@ -166,14 +181,16 @@ class AgentLoop:
         self.num_trajectories = 0
         self.env_wait_s = 0.0
         self.num_turn_resubmits = 0
+        self.num_close_failures = 0
 
     def stats(self) -> dict[str, float]:
         """``num_turns`` (model turns of finished trajectories), ``turns_per_trajectory``, ``env_wait_s``
         (seconds trajectories spent in their environments, summed), ``num_turn_resubmits`` (partial-rollout
-        continuations of turns)."""
+        continuations of turns), ``num_env_close_failures`` (``close`` calls that raised or timed out)."""
         per = self.num_turns / self.num_trajectories if self.num_trajectories else 0.0
         return {"num_turns": float(self.num_turns), "turns_per_trajectory": per, "env_wait_s": self.env_wait_s,
-                "num_turn_resubmits": float(self.num_turn_resubmits)}
+                "num_turn_resubmits": float(self.num_turn_resubmits),
+                "num_env_close_failures": float(self.num_close_failures)}
 
     async def run(self, group: PromptGroup, index: int, greedy: bool, generate: GenerateFn, request_id: str,
                   max_seq_len: int | None) -> Trajectory:
@@ -198,8 +215,9 @@ class AgentLoop:
         finally:
             try:
                 await self._env_call(traj, env.close)
-            except EnvironmentFailure as exc:
-                traj.error = traj.error or f"close: {exc}"
+            except EnvironmentFailure as exc:  # cleanup only: the trajectory keeps its score (or its error)
+                self.num_close_failures += 1
+                logger.warning("trajectory %s: %s", request_id, exc)
         self.num_trajectories += 1
         self.num_turns += traj.num_turns
         self.env_wait_s += traj.env_wait_s
@@ -210,15 +228,16 @@ class AgentLoop:
         own, ``rollers.user_calls``), bounded by ``rollout.env_timeout_s``; whatever the call raises (but
         cancellation) becomes EnvironmentFailure, so it can only fail its trajectory."""
         started = time.perf_counter()
+        call = _describe_call(self.spec.name, method, args)
         try:
             return await call_user(self.rollout.env_timeout_s, method, *args)
         except TimeoutError as exc:
-            raise EnvironmentFailure(f"an environment call took longer than rollout.env_timeout_s="
+            raise EnvironmentFailure(f"{call} took longer than rollout.env_timeout_s="
                                      f"{self.rollout.env_timeout_s}") from exc
         except EnvironmentFailure:
             raise
         except Exception as exc:  # a user's environment or tool may fail in any way
-            raise EnvironmentFailure(f"environment raised {type(exc).__name__}: {exc}") from exc
+            raise EnvironmentFailure(f"{call} raised {type(exc).__name__}: {exc}") from exc
         finally:
             traj.env_wait_s += time.perf_counter() - started
 

@@ -35,10 +35,11 @@ packages, is text-in/text-out gym-style, and its number games, puzzles and ``rg:
 (GEM's word games, hangman/wordle/word search, need that NLTK data too: not offline); ``verifiers`` adds 38
 and ``openenv-core`` 58 (web servers, MCP, gradio), both built around chat messages and HTTP sandboxes.
 
-Failures: an environment whose ``reset``/``step``/``close`` raises or runs past ``rollout.env_timeout_s``, a
-factory that raises or returns no environment, a tool that raises or times out (``rollers.tools.ToolError``),
-or a reward that raises, returns NaN or times out fails its trajectory, and with it its group (counted as a
-reward failure, like single-turn rewards); never the roller.
+Failures: an environment whose ``reset``/``step`` raises or runs past ``rollout.env_timeout_s``, a factory
+that raises or returns no environment, a tool that raises or times out (``rollers.tools.ToolError``), or a
+reward that raises, returns NaN or times out fails its trajectory, and with it its group (counted as a reward
+failure, like single-turn rewards); never the roller. A ``close`` that raises or times out is logged and
+counted, and its trajectory kept (it was whole and scored).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class Environment(abc.ABC):
         """Answer the model's turn ``action`` (decoded text)."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
-        """Release what the environment holds (called once, however the trajectory ended)."""
+        """Release what the environment holds (called once, however the trajectory ended; one that raises or
+        times out is logged and counted, and fails nothing)."""
 
 
 class EnvironmentFailure(RuntimeError):

@@ -21,6 +21,7 @@ value, then a number that opens the response — see ``extract_answer``.
 
 from __future__ import annotations
 
+import decimal
 import importlib
 import inspect
 import logging
@@ -237,10 +238,10 @@ class RewardResult:
 
 
 def reward_result(value) -> RewardResult:
-    """What a reward function returned, as a result: a finite real number (``numbers.Real``: bool and numpy
-    scalars included, and numpy's bool) is its score; anything else, NaN, ±inf or an integer too large for a
-    float fails it (never 0)."""
-    if not isinstance(value, numbers.Real | np.bool_):
+    """What a reward function returned, as a result: a finite real number (``numbers.Real``: bool, Fraction
+    and numpy scalars included; numpy's bool; ``decimal.Decimal``) is its score; anything else, NaN, ±inf or a
+    number too large for a float fails it (never 0)."""
+    if not isinstance(value, numbers.Real | np.bool_ | decimal.Decimal):
         return RewardResult(math.nan, f"reward returned {type(value).__name__} {value!r}, not a number")
     try:
         score = float(value)

@@ -347,7 +347,8 @@ class Roller:
                               group.partition if group.validation else "")
         self._counters.num_failed_groups += 1
         self._failures.append(failure)
-        logger.warning("group %s failed at %s: %s", group.uid, stage, "; ".join(errors)[:500])
+        # debug: the controller reports each failed group once (skipped: a warning; failing the run: its error)
+        logger.debug("group %s failed at %s: %s", group.uid, stage, "; ".join(errors)[:500])
         return failure
 
     async def _generate(self, group: PromptGroup, index: int, greedy: bool) -> GenerationOutput:

@@ -7,6 +7,7 @@ works in any process that can import ``tests``).
   ``nan_reward``: ``step`` answers reward NaN; ``none_factory``: the factory returns None;
   ``sync_turns`` / ``sync_hanging``: plain (not ``async``) methods (:class:`SyncTurns`); ``numpy_reward``: one
   turn, reward ``np.float32(NUMPY_REWARD)``; ``done_str``: ``step`` answers ``done="False"``.
+* ``close_raising`` / ``close_hanging``: ``scripted_turns`` whose ``close`` raises / never returns.
 * ``gated``: like ``scripted_turns`` with one observation, but ``step`` waits for ``GATE`` (an
   ``asyncio.Event`` set by the test): a trajectory waiting on its tool while the weights change.
 """
@@ -64,6 +65,26 @@ class _Hanging(ScriptedTurns):
     async def step(self, action: str) -> StepResult:
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")
+
+
+class _CloseRaising(ScriptedTurns):
+    async def close(self) -> None:
+        raise OSError("the sandbox is already gone")
+
+
+class _CloseHanging(ScriptedTurns):
+    async def close(self) -> None:
+        await asyncio.sleep(3600)
+
+
+@register_environment("close_raising")
+def close_raising(ctx: EnvContext) -> Environment:
+    return _CloseRaising(ctx)
+
+
+@register_environment("close_hanging")
+def close_hanging(ctx: EnvContext) -> Environment:
+    return _CloseHanging(ctx)
 
 
 @register_environment("raising")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -140,6 +141,22 @@ def test_failing_environment_fails_its_group_never_the_roller(model, tok, enviro
     assert [f.stage for f in failures] == ["environment", "environment"]
     assert all(isinstance(f, FailedGroup) for f in failures) and error in failures[0].errors[0]
     assert roller.stats()["num_failed_rewards"] == 2 * 2
+
+
+def test_a_failed_step_is_named_in_its_error(model, tok):
+    """A timed-out call names the environment, the method and the start of its argument (the model's turn:
+    a tool call shows which tool hung)."""
+    results, roller = run(_roll(model, tok, [make_group(tok, 0, n=1)], "hanging", n=1, env_timeout_s=0.2))
+    error = roller.drain_failures()[0].errors[0]
+    assert re.search(r"environment '[\w.:]*hanging'\.step\('", error) and "env_timeout_s=0.2" in error
+
+
+@pytest.mark.parametrize("environment, timeout_s", [("close_raising", 30.0), ("close_hanging", 0.2)])
+def test_a_failing_close_keeps_its_scored_trajectory(model, tok, environment, timeout_s):
+    groups = [make_group(tok, 0, n=2)]
+    results, roller = run(_roll(model, tok, groups, environment, n=2, env_timeout_s=timeout_s))
+    assert roller.drain_failures() == [] and len(results) == 1 and isinstance(results[0], GroupResult)
+    assert roller.stats()["num_env_close_failures"] == 2
 
 
 def test_sync_environment_methods_run_in_threads_of_their_own(model, tok):

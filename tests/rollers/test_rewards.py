@@ -6,6 +6,8 @@ import asyncio
 import math
 import sys
 import types
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -191,6 +193,8 @@ async def _async_half(text, gt):
         (lambda t, g: None, "not a number"),
         (lambda t, g: np.float32("nan"), "nan"),
         (lambda t, g: 10**400, "not a float"),  # math.isfinite raised OverflowError: the roller died
+        (lambda t, g: Decimal("NaN"), "nan"),
+        (lambda t, g: Decimal("1e400"), "inf"),
     ],
 )
 def test_failed_rewards_are_reported_not_zero(fn, error):
@@ -202,11 +206,12 @@ def test_failed_rewards_are_reported_not_zero(fn, error):
 @pytest.mark.parametrize("fn, expected", [(lambda t, g: 1, 1.0), (lambda t, g: True, 1.0),
                                           (lambda t, g: np.float32(0.25), 0.25), (lambda t, g: np.int64(2), 2.0),
                                           (lambda t, g: np.bool_(True), 1.0),
+                                          (lambda t, g: Decimal("0.75"), 0.75), (lambda t, g: Fraction(1, 4), 0.25),
                                           (_async_half, 0.5), (lambda t, g: _async_half(t, g), 0.5)])
 def test_every_real_number_is_a_score_sync_or_async(fn, expected):
     """One rule for single-turn and environments' rewards (both score through AsyncReward): any finite
-    ``numbers.Real`` (bool and numpy scalars too) is a float score; an async function, or one returning a
-    coroutine, is awaited."""
+    ``numbers.Real`` (bool, Fraction and numpy scalars too) or Decimal is a float score; an async function, or
+    one returning a coroutine, is awaited."""
     result = asyncio.run(AsyncReward(fn, 1, 5.0).score("x", {}))
     assert not result.failed and result.score == expected and type(result.score) is float
     assert reward_result(True).score == 1.0 and reward_result(np.float32(0.5)).score == 0.5
