@@ -36,13 +36,15 @@ composition, roller or schedule (``fully-async`` at ``max_staleness=0`` equals `
 **Failures.** An environment, tool or reward that raises or times out, or a turn aborted more than
 ``rollout.max_resubmits`` times, gives a trajectory with ``error`` set (the roller fails its group and counts
 it); a request the engine rejects raises ValueError and an ``EngineError`` propagates, as in single-turn.
-``close`` is cleanup: one that raises or times out is logged and counted (``num_env_close_failures``), and the
-trajectory keeps its score.
+``close`` is cleanup: one that raises or times out is counted (``num_env_close_failures``; logged as a warning
+the 1st, 10th, 100th... time) and the trajectory keeps its score.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import reprlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -69,6 +71,8 @@ from rollers.user_calls import call_user
 
 _PLACEHOLDER = "\x00OBSERVATION\x00"
 _ARG_PREVIEW = 80
+_ARG_REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
+_ARG_REPR.maxstring = _ARG_REPR.maxother = _ARG_REPR.maxlong = _ARG_PREVIEW
 logger = logging.getLogger(__name__)
 
 GenerateFn = Callable[[GenerationRequest], Awaitable[GenerationOutput]]
@@ -151,12 +155,15 @@ def _seed_key(group: PromptGroup) -> str:
 
 
 def _describe_call(env_name: str, method: Callable, args: tuple) -> str:
-    """``environment 'NAME'.step('<tool_call>{"name": "calc...')``: which call failed, each argument's repr cut
-    to ``_ARG_PREVIEW`` characters (a step's action shows the tool it calls)."""
+    """``environment 'NAME'.step('<tool_call>{"name": "calc...')``: which call failed, each argument shown by
+    ``reprlib`` (strings cut to ``_ARG_PREVIEW`` characters: a step's action shows the tool it calls; a
+    ground truth too large to show, by its type)."""
     shown = []
     for arg in args:
-        text = repr(arg)
-        shown.append(text if len(text) <= _ARG_PREVIEW else text[:_ARG_PREVIEW] + "...")
+        try:
+            shown.append(_ARG_REPR.repr(arg))
+        except Exception:  # noqa: BLE001 - e.g. an int too long to convert: the message must still be built
+            shown.append(type(arg).__name__)
     return f"environment {env_name!r}.{getattr(method, '__name__', 'call')}({', '.join(shown)})"
 
 
@@ -217,7 +224,10 @@ class AgentLoop:
                 await self._env_call(traj, env.close)
             except EnvironmentFailure as exc:  # cleanup only: the trajectory keeps its score (or its error)
                 self.num_close_failures += 1
-                logger.warning("trajectory %s: %s", request_id, exc)
+                count = self.num_close_failures
+                level = logging.WARNING if math.log10(count).is_integer() else logging.DEBUG  # 1st, 10th, ...
+                logger.log(level, "group %s, trajectory %s: %s (%d close failures in this roller)", group.uid,
+                           request_id, exc, count)
         self.num_trajectories += 1
         self.num_turns += traj.num_turns
         self.env_wait_s += traj.env_wait_s
@@ -228,16 +238,16 @@ class AgentLoop:
         own, ``rollers.user_calls``), bounded by ``rollout.env_timeout_s``; whatever the call raises (but
         cancellation) becomes EnvironmentFailure, so it can only fail its trajectory."""
         started = time.perf_counter()
-        call = _describe_call(self.spec.name, method, args)
         try:
             return await call_user(self.rollout.env_timeout_s, method, *args)
         except TimeoutError as exc:
-            raise EnvironmentFailure(f"{call} took longer than rollout.env_timeout_s="
-                                     f"{self.rollout.env_timeout_s}") from exc
+            raise EnvironmentFailure(f"{_describe_call(self.spec.name, method, args)} took longer than "
+                                     f"rollout.env_timeout_s={self.rollout.env_timeout_s}") from exc
         except EnvironmentFailure:
             raise
         except Exception as exc:  # a user's environment or tool may fail in any way
-            raise EnvironmentFailure(f"{call} raised {type(exc).__name__}: {exc}") from exc
+            raise EnvironmentFailure(f"{_describe_call(self.spec.name, method, args)} raised "
+                                     f"{type(exc).__name__}: {exc}") from exc
         finally:
             traj.env_wait_s += time.perf_counter() - started
 

@@ -60,7 +60,8 @@ from rollers.user_calls import call_user
 @dataclass(frozen=True)
 class StepResult:
     """What the environment answers to one action: ``observation`` text (ignored when ``done``), the
-    ``reward`` for that action (float), and whether the trajectory is ``done``."""
+    ``reward`` for that action (a finite real number, as a reward function returns: ``rewards.reward_result``),
+    and whether the trajectory is ``done`` (a bool)."""
 
     observation: str = ""
     reward: float = 0.0
@@ -100,8 +101,8 @@ class AsyncReward:
     Single-turn groups and environments score through the same one.
 
     ``await reward.score(text, ground_truth)`` returns a ``RewardResult``: failed (never 0) when the function
-    raises, times out, or returns something that is not a finite real number (``rewards.reward_result``: bool
-    and numpy scalars count as numbers). ``await reward(text, ground_truth)`` returns the float and raises
+    raises, times out, or returns something that is not a finite real number (``rewards.reward_result``: bool,
+    numpy scalars, Fraction and Decimal count as numbers). ``await reward(text, ground_truth)`` returns the float and raises
     EnvironmentFailure where ``score`` fails (what environments call)."""
 
     def __init__(self, fn: Callable, max_concurrency: int, timeout_s: float):

@@ -14,12 +14,13 @@ import asyncio
 import inspect
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 MAX_OVERDUE = 64  # sync calls still running past their timeout, per process
 
-_overdue = 0
+_overdue: Counter[str] = Counter()  # name of each sync call running past its timeout -> how many
 _overdue_lock = threading.Lock()
 
 
@@ -29,7 +30,11 @@ class TooManyOverdueCalls(RuntimeError):
 
 def num_overdue() -> int:
     """Sync calls of this process still running past their timeout."""
-    return _overdue
+    return _overdue.total()
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 async def call_user(timeout_s: float, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
@@ -70,10 +75,12 @@ async def _contained(awaitable) -> Any:
 
 
 async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
-    global _overdue
-    if _overdue >= MAX_OVERDUE:
-        raise TooManyOverdueCalls(f"{_overdue} earlier calls are still running past their timeouts "
-                                  f"(at most {MAX_OVERDUE}); {getattr(fn, '__name__', fn)!r} was not started")
+    name = _name(fn)
+    if _overdue.total() >= MAX_OVERDUE:
+        with _overdue_lock:
+            held = ", ".join(f"{n} ×{k}" for n, k in _overdue.most_common(3))
+        raise TooManyOverdueCalls(f"{_overdue.total()} earlier calls are still running past their timeouts "
+                                  f"(at most {MAX_OVERDUE}; {held}); {name!r} was not started")
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     state = {"overdue": False, "returned": False}  # guarded by _overdue_lock, as the count is
@@ -86,7 +93,6 @@ async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
                 future.set_exception(error)
 
     def work() -> None:
-        global _overdue
         result, error = None, None
         try:
             result = fn(*args, **kwargs)
@@ -94,7 +100,9 @@ async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
             error = _plain(exc)
         with _overdue_lock:
             if state["overdue"]:  # the caller gave up on it: only the count is left to settle
-                _overdue -= 1
+                _overdue[name] -= 1
+                if not _overdue[name]:
+                    del _overdue[name]
                 return
             state["returned"] = True
         try:
@@ -102,12 +110,12 @@ async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
         except RuntimeError:  # the loop closed meanwhile: nobody waits for the result
             pass
 
-    threading.Thread(target=work, name=f"user-call-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    threading.Thread(target=work, name=f"user-call-{name}", daemon=True).start()
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except (TimeoutError, asyncio.CancelledError):
         with _overdue_lock:
             if not state["returned"]:
                 state["overdue"] = True
-                _overdue += 1
+                _overdue[name] += 1
         raise

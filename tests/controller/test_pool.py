@@ -71,3 +71,43 @@ def test_without_the_mark_the_trained_group_would_be_reissued(tq):
 
     assert asyncio.run(find_orphans(tq, "prompts", 1000, held_by_live, grace_s=0.0)) == {"trained": [rows["trained"]]}
     tq.clear("prompts")
+
+
+class _Method:
+    def __init__(self, result):
+        self.result = result
+
+    def remote(self, *args):
+        async def answer():
+            return self.result
+        return answer()
+
+
+class _DrainingActor:
+    """What ``RollerPool.drain`` calls on a roller actor, answered at once."""
+
+    def __init__(self, failures):
+        self.drain, self.stats = _Method(["uid-held"]), _Method({"num_groups": 3.0})
+        self.drain_failures = _Method(failures)
+
+
+def test_a_group_that_failed_on_a_draining_roller_is_logged(monkeypatch, caplog):
+    """The controller drains failures from live rollers only: a roller leaving by scale-down hands its failed
+    groups to ``drain``, which logs them (the roller itself logs them at debug)."""
+    import logging
+
+    import ray
+
+    from controller.config import load_config
+    from controller.pool import RollerPool
+    from rollers.roller import FailedGroup
+
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: None)
+    failure = FailedGroup("uid7", 7, "reward", ("reward raised ValueError: bad",), "")
+    pool = RollerPool(load_config(preset="tiny"), lambda name: _DrainingActor([failure]))
+    pool.place(1)
+    with caplog.at_level(logging.WARNING, logger="controller.pool"):
+        handed_back = asyncio.run(pool.drain("roller0", timeout_s=1.0))
+    assert handed_back == ["uid-held"] and pool.members == {} and pool.retired_stats["num_groups"] == 3.0
+    assert "group uid7 failed in reward on roller roller0 as it left the pool: reward raised ValueError: bad" \
+        in caplog.text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import re
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 
 from common import schema
 from common.models import ModelConfig, apply_chat_template, load_tokenizer
-from rollers.agent_loop import ObservationFormatter, environment_seed
+from rollers.agent_loop import ObservationFormatter, _describe_call, environment_seed
 from rollers.config import RolloutConfig
 from rollers.environments import EnvironmentSpec
 from rollers.response_fields import forced_response_length
@@ -151,12 +153,31 @@ def test_a_failed_step_is_named_in_its_error(model, tok):
     assert re.search(r"environment '[\w.:]*hanging'\.step\('", error) and "env_timeout_s=0.2" in error
 
 
+def test_a_failed_calls_description_shows_the_tool_and_survives_any_argument():
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>' + " and on" * 50
+    described = _describe_call("calc", ScriptedTurnsStep.step, (call,))
+    assert described.startswith("environment 'calc'.step('<tool_call>{\"name\": \"calculator\"")
+    assert len(described) < 150
+    assert _describe_call("calc", ScriptedTurnsStep.reset, ({"answer": 10**5000},)) == "environment 'calc'.reset(dict)"
+
+
+class ScriptedTurnsStep:
+    def step(self, action):
+        pass
+
+    def reset(self, ground_truth):
+        pass
+
+
 @pytest.mark.parametrize("environment, timeout_s", [("close_raising", 30.0), ("close_hanging", 0.2)])
-def test_a_failing_close_keeps_its_scored_trajectory(model, tok, environment, timeout_s):
+def test_a_failing_close_keeps_its_scored_trajectory(model, tok, environment, timeout_s, caplog):
+    """Counted every time, warned the 1st (10th, 100th...) time, and the trajectories keep their scores."""
     groups = [make_group(tok, 0, n=2)]
-    results, roller = run(_roll(model, tok, groups, environment, n=2, env_timeout_s=timeout_s))
+    with caplog.at_level(logging.WARNING, logger="rollers.agent_loop"):
+        results, roller = run(_roll(model, tok, groups, environment, n=2, env_timeout_s=timeout_s))
     assert roller.drain_failures() == [] and len(results) == 1 and isinstance(results[0], GroupResult)
-    assert roller.stats()["num_env_close_failures"] == 2
+    assert all(math.isfinite(r) for r in results[0].rewards) and roller.stats()["num_env_close_failures"] == 2
+    assert caplog.text.count("close failures in this roller") == 1 and ".close()" in caplog.text
 
 
 def test_sync_environment_methods_run_in_threads_of_their_own(model, tok):
