@@ -323,16 +323,17 @@ class RollerPool:
 
     async def drain(self, name: str, timeout_s: float) -> list[str]:
         """Scale-down of member ``name``: it takes no new group, finishes what it holds within ``timeout_s``
-        and hands back the rest (their uids are returned for re-issue); then it is retired. A group that failed
-        on it is logged here (a training group's prompt row was never answered: ``find_orphans`` re-issues it)."""
+        and hands back the rest (their uids are returned for re-issue); then it is retired. A group that
+        failed on it is logged here (a training group's prompt row was never answered: ``find_orphans``
+        re-issues it)."""
         member = self.members[name]
         member.state = DRAINING
         try:
             handed_back = await self.call(member, "drain", timeout_s, timeout_s=timeout_s + self.timeout_s)
             member.stats = await self.call(member, "stats")
             for f in await self.call(member, "drain_failures"):
-                logger.warning("group %s failed in %s on roller %s as it left the pool: %s", f.uid, f.stage, name,
-                               "; ".join(f.errors))
+                logger.warning("group %s failed in %s on roller %s as it left the pool: %s", f.uid, f.stage,
+                               name, "; ".join(f.errors))
         finally:
             self.retire(name)
         return list(handed_back)

@@ -39,7 +39,7 @@ Failures: an environment whose ``reset``/``step`` raises or runs past ``rollout.
 that raises or returns no environment, a tool that raises or times out (``rollers.tools.ToolError``), or a
 reward that raises, returns NaN or times out fails its trajectory, and with it its group (counted as a reward
 failure, like single-turn rewards); never the roller. A ``close`` that raises or times out is logged and
-counted, and its trajectory kept (it was whole and scored).
+counted, and fails nothing (cleanup does not undo a scored trajectory).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from rollers.user_calls import call_user
 @dataclass(frozen=True)
 class StepResult:
     """What the environment answers to one action: ``observation`` text (ignored when ``done``), the
-    ``reward`` for that action (a finite real number, as a reward function returns: ``rewards.reward_result``),
-    and whether the trajectory is ``done`` (a bool)."""
+    ``reward`` for that action (a finite real number, as a reward function returns:
+    ``rewards.reward_result``), and whether the trajectory is ``done`` (a bool)."""
 
     observation: str = ""
     reward: float = 0.0
@@ -102,8 +102,8 @@ class AsyncReward:
 
     ``await reward.score(text, ground_truth)`` returns a ``RewardResult``: failed (never 0) when the function
     raises, times out, or returns something that is not a finite real number (``rewards.reward_result``: bool,
-    numpy scalars, Fraction and Decimal count as numbers). ``await reward(text, ground_truth)`` returns the float and raises
-    EnvironmentFailure where ``score`` fails (what environments call)."""
+    numpy scalars, Fraction and Decimal count as numbers). ``await reward(text, ground_truth)`` returns the
+    float and raises EnvironmentFailure where ``score`` fails (what environments call)."""
 
     def __init__(self, fn: Callable, max_concurrency: int, timeout_s: float):
         if max_concurrency < 1 or timeout_s <= 0:

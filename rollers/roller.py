@@ -347,7 +347,7 @@ class Roller:
                               group.partition if group.validation else "")
         self._counters.num_failed_groups += 1
         self._failures.append(failure)
-        # debug: the controller reports each failed group once (skipped: a warning; failing the run: its error)
+        # debug: the controller reports each failed group once (a warning when skipped, or the run's error)
         logger.debug("group %s failed at %s: %s", group.uid, stage, "; ".join(errors)[:500])
         return failure
 

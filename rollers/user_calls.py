@@ -30,7 +30,8 @@ class TooManyOverdueCalls(RuntimeError):
 
 def num_overdue() -> int:
     """Sync calls of this process still running past their timeout."""
-    return _overdue.total()
+    with _overdue_lock:  # the threads change the counter as they return
+        return _overdue.total()
 
 
 def _name(fn: Callable) -> str:
@@ -76,11 +77,11 @@ async def _contained(awaitable) -> Any:
 
 async def _in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
     name = _name(fn)
-    if _overdue.total() >= MAX_OVERDUE:
-        with _overdue_lock:
-            held = ", ".join(f"{n} ×{k}" for n, k in _overdue.most_common(3))
-        raise TooManyOverdueCalls(f"{_overdue.total()} earlier calls are still running past their timeouts "
-                                  f"(at most {MAX_OVERDUE}; {held}); {name!r} was not started")
+    with _overdue_lock:  # the threads change the counter as they return
+        overdue, held = _overdue.total(), ", ".join(f"{n} ×{k}" for n, k in _overdue.most_common(3))
+    if overdue >= MAX_OVERDUE:
+        raise TooManyOverdueCalls(f"{overdue} earlier calls are still running past their timeouts "
+                                  f"(at most {MAX_OVERDUE}; the most: {held}); {name!r} was not started")
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     state = {"overdue": False, "returned": False}  # guarded by _overdue_lock, as the count is

@@ -109,5 +109,5 @@ def test_a_group_that_failed_on_a_draining_roller_is_logged(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="controller.pool"):
         handed_back = asyncio.run(pool.drain("roller0", timeout_s=1.0))
     assert handed_back == ["uid-held"] and pool.members == {} and pool.retired_stats["num_groups"] == 3.0
-    assert "group uid7 failed in reward on roller roller0 as it left the pool: reward raised ValueError: bad" \
-        in caplog.text
+    expected = "group uid7 failed in reward on roller roller0 as it left the pool: reward raised ValueError"
+    assert expected in caplog.text

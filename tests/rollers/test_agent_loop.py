@@ -154,11 +154,12 @@ def test_a_failed_step_is_named_in_its_error(model, tok):
 
 
 def test_a_failed_calls_description_shows_the_tool_and_survives_any_argument():
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>' + " and on" * 50
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>' + " on" * 50
     described = _describe_call("calc", ScriptedTurnsStep.step, (call,))
     assert described.startswith("environment 'calc'.step('<tool_call>{\"name\": \"calculator\"")
     assert len(described) < 150
-    assert _describe_call("calc", ScriptedTurnsStep.reset, ({"answer": 10**5000},)) == "environment 'calc'.reset(dict)"
+    huge = _describe_call("calc", ScriptedTurnsStep.reset, ({"answer": 10**5000},))  # repr raises ValueError
+    assert huge == "environment 'calc'.reset(dict)"
 
 
 class ScriptedTurnsStep:

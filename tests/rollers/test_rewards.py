@@ -206,7 +206,8 @@ def test_failed_rewards_are_reported_not_zero(fn, error):
 @pytest.mark.parametrize("fn, expected", [(lambda t, g: 1, 1.0), (lambda t, g: True, 1.0),
                                           (lambda t, g: np.float32(0.25), 0.25), (lambda t, g: np.int64(2), 2.0),
                                           (lambda t, g: np.bool_(True), 1.0),
-                                          (lambda t, g: Decimal("0.75"), 0.75), (lambda t, g: Fraction(1, 4), 0.25),
+                                          (lambda t, g: Decimal("0.75"), 0.75),
+                                          (lambda t, g: Fraction(1, 4), 0.25),
                                           (_async_half, 0.5), (lambda t, g: _async_half(t, g), 0.5)])
 def test_every_real_number_is_a_score_sync_or_async(fn, expected):
     """One rule for single-turn and environments' rewards (both score through AsyncReward): any finite
