@@ -316,8 +316,8 @@ class Stages:
         self.num_failed_groups += len(failures)  # counted whatever follows: the summary of a failed run too
         if self.cfg.rollers.on_failed_group == "fail":
             for f in failures[1:]:  # the run's error names the first
-                logger.warning("group %s failed in %s: %s", f.uid, f.stage, "; ".join(f.errors))
-            raise RolloutFailure(f"group {first.uid} failed in {first.stage}: {'; '.join(first.errors)}")
+                logger.warning("%s", f)
+            raise RolloutFailure(str(first))
         await _finish_before_cancel(self._skip(failures))
         return len(failures)
 

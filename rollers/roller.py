@@ -122,6 +122,9 @@ class FailedGroup:
     errors: tuple[str, ...]
     partition: str = ""
 
+    def __str__(self) -> str:
+        return f"group {self.uid} failed in {self.stage}: {'; '.join(self.errors)}"
+
 
 class GroupChannel(Protocol):
     async def take_group(self, timeout_s: float) -> PromptGroup | None:

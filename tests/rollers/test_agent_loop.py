@@ -155,19 +155,11 @@ def test_a_failed_step_is_named_in_its_error(model, tok):
 
 def test_a_failed_calls_description_shows_the_tool_and_survives_any_argument():
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>' + " on" * 50
-    described = _describe_call("calc", ScriptedTurnsStep.step, (call,))
+    described = _describe_call("calc", agent_envs.ScriptedTurns.step, (call,))
     assert described.startswith("environment 'calc'.step('<tool_call>{\"name\": \"calculator\"")
     assert len(described) < 150
-    huge = _describe_call("calc", ScriptedTurnsStep.reset, ({"answer": 10**5000},))  # repr raises ValueError
+    huge = _describe_call("calc", agent_envs.ScriptedTurns.reset, ({"answer": 10**5000},))  # repr: ValueError
     assert huge == "environment 'calc'.reset(dict)"
-
-
-class ScriptedTurnsStep:
-    def step(self, action):
-        pass
-
-    def reset(self, ground_truth):
-        pass
 
 
 @pytest.mark.parametrize("environment, timeout_s", [("close_raising", 30.0), ("close_hanging", 0.2)])
