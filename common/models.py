@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 TINY = "tiny"
 SMOLLM2 = "smollm2-135m-instruct"
+AUTO_DTYPE = "auto"  # model.compute_dtype: chosen for this machine (resolve_compute_dtype)
 BUILTIN_MODELS = (TINY, SMOLLM2)
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -75,6 +76,25 @@ class TinyModelConfig:
             raise ValueError(f"model.tiny.vocab_size must be >= 0, got {self.vocab_size}")
 
 
+def native_bf16() -> bool:
+    """Whether this machine multiplies bfloat16 natively: a CUDA GPU that supports it (Ampere or newer), or,
+    with no CUDA device, a CPU with AVX512-BF16 or AMX tiles, where oneDNN's bf16 matmuls run at several times
+    fp32's speed. Plain AVX-512 or AVX2 only emulate bf16 (converting to fp32), which is slower than fp32."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_compute_dtype(path: str, dtype: str) -> str:
+    """What ``model.compute_dtype=auto`` means for a model at ``path`` with parameters in ``dtype``:
+    ``"bfloat16"`` (mixed precision) when ``dtype`` is float32, the model is not the built-in tiny one, and
+    :func:`native_bf16`; else ``dtype`` itself. Decided on the machine that builds the config (the
+    controller's): on a cluster whose workers have other hardware than the head, set it explicitly."""
+    if dtype == "float32" and path != TINY and native_bf16():
+        return "bfloat16"
+    return dtype
+
+
 @dataclass
 class ModelConfig:
     """The ``model`` config section.
@@ -82,26 +102,33 @@ class ModelConfig:
     ``path``: ``tiny``, ``smollm2-135m-instruct``, or a local Hugging Face model directory.
     ``dtype``: parameter dtype, one of float32 | bfloat16 | float16: the trainer's master weights, gradients
     and optimizer state, and what checkpoints and exported models hold.
-    ``compute_dtype``: the dtype forwards and backwards compute in; empty (the default) = ``dtype``.
-    Mixed precision when it differs: the trainer's FSDP2 ``MixedPrecisionPolicy`` (``param_dtype`` =
-    ``compute_dtype``, gradients reduced in float32 into ``dtype`` parameters; verl's
-    ``fsdp_config.mixed_precision.param_dtype``), and rollers hold their weights in it (an SGLang server
-    runs with ``--dtype`` = it; the torch engine casts the weights it receives). ``bfloat16`` halves a
-    CPU step where the CPU has bf16 instructions (``avx512_bf16``/AMX; bench/README.md), and is what GPU
-    jobs use; log-probs then carry bf16 rounding (``rollout_corr/*`` metrics show the mismatch).
+    ``compute_dtype``: the dtype forwards and backwards compute in: ``auto`` (the default), one of
+    ``FLOAT_DTYPES``, or empty (= ``dtype``). Mixed precision when it differs from ``dtype``: the trainer's
+    FSDP2 ``MixedPrecisionPolicy`` (``param_dtype`` = ``compute_dtype``, gradients reduced in float32 into
+    ``dtype`` parameters; verl's ``fsdp_config.mixed_precision.param_dtype``), and rollers hold their
+    weights in it (an SGLang server runs with ``--dtype`` = it; the torch engine casts the weights it
+    receives). ``auto`` is resolved when the config is built (:func:`resolve_compute_dtype`), so the run's
+    ``config.yaml``, ``show-config`` and a resume see the dtype it chose: ``bfloat16`` mixed precision
+    where this machine multiplies bf16 natively (:func:`native_bf16`) and ``dtype`` is float32 — the
+    precision TRL's ``GRPOTrainer`` (``bf16`` defaults to true) and verl train in; else ``dtype``. Where
+    the CPU has the instructions, bf16 makes a CPU step 1.7-1.9× faster (bench/README.md); log-probs
+    then carry bf16 rounding (``rollout_corr/*`` metrics show the mismatch). The built-in ``tiny`` model
+    always resolves to ``dtype``: it is for tests and smoke runs, whose numbers must not depend on the CPU.
     """
 
     path: str = SMOLLM2
     dtype: str = "float32"
-    compute_dtype: str = ""
+    compute_dtype: str = AUTO_DTYPE
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self):
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r} is not one of {sorted(FLOAT_DTYPES)}")
-        if self.compute_dtype and self.compute_dtype not in FLOAT_DTYPES:
-            raise ValueError(f"model.compute_dtype={self.compute_dtype!r} is not one of {sorted(FLOAT_DTYPES)} "
-                             "or empty (= model.dtype)")
+        if self.compute_dtype and self.compute_dtype not in (AUTO_DTYPE, *FLOAT_DTYPES):
+            raise ValueError(f"model.compute_dtype={self.compute_dtype!r} is not one of "
+                             f"{[AUTO_DTYPE, *sorted(FLOAT_DTYPES)]} or empty (= model.dtype)")
+        if self.compute_dtype == AUTO_DTYPE:
+            self.compute_dtype = resolve_compute_dtype(self.path, self.dtype)
         if self.path not in BUILTIN_MODELS and not Path(self.path).is_dir():
             raise ValueError(
                 f"model.path={self.path!r} is neither a built-in model {list(BUILTIN_MODELS)} "
@@ -122,9 +149,16 @@ class ModelConfig:
     def torch_compute_dtype(self) -> torch.dtype:
         return DTYPES[self.compute_dtype or self.dtype]
 
+    @property
+    def precision(self) -> str:
+        """In words, for logs: ``"float32"``, or ``"bfloat16 compute, float32 weights"`` for mixed precision."""
+        held = self.compute_dtype or self.dtype
+        return self.dtype if held == self.dtype else f"{held} compute, {self.dtype} weights"
+
     def for_inference(self) -> ModelConfig:
         """This config with ``dtype`` = the compute dtype: how rollers (no master weights) hold the model."""
-        return dataclasses.replace(self, dtype=self.compute_dtype or self.dtype, compute_dtype="")
+        held = self.compute_dtype or self.dtype
+        return dataclasses.replace(self, dtype=held, compute_dtype=held)
 
 
 # --------------------------------------------------------------------------------------------- tiny

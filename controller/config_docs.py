@@ -39,7 +39,7 @@ KEY_DOCS: dict[str, str] = {
     # model
     "model.path": "tiny | smollm2-135m-instruct | a local Hugging Face model directory",
     "model.dtype": "parameter dtype of trainers and rollers: float32 | bfloat16 | float16",
-    "model.compute_dtype": "dtype forwards compute in (mixed precision; rollers hold it); empty = model.dtype",
+    "model.compute_dtype": "dtype forwards compute in, rollers hold; auto: bfloat16 where native, else model.dtype",
     "model.tiny.hidden_size": "tiny model: hidden size",
     "model.tiny.intermediate_size": "tiny model: MLP intermediate size",
     "model.tiny.num_hidden_layers": "tiny model: number of decoder layers",

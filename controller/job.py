@@ -406,7 +406,7 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
         print("hflow-async: start-up " + ", ".join(f"{k} {v:.1f}" for k, v in summary["startup_breakdown_s"].items()),
               flush=True)
         print(f"hflow-async: pools up in {time.monotonic() - t0:.1f}s ({summary['startup_s']:.1f}s since start); "
-              f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, old_log_probs "
+              f"mode {cfg.mode}, {cfg.trainer.total_steps} steps, {cfg.model.precision}, old_log_probs "
               f"{'from the rollers (bypass_mode)' if cfg.algorithm.bypass_mode else 'from the trainer'}, "
               f"run dir {run_dir}", flush=True)
         while True:  # restart_point re-raises once trainer.max_restarts are used up

@@ -1,3 +1,4 @@
+import dataclasses
 import time
 
 import pytest
@@ -46,13 +47,14 @@ def test_model_config_validation(tmp_path):
         models.ModelConfig(path="tiny", compute_dtype="bf16")
 
 
-def test_compute_dtype_defaults_to_the_parameter_dtype_and_is_what_rollers_hold():
+def test_compute_dtype_is_what_rollers_hold():
     plain = models.ModelConfig(path="tiny")
-    assert plain.torch_compute_dtype == torch.float32 and plain.for_inference() == plain
+    assert plain.compute_dtype == "float32" and plain.for_inference() == plain
     mixed = models.ModelConfig(path="tiny", compute_dtype="bfloat16")
     assert mixed.torch_dtype == torch.float32 and mixed.torch_compute_dtype == torch.bfloat16
     held = mixed.for_inference()
     assert held.dtype == "bfloat16" and held.torch_compute_dtype == torch.bfloat16
+    assert (plain.precision, mixed.precision) == ("float32", "bfloat16 compute, float32 weights")
     assert next(models.load_model(held).parameters()).dtype == torch.bfloat16
 
 
@@ -76,3 +78,27 @@ def test_smollm2_loads_from_wheel_and_answers():
     models.load_model(cfg)
     assert (model_dir / "model.safetensors").stat().st_mtime == mtime
     assert time.perf_counter() - t1 < max(10.0, t1 - t0)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_compute_dtype_is_bf16_mixed_precision_where_the_machine_multiplies_bf16(monkeypatch, native):
+    """model.compute_dtype=auto (the default) is resolved when the config is built: bfloat16 compute over
+    float32 parameters where native_bf16(), else the parameter dtype; the tiny model always keeps its dtype."""
+    monkeypatch.setattr(models, "native_bf16", lambda: native)
+    real = models.ModelConfig(path=models.SMOLLM2)
+    assert real.compute_dtype == ("bfloat16" if native else "float32") and real.dtype == "float32"
+    assert models.ModelConfig(path=models.SMOLLM2, compute_dtype="float32").compute_dtype == "float32"
+    assert models.ModelConfig(path=models.SMOLLM2, compute_dtype="").compute_dtype == ""
+    assert models.ModelConfig(path=models.SMOLLM2, dtype="float16").compute_dtype == "float16"
+    assert models.ModelConfig(path="tiny").compute_dtype == "float32"
+    # Resolved once: what a run records (config.yaml, a resume's source) is a dtype, never auto again.
+    assert dataclasses.replace(real).compute_dtype == real.compute_dtype
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "expected"),
+                         [(True, False, True), (False, True, True), (False, False, False)])
+def test_native_bf16_on_cpu_needs_avx512_bf16_or_amx(monkeypatch, avx512_bf16, amx, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert models.native_bf16() is expected

@@ -179,3 +179,23 @@ def test_pool_resources_place_each_pool_and_reject_what_ray_owns():
                         ("rollers.resources={hflow_roller: -1}", "rollers.resources.hflow_roller=-1.0 must be")]:
         with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("{", r"\{")):
             load_config(preset="tiny", overrides=[bad])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_compute_dtype_is_decided_once_and_a_resume_keeps_it(monkeypatch, tmp_path, native):
+    """The default preset's model.compute_dtype=auto is resolved when the config is built; what the run
+    records (config.yaml, which a resume reads) is a dtype, kept on a machine that would choose otherwise."""
+    from common import models
+
+    monkeypatch.setattr(models, "native_bf16", lambda: native)
+    cfg = load_config()
+    chosen = "bfloat16" if native else "float32"
+    assert (cfg.model.compute_dtype, cfg.model.dtype) == (chosen, "float32")
+    assert f"compute_dtype: {chosen}" in to_yaml(cfg)
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    monkeypatch.setattr(models, "native_bf16", lambda: not native)
+    assert load_config(config_file=str(path)).model.compute_dtype == chosen
+    assert load_config(overrides=["model.compute_dtype=float32"]).model.compute_dtype == "float32"
+    with pytest.raises(ValueError, match="model.compute_dtype='bf16'.*auto"):
+        load_config(overrides=["model.compute_dtype=bf16"])
