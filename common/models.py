@@ -76,21 +76,23 @@ class TinyModelConfig:
             raise ValueError(f"model.tiny.vocab_size must be >= 0, got {self.vocab_size}")
 
 
-def native_bf16() -> bool:
-    """Whether this machine multiplies bfloat16 natively: a CUDA GPU that supports it (Ampere or newer), or,
-    with no CUDA device, a CPU with AVX512-BF16 or AMX tiles, where oneDNN's bf16 matmuls run at several times
-    fp32's speed. Plain AVX-512 or AVX2 only emulate bf16 (converting to fp32), which is slower than fp32."""
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
+def native_bf16(device: str) -> bool:
+    """Whether ``device`` (``cpu`` | ``cuda``) multiplies bfloat16 natively: a CUDA GPU of compute capability 8
+    or newer (``is_bf16_supported`` without emulation), or a CPU with AVX512-BF16 or AMX tiles, where oneDNN's
+    bf16 matmuls run at several times fp32's speed. Plain AVX-512 or AVX2 only emulate bf16 (converting to
+    fp32), which is slower than fp32."""
+    if device == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def resolve_compute_dtype(path: str, dtype: str) -> str:
-    """What ``model.compute_dtype=auto`` means for a model at ``path`` with parameters in ``dtype``:
-    ``"bfloat16"`` (mixed precision) when ``dtype`` is float32, the model is not the built-in tiny one, and
-    :func:`native_bf16`; else ``dtype`` itself. Decided on the machine that builds the config (the
-    controller's): on a cluster whose workers have other hardware than the head, set it explicitly."""
-    if dtype == "float32" and path != TINY and native_bf16():
+def resolve_compute_dtype(path: str, dtype: str, device: str | None = None) -> str:
+    """What ``model.compute_dtype=auto`` means for a model at ``path`` with parameters in ``dtype``, trained
+    on ``device`` (``cpu`` | ``cuda``; None: cuda where this machine has it, else cpu): ``"bfloat16"`` (mixed
+    precision) when ``dtype`` is float32, the model is not the built-in tiny one, and :func:`native_bf16`;
+    else ``dtype`` itself."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "float32" and path != TINY and native_bf16(device):
         return "bfloat16"
     return dtype
 
@@ -107,10 +109,10 @@ class ModelConfig:
     FSDP2 ``MixedPrecisionPolicy`` (``param_dtype`` = ``compute_dtype``, gradients reduced in float32 into
     ``dtype`` parameters; verl's ``fsdp_config.mixed_precision.param_dtype``), and rollers hold their
     weights in it (an SGLang server runs with ``--dtype`` = it; the torch engine casts the weights it
-    receives). ``auto`` is resolved when the config is built (:func:`resolve_compute_dtype`), so the run's
-    ``config.yaml``, ``show-config`` and a resume see the dtype it chose: ``bfloat16`` mixed precision
-    where this machine multiplies bf16 natively (:func:`native_bf16`) and ``dtype`` is float32 — the
-    precision TRL's ``GRPOTrainer`` (``bf16`` defaults to true) and verl train in; else ``dtype``. Where
+    receives). ``auto`` (:func:`resolve_compute_dtype`) is ``bfloat16`` mixed precision where the
+    trainer's device multiplies bf16 natively (:func:`native_bf16`) and ``dtype`` is float32 — the precision
+    TRL's ``GRPOTrainer`` (``bf16`` defaults to true) and verl train in; else ``dtype``. A job pins it when its
+    config tree is built, so the run's ``config.yaml``, ``show-config`` and a resume see the choice. Where
     the CPU has the instructions, bf16 makes a CPU step 1.7-1.9× faster (bench/README.md); log-probs
     then carry bf16 rounding (``rollout_corr/*`` metrics show the mismatch). The built-in ``tiny`` model
     always resolves to ``dtype``: it is for tests and smoke runs, whose numbers must not depend on the CPU.
@@ -127,8 +129,6 @@ class ModelConfig:
         if self.compute_dtype and self.compute_dtype not in (AUTO_DTYPE, *FLOAT_DTYPES):
             raise ValueError(f"model.compute_dtype={self.compute_dtype!r} is not one of "
                              f"{[AUTO_DTYPE, *sorted(FLOAT_DTYPES)]} or empty (= model.dtype)")
-        if self.compute_dtype == AUTO_DTYPE:
-            self.compute_dtype = resolve_compute_dtype(self.path, self.dtype)
         if self.path not in BUILTIN_MODELS and not Path(self.path).is_dir():
             raise ValueError(
                 f"model.path={self.path!r} is neither a built-in model {list(BUILTIN_MODELS)} "
@@ -145,19 +145,27 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def resolved_compute_dtype(self, device: str | None = None) -> str:
+        """The dtype forwards compute in: ``compute_dtype``, ``dtype`` where it is empty, and ``auto``
+        resolved for ``device`` (:func:`resolve_compute_dtype`). A job's config tree pins it once
+        (``controller.config.HFlowConfig``); a config built alone resolves it on each use."""
+        if self.compute_dtype == AUTO_DTYPE:
+            return resolve_compute_dtype(self.path, self.dtype, device)
+        return self.compute_dtype or self.dtype
+
     @property
     def torch_compute_dtype(self) -> torch.dtype:
-        return DTYPES[self.compute_dtype or self.dtype]
+        return DTYPES[self.resolved_compute_dtype()]
 
     @property
     def precision(self) -> str:
         """In words, for logs: ``"float32"``, or ``"bfloat16 compute, float32 weights"`` for mixed precision."""
-        held = self.compute_dtype or self.dtype
+        held = self.resolved_compute_dtype()
         return self.dtype if held == self.dtype else f"{held} compute, {self.dtype} weights"
 
     def for_inference(self) -> ModelConfig:
         """This config with ``dtype`` = the compute dtype: how rollers (no master weights) hold the model."""
-        held = self.compute_dtype or self.dtype
+        held = self.resolved_compute_dtype()
         return dataclasses.replace(self, dtype=held, compute_dtype=held)
 
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from checkpointengine.config import CheckpointEngineConfig
-from common.models import ModelConfig
+from common.models import AUTO_DTYPE, ModelConfig
 from common.net import NODE_HOST
 from rollers.config import RollersConfig, RolloutConfig
 from trainers.config import AlgorithmConfig, TrainerConfig
@@ -192,6 +192,9 @@ class HFlowConfig:
                              "data.val_size >= 1")
         algo = self.algorithm
         algo.bypass_mode = resolve_bypass_mode(self.mode, algo)
+        if self.model.compute_dtype == AUTO_DTYPE:  # pinned here, after every merge: the final path and device
+            device = None if self.trainer.device == "auto" else self.trainer.device
+            self.model.compute_dtype = self.model.resolved_compute_dtype(device)
         if (algo.use_kl_loss or algo.use_kl_in_reward) and not self.trainer.use_reference:
             raise ValueError(
                 f"algorithm.use_kl_loss={algo.use_kl_loss} / algorithm.use_kl_in_reward={algo.use_kl_in_reward} "

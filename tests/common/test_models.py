@@ -49,7 +49,7 @@ def test_model_config_validation(tmp_path):
 
 def test_compute_dtype_is_what_rollers_hold():
     plain = models.ModelConfig(path="tiny")
-    assert plain.compute_dtype == "float32" and plain.for_inference() == plain
+    assert plain.resolved_compute_dtype() == "float32" and plain.for_inference().dtype == "float32"
     mixed = models.ModelConfig(path="tiny", compute_dtype="bfloat16")
     assert mixed.torch_dtype == torch.float32 and mixed.torch_compute_dtype == torch.bfloat16
     held = mixed.for_inference()
@@ -81,24 +81,33 @@ def test_smollm2_loads_from_wheel_and_answers():
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_compute_dtype_is_bf16_mixed_precision_where_the_machine_multiplies_bf16(monkeypatch, native):
-    """model.compute_dtype=auto (the default) is resolved when the config is built: bfloat16 compute over
-    float32 parameters where native_bf16(), else the parameter dtype; the tiny model always keeps its dtype."""
-    monkeypatch.setattr(models, "native_bf16", lambda: native)
+def test_auto_compute_dtype_is_bf16_mixed_precision_where_the_device_multiplies_bf16(monkeypatch, native):
+    """model.compute_dtype=auto (the default): bfloat16 compute over float32 parameters where the trainer's
+    device multiplies bf16 natively, else the parameter dtype; the tiny model always keeps its dtype."""
+    devices = []
+    monkeypatch.setattr(models, "native_bf16", lambda device: devices.append(device) or native)
     real = models.ModelConfig(path=models.SMOLLM2)
-    assert real.compute_dtype == ("bfloat16" if native else "float32") and real.dtype == "float32"
-    assert models.ModelConfig(path=models.SMOLLM2, compute_dtype="float32").compute_dtype == "float32"
-    assert models.ModelConfig(path=models.SMOLLM2, compute_dtype="").compute_dtype == ""
-    assert models.ModelConfig(path=models.SMOLLM2, dtype="float16").compute_dtype == "float16"
-    assert models.ModelConfig(path="tiny").compute_dtype == "float32"
-    # Resolved once: what a run records (config.yaml, a resume's source) is a dtype, never auto again.
-    assert dataclasses.replace(real).compute_dtype == real.compute_dtype
+    assert real.compute_dtype == "auto" and real.dtype == "float32"
+    assert real.resolved_compute_dtype("cpu") == ("bfloat16" if native else "float32") and devices == ["cpu"]
+    assert real.for_inference().dtype == real.for_inference().compute_dtype == real.resolved_compute_dtype()
+    assert models.ModelConfig(path=models.SMOLLM2, compute_dtype="float32").resolved_compute_dtype() == "float32"
+    assert models.ModelConfig(path=models.SMOLLM2, compute_dtype="").resolved_compute_dtype() == "float32"
+    assert models.ModelConfig(path=models.SMOLLM2, dtype="float16").resolved_compute_dtype() == "float16"
+    assert models.ModelConfig(path="tiny").resolved_compute_dtype("cuda") == "float32"
 
 
 @pytest.mark.parametrize(("avx512_bf16", "amx", "expected"),
                          [(True, False, True), (False, True, True), (False, False, False)])
 def test_native_bf16_on_cpu_needs_avx512_bf16_or_amx(monkeypatch, avx512_bf16, amx, expected):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    assert models.native_bf16() is expected
+    assert models.native_bf16("cpu") is expected
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_native_bf16_on_cuda_does_not_count_emulation(monkeypatch, native):
+    """Pre-Ampere GPUs emulate bf16: is_bf16_supported(including_emulation=False) is the question asked."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kw: asked.append(kw) or native)
+    assert models.native_bf16("cuda") is native and asked == [{"including_emulation": False}]

@@ -183,19 +183,35 @@ def test_pool_resources_place_each_pool_and_reject_what_ray_owns():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_compute_dtype_is_decided_once_and_a_resume_keeps_it(monkeypatch, tmp_path, native):
-    """The default preset's model.compute_dtype=auto is resolved when the config is built; what the run
-    records (config.yaml, which a resume reads) is a dtype, kept on a machine that would choose otherwise."""
+    """model.compute_dtype=auto (the default) is pinned when the config tree is built, after every merge (the
+    final model.path and trainer.device); what the run records (config.yaml, which a resume reads) is a dtype,
+    kept on a machine that would choose otherwise."""
     from common import models
 
-    monkeypatch.setattr(models, "native_bf16", lambda: native)
+    devices = []
+    monkeypatch.setattr(models, "native_bf16", lambda device: devices.append(device) or native)
     cfg = load_config()
     chosen = "bfloat16" if native else "float32"
     assert (cfg.model.compute_dtype, cfg.model.dtype) == (chosen, "float32")
     assert f"compute_dtype: {chosen}" in to_yaml(cfg)
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
-    monkeypatch.setattr(models, "native_bf16", lambda: not native)
+    monkeypatch.setattr(models, "native_bf16", lambda device: not native)
     assert load_config(config_file=str(path)).model.compute_dtype == chosen
     assert load_config(overrides=["model.compute_dtype=float32"]).model.compute_dtype == "float32"
     with pytest.raises(ValueError, match="model.compute_dtype='bf16'.*auto"):
         load_config(overrides=["model.compute_dtype=bf16"])
+
+
+def test_auto_compute_dtype_follows_the_final_model_and_the_trainer_device(monkeypatch):
+    """The tiny preset keeps float32 on a bf16 machine (the default model's choice must not leak through the
+    config tree's defaults), and trainer.device decides which device is asked."""
+    from common import models
+
+    devices = []
+    monkeypatch.setattr(models, "native_bf16", lambda device: devices.append(device) or device == "cpu")
+    assert load_config(preset="tiny").model.compute_dtype == "float32"
+    assert load_config(preset="tiny", overrides=["model.path=smollm2-135m-instruct"]).model.compute_dtype == "bfloat16"
+    assert load_config(overrides=["trainer.device=cuda"]).model.compute_dtype == "float32"
+    assert load_config(overrides=["trainer.device=cpu"]).model.compute_dtype == "bfloat16"
+    assert devices[-2:] == ["cuda", "cpu"]
