@@ -188,8 +188,7 @@ def test_auto_compute_dtype_is_decided_once_and_a_resume_keeps_it(monkeypatch, t
     kept on a machine that would choose otherwise."""
     from common import models
 
-    devices = []
-    monkeypatch.setattr(models, "native_bf16", lambda device: devices.append(device) or native)
+    monkeypatch.setattr(models, "native_bf16", lambda device: native)
     cfg = load_config()
     chosen = "bfloat16" if native else "float32"
     assert (cfg.model.compute_dtype, cfg.model.dtype) == (chosen, "float32")
