@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from controller.config import DEFAULT_PRESET, MODES, available_presets, load_config, to_yaml
+from controller.job_checkpoint import find_checkpoint
 
 EXIT_CONFIG_ERROR = 2
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -160,6 +161,13 @@ def _check_flags(args: argparse.Namespace, command: str, overrides: list[str]) -
         return "--resume takes the run's config from RUN_DIR/config.yaml; drop --preset/--config"
     if args.resume is not None and not (Path(args.resume) / "config.yaml").is_file():
         return f"--resume {args.resume}: no run there (no {Path(args.resume) / 'config.yaml'})"
+    if args.resume is not None and command == "run":
+        # Here, not only in the job's own check (job_checkpoint.prepare_resume): that one runs after Ray and
+        # the pools' libraries load, minutes on a loaded machine, for an answer these files give at once.
+        try:
+            find_checkpoint(args.resume, args.resume_step)
+        except ValueError as exc:
+            return f"cannot start: {exc}"  # the words of the job's own check
     return None
 
 
