@@ -33,7 +33,8 @@ wall time and over trained samples, one line per run, a colour per mode), the ru
 the median of at least three runs on a quiet machine). ``--reuse-runs``: a completed run in ``--out`` is read,
 not run again (to rerun one, delete its run directory).
 Smoke-test with the tiny preset: ``python bench/learning_bench.py --quick --preset tiny --steps 4
---val-every 2 --val-size 8 --set data.size=64 data.train_batch_size=8 trainer.ppo_mini_batch_size=8``.
+--val-every 2 --val-size 8 --set data.size=64 data.train_batch_size=8 trainer.ppo_mini_batch_size=8
+data.val_disjoint=false`` (tiny_repeat's few prompts cannot be held out by text: its validation repeats them).
 """
 
 from __future__ import annotations

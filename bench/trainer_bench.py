@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from modes_bench import MAIN_TASK, PRESET  # a script: bench/ is on sys.path
 
 from common import schema
 from common.env import set_torch_threads, setup_process_env
@@ -35,8 +36,9 @@ RESPONSE_LENGTHS = (7, 9, 12, 13, 17, 24, 32, 32, 32)  # the main job's mix at <
 
 
 def main_job_batch(preset: str, num_prompts: int, n: int, response_len: int, seed: int = 0) -> dict:
-    """``num_prompts`` prompts of ``preset`` × ``n`` samples, left-padded, random responses."""
-    cfg = load_config(preset=preset)
+    """``num_prompts`` prompts of ``preset`` × ``n`` samples, left-padded, random responses; the main
+    preset's task pinned to the recorded workload's (``modes_bench.MAIN_TASK``)."""
+    cfg = load_config(preset=preset, overrides=list(MAIN_TASK) if preset == PRESET else [])
     tokenizer = load_tokenizer(cfg.model)
     train, _ = PromptDataset.splits(cfg.data, tokenizer)
     prompts = [list(p.input_ids) for p in train.prompts[:num_prompts]]

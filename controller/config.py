@@ -38,10 +38,12 @@ class DataConfig:
     when the job starts, before any pool). ``size``: examples generated for a procedural task (files use all rows).
     ``train_batch_size`` in prompts per training step; ``max_prompt_length`` in tokens (longer prompts
     raise, naming the row, unless ``skip_long_prompts``). ``val_size``: held-out prompts evaluated during
-    training (0 = no validation): the ``val_size`` rows after the training ones of the same task (a
-    procedural task is generated with ``size + val_size`` rows; a file's last ``val_size`` rows are held out),
-    or the first ``val_size`` rows of ``val_file`` (a ``.jsonl``/``.parquet`` file with ``prompt_key`` and
-    ``answer_key``, scored by the training reward)."""
+    training (0 = no validation), held out by text (``val_disjoint``): drawn from the rows after the
+    training ones of the same task (a file: from its last rows), or from ``val_file`` (a
+    ``.jsonl``/``.parquet`` file with ``prompt_key`` and ``answer_key``, scored by the training reward),
+    passing over every row whose normalised text occurs in training (``controller.data.load_split``).
+    ``val_disjoint=false`` takes the rows whatever their text, for a task with too few distinct prompts to
+    hold any out (tiny_repeat); the run then counts the held-out prompts it trains on."""
 
     task: str = "chain_sum"
     task_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -58,6 +60,7 @@ class DataConfig:
     shuffle: bool = True
     val_size: int = 0
     val_file: str = ""
+    val_disjoint: bool = True
 
     def __post_init__(self):
         for key in ("size", "train_batch_size", "max_prompt_length", "epochs"):

@@ -65,10 +65,12 @@ KEY_DOCS: dict[str, str] = {
     "data.epochs": "passes over the data available to the run (trainer.total_steps must fit in them)",
     "data.drop_last": "drop an epoch's final partial batch instead of training it as a shorter step",
     "data.shuffle": "reshuffle the prompts each epoch (with data.seed + epoch)",
-    "data.val_size": "held-out prompts for validation (the rows after the training ones, or of data.val_file); "
-                     "0 = no validation",
+    "data.val_size": "held-out prompts for validation, drawn after the training rows (or from data.val_file); "
+                     "0 = none",
     "data.val_file": "a .jsonl / .parquet file of validation prompts (its first data.val_size rows); empty:"
                      " rows of data.task",
+    "data.val_disjoint": "held-out prompts never repeat a training prompt's text (rows that do are passed "
+                         "over); false: any rows",
     # rollout
     "rollout.n": "samples generated per prompt (the GRPO group size)",
     "rollout.temperature": "sampling temperature (> 0)",

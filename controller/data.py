@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from common import schema
 from common.ground_truth import encode_ground_truth
 from common.models import apply_chat_template
 from controller.config import DataConfig
-from controller.tasks import TaskRecord, load_task_records
+from controller.tasks import FILE_SUFFIXES, TaskRecord, load_task_records
 
 logger = logging.getLogger(__name__)
 
@@ -69,32 +70,142 @@ class PromptBatch:
     prompts: tuple[Prompt, ...]
 
 
-def load_split(cfg: DataConfig) -> tuple[list[TaskRecord], list[TaskRecord]]:
-    """The training and validation records of ``cfg`` (validation empty when ``data.val_size`` is 0).
+VAL_DRAW_FACTORS = (1, 2, 4, 8, 16)  # a procedural task's held-out candidates per round, in val_size rows
 
-    Held-out rows of ``data.task``: the task is loaded with ``size + val_size`` rows and the last
-    ``val_size`` are held out (a procedural task draws row i from its seed and i alone — reasoning-gym's
-    ``Random(seed + i)``, tiny_repeat's stream — so the training rows are those of ``size`` rows; a file
-    keeps all but its last ``val_size`` rows for training). A different seed would not do: reasoning-gym's
-    row i of seed s+1 is row i+1 of seed s. With ``data.val_file``, its first ``val_size`` rows. Disjoint
-    by row; a task with few distinct prompts (tiny_repeat has ``num_symbols``) repeats prompt texts.
-    Raises ValueError naming ``data.val_size`` when too few rows are left for either side.
+
+def normalised_text(prompt: str) -> str:
+    """``prompt`` (the user message, before the chat template) with every run of whitespace one space and
+    none at either end: the text two prompts are compared by when held-out prompts are chosen."""
+    return " ".join(prompt.split())
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    """The training and held-out records of a run (``load_split``). ``num_val_skipped``: rows passed over
+    while the held-out set was drawn because their normalised text occurs in training (or, for a file task,
+    was already kept for training); ``num_val_seen``: held-out prompts whose text does occur in training
+    (only with ``data.val_disjoint=false``; 0 otherwise)."""
+
+    train: list[TaskRecord]
+    val: list[TaskRecord]
+    num_val_skipped: int = 0
+    num_val_seen: int = 0
+
+
+def load_split(cfg: DataConfig) -> DataSplit:
+    """The training and held-out records of ``cfg`` (held-out empty when ``data.val_size`` is 0).
+
+    Held out means held out by text: no held-out prompt's normalised text (``normalised_text``) occurs among
+    the training prompts, whatever row it came from.
+
+    * A procedural task (reasoning-gym, tiny_repeat, a plug-in) draws row i from its seed and i alone
+      (reasoning-gym's ``Random(seed + i)``), so training is its first ``data.size`` rows, as without
+      validation, and the held-out prompts are drawn from the rows after them, in order, passing over every
+      row whose text occurs in training, until ``val_size`` are found; the candidates grow ``val_size``,
+      2×, 4×, ... up to 16× ``val_size`` rows (``VAL_DRAW_FACTORS``). A different seed would not do:
+      reasoning-gym's row i of seed s+1 is row i+1 of seed s.
+    * A file task (no ``data.val_file``): the held-out prompts are drawn from its last rows backwards; a row
+      whose text occurs in the rows before it, or among the rows already passed over, is passed over and
+      trains (so no row is lost); training is every row not held out.
+    * ``data.val_file``: its first ``val_size`` rows whose text does not occur in training.
+
+    With ``data.val_disjoint=false`` the held-out prompts are the ``val_size`` rows after the training ones
+    (a file: its last ``val_size``; ``data.val_file``: its first), whatever their text, and ``num_val_seen``
+    counts those that occur in training (a task with few distinct prompts: tiny_repeat has at most 26).
+
+    Raises ValueError naming ``data.val_size``, ``data.task``, ``data.task_kwargs``, ``data.size`` (or
+    ``data.val_file``) and ``data.val_disjoint`` when the task cannot supply ``val_size`` unseen prompts,
+    or when too few rows are left for training.
     """
     def load(task: str, size: int, kwargs) -> list[TaskRecord]:
         return load_task_records(task, size, cfg.seed, kwargs, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
 
     if not cfg.val_size:
-        return load(cfg.task, cfg.size, cfg.task_kwargs), []
+        return DataSplit(load(cfg.task, cfg.size, cfg.task_kwargs), [])
     if cfg.val_file:
-        val = load(cfg.val_file, cfg.val_size, {})
+        train = load(cfg.task, cfg.size, cfg.task_kwargs)
+        rows = load(cfg.val_file, cfg.val_size, {})
+        val, skipped = _unseen(rows, _texts(train), cfg.val_size, cfg.val_disjoint)
         if len(val) < cfg.val_size:
-            raise ValueError(f"data.val_size={cfg.val_size} but data.val_file={cfg.val_file!r} has {len(val)} rows")
-        return load(cfg.task, cfg.size, cfg.task_kwargs), val[: cfg.val_size]
-    records = load(cfg.task, cfg.size + cfg.val_size, cfg.task_kwargs)
+            raise ValueError(f"data.val_size={cfg.val_size} but data.val_file={cfg.val_file!r} has {len(rows)} rows"
+                             + (f", {skipped} of them training prompts (data.val_disjoint=true)" if skipped else ""))
+        return DataSplit(train, val, skipped, _num_seen(val, train))
+    if cfg.task.endswith(FILE_SUFFIXES):
+        return _file_split(load(cfg.task, 0, cfg.task_kwargs), cfg)
+    for factor in VAL_DRAW_FACTORS if cfg.val_disjoint else (1,):
+        records = load(cfg.task, cfg.size + factor * cfg.val_size, cfg.task_kwargs)
+        train, rows = records[: cfg.size], records[cfg.size:]
+        if not train or len(records) <= cfg.val_size:
+            raise ValueError(f"data.val_size={cfg.val_size} leaves no training rows: data.task={cfg.task!r} has "
+                             f"{len(records)} rows (lower data.val_size, or give data.val_file)")
+        val, skipped = _unseen(rows, _texts(train), cfg.val_size, cfg.val_disjoint)
+        if len(val) == cfg.val_size:
+            return DataSplit(train, val, skipped, _num_seen(val, train))
+        if len(rows) < factor * cfg.val_size:
+            break  # the task has no more rows to draw
+    raise ValueError(
+        f"data.val_size={cfg.val_size}: data.task={cfg.task!r} with data.task_kwargs={dict(cfg.task_kwargs)} "
+        f"gave only {len(val)} prompts whose text does not occur among its data.size={cfg.size} training "
+        f"prompts, in the {len(rows)} rows it gave after them ({skipped} repeat a training prompt): held-out "
+        "prompts must be unseen. Widen the task (data.task_kwargs), lower data.val_size or data.size, give "
+        "data.val_file, or set data.val_disjoint=false to validate on rows that may repeat training prompts")
+
+
+def _texts(records: Sequence[TaskRecord]) -> set[str]:
+    return {normalised_text(r.prompt) for r in records}
+
+
+def _num_seen(val: Sequence[TaskRecord], train: Sequence[TaskRecord]) -> int:
+    texts = _texts(train)
+    return sum(normalised_text(r.prompt) in texts for r in val)
+
+
+def _unseen(rows: Sequence[TaskRecord], train_texts: set[str], want: int,
+            disjoint: bool) -> tuple[list[TaskRecord], int]:
+    """The first ``want`` of ``rows`` whose text is not in ``train_texts`` (any ``want`` rows unless
+    ``disjoint``), and how many rows were passed over to find them."""
+    if not disjoint:
+        return list(rows[:want]), 0
+    val, skipped = [], 0
+    for row in rows:
+        if len(val) == want:
+            break
+        if normalised_text(row.prompt) in train_texts:
+            skipped += 1
+        else:
+            val.append(row)
+    return val, skipped
+
+
+def _file_split(records: list[TaskRecord], cfg: DataConfig) -> DataSplit:
+    """``load_split`` of a file task: held-out rows drawn from the end (see there)."""
     if len(records) <= cfg.val_size:
         raise ValueError(f"data.val_size={cfg.val_size} leaves no training rows: data.task={cfg.task!r} has "
                          f"{len(records)} rows (lower data.val_size, or give data.val_file)")
-    return records[: -cfg.val_size], records[-cfg.val_size:]
+    if not cfg.val_disjoint:
+        train, val = records[: -cfg.val_size], records[-cfg.val_size:]
+        return DataSplit(train, val, 0, _num_seen(val, train))
+    before = Counter(normalised_text(r.prompt) for r in records)  # texts of the rows not yet walked
+    held, num_passed, passed_texts = [], 0, set()  # held: row positions, from the end
+    for pos in range(len(records) - 1, -1, -1):
+        if len(held) == cfg.val_size:
+            break
+        text = normalised_text(records[pos].prompt)
+        before[text] -= 1  # now the texts of rows 0..pos-1
+        if before[text] > 0 or text in passed_texts:  # it trains: a row before it, or one passed over, says so
+            num_passed += 1
+            passed_texts.add(text)
+        else:
+            held.append(pos)
+    kept = set(held)
+    train = [r for i, r in enumerate(records) if i not in kept]
+    if len(held) < cfg.val_size or not train:
+        raise ValueError(
+            f"data.val_size={cfg.val_size}: data.task={cfg.task!r} has {len(records)} rows but only "
+            f"{len(held)} prompts whose text occurs nowhere else in it, with rows left for training: held-out "
+            "prompts must be unseen. Lower data.val_size, give data.val_file, or set data.val_disjoint=false "
+            "to hold out its last rows whatever their text")
+    return DataSplit(train, [records[i] for i in sorted(held)], num_passed, 0)
 
 
 def num_available_steps(dataset_size: int, train_batch_size: int, epochs: int, drop_last: bool = False) -> int:
@@ -127,7 +238,8 @@ def check_total_steps(
 class PromptDataset:
     """Tokenized prompts of one task plus the epoch/batch iteration of the feeder."""
 
-    def __init__(self, prompts: Sequence[Prompt], cfg: DataConfig, num_skipped: int = 0):
+    def __init__(self, prompts: Sequence[Prompt], cfg: DataConfig, num_skipped: int = 0,
+                 num_val_skipped: int = 0, num_val_seen: int = 0):
         if not prompts:
             raise ValueError(
                 f"data.task={cfg.task!r}: no prompts left"
@@ -136,18 +248,23 @@ class PromptDataset:
         self.prompts = tuple(prompts)
         self.cfg = cfg
         self.num_skipped = num_skipped
+        self.num_val_skipped, self.num_val_seen = num_val_skipped, num_val_seen  # a held-out set's: ``DataSplit``
 
     @classmethod
     def splits(cls, cfg: DataConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
         """The training and validation datasets of ``cfg`` (validation None without ``data.val_size``), from
         one load of ``cfg.task`` (``load_split``), each row templated and tokenized once; raises ValueError
         as described in the module docstring."""
-        train, val = load_split(cfg)
-        return cls.from_records(train, cfg, tokenizer), cls.from_records(val, cfg, tokenizer) if cfg.val_size else None
+        split = load_split(cfg)
+        val = (cls.from_records(split.val, cfg, tokenizer, split.num_val_skipped, split.num_val_seen)
+               if cfg.val_size else None)
+        return cls.from_records(split.train, cfg, tokenizer), val
 
     @classmethod
-    def from_records(cls, records: Sequence[TaskRecord], cfg: DataConfig, tokenizer) -> PromptDataset:
-        """Template and tokenize ``records``, enforcing ``cfg.max_prompt_length``."""
+    def from_records(cls, records: Sequence[TaskRecord], cfg: DataConfig, tokenizer, num_val_skipped: int = 0,
+                     num_val_seen: int = 0) -> PromptDataset:
+        """Template and tokenize ``records``, enforcing ``cfg.max_prompt_length``; a held-out set's counts
+        (``DataSplit``) are kept as ``num_val_skipped`` / ``num_val_seen``."""
         prompts, skipped = [], []
         for index, record in enumerate(records):
             ids = apply_chat_template(tokenizer, record.prompt, cfg.system_prompt or None)
@@ -167,7 +284,7 @@ class PromptDataset:
                 "skipped %d of %d prompts longer than data.max_prompt_length=%d (rows %s%s, counting from 1)",
                 len(skipped), len(records), cfg.max_prompt_length, skipped[:10], "..." if len(skipped) > 10 else "",
             )
-        return cls(prompts, cfg, num_skipped=len(skipped))
+        return cls(prompts, cfg, len(skipped), num_val_skipped, num_val_seen)
 
     def __len__(self) -> int:
         return len(self.prompts)

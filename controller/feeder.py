@@ -40,13 +40,17 @@ from controller.data import Prompt, PromptDataset, prompt_fields
 class DataFacts:
     """What the controller learns of the run's data (``PromptFeeder.facts``): counts and lengths, never a
     prompt. ``num_prompts``: training prompts (after rows skipped as longer than ``data.max_prompt_length``:
-    ``num_skipped``); ``num_val_prompts``: held-out prompts (``data.val_size``); ``max_prompt_tokens``: the
+    ``num_skipped``); ``num_val_prompts``: held-out prompts (``data.val_size``), ``num_val_skipped`` rows
+    passed over to draw them (their text occurs in training) and ``num_val_seen`` of them that occur in
+    training (``data.val_disjoint=false`` only: ``controller.data.DataSplit``); ``max_prompt_tokens``: the
     longest prompt of either after the chat template; ``num_available_steps``: training steps the data gives
     (``controller.data.num_available_steps``)."""
 
     num_prompts: int
     num_skipped: int
     num_val_prompts: int
+    num_val_skipped: int
+    num_val_seen: int
     max_prompt_tokens: int
     num_available_steps: int
 
@@ -112,8 +116,9 @@ class PromptFeeder:
     def facts(self) -> DataFacts:
         """Counts and lengths of the data this feeder holds (see ``DataFacts``)."""
         datasets = [d for d in (self.dataset, self.val_dataset) if d is not None]
-        return DataFacts(len(self.dataset), self.dataset.num_skipped,
-                         len(self.val_dataset) if self.val_dataset is not None else 0,
+        val = self.val_dataset
+        return DataFacts(len(self.dataset), self.dataset.num_skipped, len(val) if val is not None else 0,
+                         val.num_val_skipped if val is not None else 0, val.num_val_seen if val is not None else 0,
                          max(len(p.input_ids) for d in datasets for p in d.prompts),
                          self.dataset.num_available_steps())
 

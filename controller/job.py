@@ -149,7 +149,13 @@ def _start_feeder(cfg: HFlowConfig, context_length: int):
         feeder, facts = start_feeder(cfg, num_batches(cfg), context_length)
     except ValueError as exc:
         raise StartError(str(exc)) from exc
-    held_out = f", {facts.num_val_prompts} held out for validation" if facts.num_val_prompts else ""
+    held_out = ""
+    if facts.num_val_prompts and facts.num_val_seen:
+        held_out = (f", {facts.num_val_prompts} for validation, {facts.num_val_seen} of them also trained on "
+                    "(data.val_disjoint=false: not held out)")
+    elif facts.num_val_prompts:
+        held_out = (f", {facts.num_val_prompts} held out for validation (no training prompt's text; "
+                    f"{facts.num_val_skipped} rows passed over that had one)")
     print(f"hflow-async: data: {facts.num_prompts} training prompts{held_out}, the longest "
           f"{facts.max_prompt_tokens} tokens; {facts.num_available_steps} steps available for "
           f"trainer.total_steps={cfg.trainer.total_steps}", flush=True)

@@ -14,7 +14,7 @@ from controller.config import load_config
 from controller.feeder import DataFacts, FeederActor, PromptFeeder
 from controller.job import check_config
 
-OVERRIDES = ["data.size=12", "data.val_size=4", "data.train_batch_size=4", "trainer.ppo_mini_batch_size=4",
+OVERRIDES = ["data.size=12", "data.val_size=4", "data.val_disjoint=false", "data.train_batch_size=4", "trainer.ppo_mini_batch_size=4",
              "trainer.total_steps=3", "rollout.n=2"]
 
 
@@ -45,8 +45,11 @@ def test_one_load_and_one_template_per_row_whatever_the_feeder_is_asked(calls):
     assert calls == {"load": 1, "template": 12 + 4}
     feeder.client = SimpleNamespace(put=lambda data, partition, tags: None, close=lambda: None)
     facts = feeder.facts()
-    assert facts == DataFacts(num_prompts=12, num_skipped=0, num_val_prompts=4,
-                              max_prompt_tokens=facts.max_prompt_tokens, num_available_steps=3)
+    assert facts == DataFacts(num_prompts=12, num_skipped=0, num_val_prompts=4, num_val_skipped=0,
+                              num_val_seen=facts.num_val_seen, max_prompt_tokens=facts.max_prompt_tokens,
+                              num_available_steps=3)
+    train_texts = {p.text for p in feeder.dataset.prompts}  # tiny_repeat's 8 prompts: its validation repeats them
+    assert facts.num_val_seen == sum(p.text in train_texts for p in feeder.val_dataset.prompts) > 0
     assert 0 < facts.max_prompt_tokens < context_length
     assert [g["uid"] for g in feeder.feed(5)] == ["s0.p0", "s0.p1", "s0.p2", "s0.p3", "s1.p0"]
     assert feeder.feed_validation(0) == ["v0.p0", "v0.p1", "v0.p2", "v0.p3"]

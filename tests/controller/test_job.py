@@ -50,6 +50,15 @@ def test_too_many_steps_rejected_at_start(tmp_path, ray_cluster, capsys, monkeyp
         assert needle in err
 
 
+def test_validation_that_cannot_be_held_out_by_text_is_refused_at_start(tmp_path, ray_cluster, capsys):
+    """tiny_repeat has 8 distinct prompts, all of them among 32 training rows: no held-out prompt exists."""
+    code, steps, _ = run(tmp_path, "sync", *SMALL, "trainer.total_steps=1", "data.val_size=4")
+    assert code == EXIT_CONFIG and steps == [] and list(tmp_path.iterdir()) == []
+    err = capsys.readouterr().err
+    for needle in ("data.val_size=4", "data.task='tiny_repeat'", "data.size=32", "data.val_disjoint=false"):
+        assert needle in err
+
+
 @pytest.mark.parametrize("total_steps,bypass", [(4, []), pytest.param(3, ["algorithm.bypass_mode=false"],
                                                                          marks=pytest.mark.long)])
 def test_exact_termination_one_step_off(tmp_path, ray_cluster, total_steps, bypass):
@@ -221,7 +230,7 @@ def test_failing_reward_skipped_when_asked(tmp_path, ray_cluster):
     val_file.write_text("".join(json.dumps({"prompt": f"repeat the word {s}", "answer": s}) + "\n" for s in "acbc"))
     code, rows, summary = run(tmp_path, "sync", "data.size=4", f"data.seed={seed}", "data.train_batch_size=4",
                               "trainer.ppo_mini_batch_size=4", "trainer.total_steps=1", "data.val_size=4",
-                              f"data.val_file={val_file}", f"rollout.reward={HOOKS}:raise_on_c",
+                              f"data.val_file={val_file}", "data.val_disjoint=false", f"rollout.reward={HOOKS}:raise_on_c",
                               "rollers.on_failed_group=skip")
     assert code == EXIT_OK
     assert summary["num_failed_groups"] == 1  # training groups only
@@ -308,10 +317,11 @@ def test_prometheus_endpoint_serves_every_series_during_a_run(tmp_path, ray_clus
 @pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.long), pytest.param("one-step-off", marks=pytest.mark.long),
                                   "fully-async"])  # one mode in make test, all three in make test-long
 def test_tiny_model_learns_the_prompt_dependent_task(tmp_path, ray_cluster, mode):
-    code, rows, summary = run(tmp_path, mode, "data.val_size=32", "trainer.val_every=125")
+    code, rows, summary = run(tmp_path, mode, "data.val_size=32", "data.val_disjoint=false", "trainer.val_every=125")
     assert code == EXIT_OK
     steps = [r for r in rows if not r.get("validation")]
-    # Held-out accuracy (32 prompts after the training rows, 4 samples each + 1 greedy) rises with training.
+    # Validation accuracy (the 32 rows after the training ones, 4 samples each + 1 greedy) rises with training.
+    # Not held out by text: tiny_repeat's 8 prompts all train (data.val_disjoint=false).
     assert [r["weight_version"] for r in rows if r.get("validation")] == [0, 125, 250]
     assert summary["val_accuracy_first"] < 0.2 and summary["val_accuracy_last"] > 0.8, summary
     rewards = [s["reward_mean"] for s in steps]

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from common import schema
-from controller.config import DataConfig, load_config
-from controller.data import load_split
+from controller.config import DataConfig, available_presets, load_config
+from controller.data import load_split, normalised_text
 from controller.metrics import JobMetrics
 from controller.report import VAL_SUMMARY_KEYS, RunReport, validation_summary
 from controller.tasks import load_task_records
@@ -65,24 +65,85 @@ def test_validation_record_from_tags():
         validation_record([], 0, 2)
 
 
-def test_held_out_rows_are_disjoint_and_leave_the_training_rows_unchanged(tmp_path):
-    for task, kwargs in (("tiny_repeat", {}), ("chain_sum", {"min_terms": 2, "max_terms": 3})):
-        plain = load_task_records(task, 40, 7, kwargs)
-        train, val = load_split(DataConfig(task=task, size=40, seed=7, task_kwargs=kwargs, val_size=10))
-        assert [r.prompt for r in train] == [r.prompt for r in plain] and len(val) == 10
-        assert val == load_task_records(task, 50, 7, kwargs)[40:]  # rows 40..49: none of them trained
-    assert load_split(DataConfig(task="tiny_repeat", size=40))[1] == []
-    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train, val = load_split(DataConfig(task=str(data), val_size=2))
-    assert [r.prompt for r in train] == ["q0", "q1", "q2", "q3"] and [r.prompt for r in val] == ["q4", "q5"]
-    train, val = load_split(DataConfig(task="tiny_repeat", size=8, val_size=3, val_file=str(data)))
-    assert len(train) == 8 and [r.ground_truth for r in val] == [{"answer": "0"}, {"answer": "1"}, {"answer": "2"}]
-    with pytest.raises(ValueError, match="data.val_size=7 but data.val_file"):
-        load_split(DataConfig(task="tiny_repeat", val_size=7, val_file=str(data)))
+def _texts(records) -> set[str]:
+    return {normalised_text(r.prompt) for r in records}
+
+
+def _jsonl(path, prompts) -> str:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": str(i)}) + "\n" for i, p in enumerate(prompts)))
+    return str(path)
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_every_preset_with_validation_holds_out_by_text(preset):
+    """Held out means by text: no held-out prompt's normalised text occurs in training (issue 44: 42 of the
+    main job's 64 held-out prompts were training prompts, held out by row)."""
+    cfg = load_config(preset=preset).data
+    if not cfg.val_size:
+        pytest.skip(f"preset {preset} validates on nothing")
+    split = load_split(cfg)
+    assert len(split.val) == cfg.val_size and len(split.train) == cfg.size
+    assert not _texts(split.train) & _texts(split.val) and split.num_val_seen == 0
+
+
+def test_held_out_prompts_pass_over_training_texts_and_leave_the_training_rows_unchanged():
+    kwargs = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # ~200 distinct problems
+    plain = load_task_records("chain_sum", 200, 0, kwargs)
+    split = load_split(DataConfig(task="chain_sum", size=200, task_kwargs=kwargs, val_size=64))
+    assert split.train == plain and len(split.val) == 64 and not _texts(plain) & _texts(split.val)
+    rows = load_task_records("chain_sum", 200 + 64 + split.num_val_skipped, 0, kwargs)[200:]
+    assert split.num_val_skipped > 0 and split.val == [r for r in rows if normalised_text(r.prompt) not in _texts(plain)]
+    by_row = load_split(DataConfig(task="chain_sum", size=200, task_kwargs=kwargs, val_size=64, val_disjoint=False))
+    assert by_row.val == rows[:64] and by_row.num_val_seen == sum(normalised_text(r.prompt) in _texts(plain)
+                                                                  for r in rows[:64]) > 0
+    assert load_split(DataConfig(task="tiny_repeat", size=40)).val == []
+
+
+def test_whitespace_does_not_make_a_training_prompt_unseen(tmp_path):
+    data = _jsonl(tmp_path / "d.jsonl", ["what is  1+1", "q2", "q3", " what is 1+1 ", "q4", "q5"])
+    split = load_split(DataConfig(task=data, val_size=2))
+    assert [r.prompt for r in split.val] == ["q4", "q5"] and len(split.train) == 4
+    split = load_split(DataConfig(task=data, val_size=3))  # the repeat at row 4 is passed over and trains
+    assert [r.prompt for r in split.val] == ["q3", "q4", "q5"] and split.num_val_skipped == 1
+    assert [r.prompt for r in split.train] == ["what is  1+1", "q2", " what is 1+1 "]
+
+
+def test_a_file_task_holds_out_unseen_rows_from_its_end_and_loses_none(tmp_path):
+    prompts = ["a", "b", "c", "a", "d", "b", "e", "e"]
+    split = load_split(DataConfig(task=_jsonl(tmp_path / "d.jsonl", prompts), val_size=2))
+    assert [r.prompt for r in split.val] == ["c", "d"] and split.num_val_skipped == 4  # e e b, then a: repeats
+    assert sorted(r.prompt for r in [*split.train, *split.val]) == sorted(prompts)  # every row trains or validates
+    assert not _texts(split.train) & _texts(split.val)
+    with pytest.raises(ValueError, match=r"data.val_size=4: .* only 2 prompts .* data.val_disjoint=false"):
+        load_split(DataConfig(task=_jsonl(tmp_path / "d.jsonl", prompts), val_size=4))
     with pytest.raises(ValueError, match="data.val_size=6 leaves no training rows"):
-        load_split(DataConfig(task=str(data), val_size=6))
+        load_split(DataConfig(task=_jsonl(tmp_path / "e.jsonl", [f"q{i}" for i in range(6)]), val_size=6))
+    split = load_split(DataConfig(task=_jsonl(tmp_path / "d.jsonl", prompts), val_size=3, val_disjoint=False))
+    assert [r.prompt for r in split.val] == ["b", "e", "e"] and split.num_val_seen == 1  # its last rows, as before
+
+
+def test_a_val_file_passes_over_training_prompts(tmp_path):
+    val_file = _jsonl(tmp_path / "v.jsonl", ["repeat the word a", "q1", "q2", "q3"])
+    split = load_split(DataConfig(task="tiny_repeat", size=8, val_size=3, val_file=val_file))
+    assert len(split.train) == 8 and [r.prompt for r in split.val] == ["q1", "q2", "q3"]
+    assert split.num_val_skipped == 1 and split.num_val_seen == 0
+    with pytest.raises(ValueError, match="data.val_size=4 but data.val_file=.* has 4 rows, 1 of them training"):
+        load_split(DataConfig(task="tiny_repeat", size=8, val_size=4, val_file=val_file))
+    with pytest.raises(ValueError, match="data.val_size=7 but data.val_file"):
+        load_split(DataConfig(task="tiny_repeat", val_size=7, val_file=val_file))
+    split = load_split(DataConfig(task="tiny_repeat", size=8, val_size=4, val_file=val_file, val_disjoint=False))
+    assert [r.prompt for r in split.val][0] == "repeat the word a" and split.num_val_seen == 1
+
+
+def test_a_task_too_small_to_hold_out_by_text_is_refused_naming_the_keys():
+    """tiny_repeat has at most 26 distinct prompts: it validates only with data.val_disjoint=false."""
+    with pytest.raises(ValueError) as err:
+        load_split(DataConfig(task="tiny_repeat", size=64, val_size=6))
+    for needle in ("data.val_size=6", "data.task='tiny_repeat'", "data.task_kwargs={}", "data.size=64",
+                   "gave only 0 prompts", "data.val_disjoint=false"):
+        assert needle in str(err.value)
+    split = load_split(DataConfig(task="tiny_repeat", size=64, val_size=6, val_disjoint=False))
+    assert len(split.val) == 6 and split.num_val_seen == 6 and split.num_val_skipped == 0
 
 
 @pytest.mark.parametrize("override, needle", [

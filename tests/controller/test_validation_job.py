@@ -14,7 +14,8 @@ from tests.controller.test_validation import read_tensorboard
 
 pytestmark = pytest.mark.timeout(300)
 
-SMALL = ("data.size=64", "data.train_batch_size=8", "trainer.ppo_mini_batch_size=8", "data.val_size=6", "val.n=3")
+SMALL = ("data.size=64", "data.train_batch_size=8", "trainer.ppo_mini_batch_size=8", "data.val_size=6", "val.n=3",
+         "data.val_disjoint=false")
 GROUP = 3 + 1  # val.n sampled + 1 greedy per held-out prompt
 
 
