@@ -25,8 +25,9 @@ hflow_samples_dropped_total            counter    samples discarded untrained: t
                                                   (``dynamic_sampling``)
 hflow_roller_busy_ratio{roller}        gauge      share of the roller's wall time with a request in
                                                   flight, since it started; polled
-hflow_trainer_wait_seconds_total       counter    seconds the trainer sat idle between the end of a step
-                                                  (or weight sync) and the start of the next update
+hflow_trainer_wait_seconds_total       counter    seconds the trainer sat idle: neither in an update (a
+                                                  step, its checkpoint included) nor pushing weights;
+                                                  counted as they pass (a scrape sees a wait so far)
 hflow_weight_sync_seconds              histogram  per weight sync: seconds from send to the last roller's
                                                   acknowledgement (pause and resume included)
 hflow_weight_sync_bytes_total          counter    bytes of weights sent to rollers (per roller, summed)
@@ -61,7 +62,11 @@ hflow_val_weight_version               gauge      the weight version the last va
 
 from __future__ import annotations
 
+import threading
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 _TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -72,6 +77,53 @@ _LENGTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # autoscaler, a replacement, or a loss (the roller died, stopped answering, or missed a weight update).
 SCALE_REASONS = ("scale_up", "scale_down", "autoscale_up", "autoscale_down", "replacement", "lost_died",
                  "lost_unresponsive", "lost_weight_sync")
+
+
+class TrainerWaitClock:
+    """``hflow_trainer_wait_seconds_total``: seconds the trainer sat idle, counted as they pass. Idle is
+    neither in an update (a step, its job checkpoint included) nor pushing weights; it starts when the
+    schedule's stages do. The stages mark the changes (``busy``, ``idle``); the step records and the
+    autoscaler ask (``total_s``).
+
+    Counted as they pass, not when a wait ends: a wait booked whole at its end fell into the scrape window
+    where it ended, so the dashboard's rate over that window read up to 1.3 (and 0 over the windows the
+    trainer waited through). Now no window holds more idle seconds than it lasts. Locked: the HTTP endpoint
+    reads it from its own thread, and a read halfway through ``busy`` would miss the wait that just ended
+    (the counter would drop, which Prometheus takes for a reset)."""
+
+    NAME = "hflow_trainer_wait_seconds"
+    HELP = ("Seconds the trainer sat idle: neither in an update (its checkpoint included) nor pushing weights; "
+            "counted as they pass")
+
+    def __init__(self, registry: CollectorRegistry):
+        self._lock = threading.Lock()
+        self._total_s = 0.0  # idle seconds of the waits that ended
+        self._idle_since: float | None = None  # time.monotonic() the current wait began; None: busy
+        registry.register(self)
+
+    def idle(self) -> None:
+        """The trainer is idle from now on (no-op when it already is)."""
+        with self._lock:
+            if self._idle_since is None:
+                self._idle_since = time.monotonic()
+
+    def busy(self) -> None:
+        """The trainer's idle time ends now: an update or a weight push starts (no-op when it is busy)."""
+        with self._lock:
+            if self._idle_since is not None:
+                self._total_s += time.monotonic() - self._idle_since
+                self._idle_since = None
+
+    def total_s(self) -> float:
+        """Idle seconds so far, the current wait included."""
+        with self._lock:
+            return self._total_s + (0.0 if self._idle_since is None else time.monotonic() - self._idle_since)
+
+    def describe(self):
+        yield CounterMetricFamily(self.NAME, self.HELP)
+
+    def collect(self):
+        yield CounterMetricFamily(self.NAME, self.HELP, value=self.total_s())
 
 
 class JobMetrics:
@@ -100,8 +152,7 @@ class JobMetrics:
                                 registry=r)
         self.roller_busy = Gauge("hflow_roller_busy_ratio", "Share of the roller's wall time with a request in "
                                  "flight, since it started", ["roller"], registry=r)
-        self.trainer_wait = Counter("hflow_trainer_wait_seconds", "Seconds the trainer sat idle between the end "
-                                    "of a step (or weight sync) and the start of the next update", registry=r)
+        self.trainer_wait = TrainerWaitClock(r)
         self.sync_seconds = Histogram("hflow_weight_sync_seconds", "Per weight sync: seconds from send to the "
                                       "last roller's acknowledgement", buckets=_TIME_BUCKETS, registry=r)
         self.sync_bytes = Counter("hflow_weight_sync_bytes", "Bytes of weights sent to rollers (per roller, "

@@ -309,7 +309,7 @@ class Autoscaler:
         self._reset()
 
     def _reset(self) -> None:
-        self.window_start, self.wait_start = time.monotonic(), self.st.total_wait_s
+        self.window_start, self.wait_start = time.monotonic(), self.st.metrics.trainer_wait.total_s()
         self.num_looks = self.num_backlogged = self.num_capped_idle = 0
 
     def sample(self) -> None:
@@ -326,7 +326,7 @@ class Autoscaler:
         elapsed = time.monotonic() - self.window_start
         if elapsed < self.cfg.autoscale_period_s or not self.num_looks:
             return None
-        wait_share = (self.st.total_wait_s - self.wait_start) / elapsed
+        wait_share = (self.st.metrics.trainer_wait.total_s() - self.wait_start) / elapsed
         backlog_share, idle_share = self.num_backlogged / self.num_looks, self.num_capped_idle / self.num_looks
         size = self.keeper.pool.size()
         self._reset()

@@ -104,7 +104,6 @@ class Stages:
         self.admitted_at: dict[str, float] = {}
         self.rewards_by_uid: dict[str, list[float]] = {}
         self.changed = asyncio.Event()  # version synced or groups dropped: admission may allow more
-        self.total_wait_s = 0.0  # seconds the trainer waited for data (the autoscaler's signal)
         self.queue_depth: dict[str, int] = {}  # samples ready per consumer task, as of the last gauge refresh
         self.trainer_lock = asyncio.Lock()  # held by update and weight pushes: the policy is at weight_version
         self.keeper = PoolKeeper(self)  # the roller pool's health, replacements and resizes
@@ -113,6 +112,8 @@ class Stages:
         self.feeder_lock = asyncio.Lock()
         self.checkpointer = JobCheckpointer(cfg)
         self._last_step_end = time.monotonic()
+        self.metrics.trainer_wait.idle()  # the trainer waits for the first batch
+        self._wait_at_step_end = self.metrics.trainer_wait.total_s()
         self.num_samples_received = 0  # samples taken from the TransferQueue (each one was produced)
         self.num_groups_generated = 0
         # (start, end) wall-clock seconds (time.time()) of every trainer update and weight sync: timeline.json
@@ -246,9 +247,8 @@ class Stages:
 
     async def _update(self, meta) -> dict:
         start, wall_start = time.monotonic(), time.time()
-        wait_s = max(0.0, start - self._last_step_end)
-        self.metrics.trainer_wait.inc(wait_s)
-        self.total_wait_s += wait_s
+        self.metrics.trainer_wait.busy()
+        wait_s = self.metrics.trainer_wait.total_s() - self._wait_at_step_end  # idle since the last step
         self._note_short_step(meta)
         async with self.trainer_lock:  # a roller joining waits: it gets the weights of the version after
             train_metrics = await asyncio.to_thread(self.rt.trainer.train_step, meta)
@@ -261,6 +261,8 @@ class Stages:
         self._record(meta, train_metrics, time.monotonic() - start, wait_s)
         if self.checkpointer.due(self.step):
             await self.checkpointer.save(self, "every trainer.save_every steps")
+        self.metrics.trainer_wait.idle()  # after the checkpoint: saving is no wait for data
+        self._wait_at_step_end = self.metrics.trainer_wait.total_s()
         return train_metrics
 
     async def sync_weights(self, pause_mode: str | None = None, wait_validation: bool = True) -> None:
@@ -271,6 +273,7 @@ class Stages:
         if wait_validation:
             await self.validator.wait()
         start, wall_start = time.monotonic(), time.time()
+        self.metrics.trainer_wait.busy()
         mode = pause_mode or self.cfg.checkpointengine.pause_mode
         async with self.trainer_lock:
             sent, lost = await self.rt.pool.push_weights(self.weight_version, mode)
@@ -282,6 +285,7 @@ class Stages:
         self.metrics.sync_seconds.observe(time.monotonic() - start)
         self.metrics.sync_bytes.inc(float(sent.get("num_bytes", 0)) * len(sent.get("acked", [])))
         self._last_step_end = time.monotonic()
+        self.metrics.trainer_wait.idle()
         self.changed.set()
         await self.validator.maybe_start(self.synced_weight_version)
 

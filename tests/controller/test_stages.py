@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -81,6 +83,46 @@ def test_stages_count_samples_where_they_are_seen(tmp_path):
 
     asyncio.run(steps())
     report.close()
+
+
+def test_trainer_wait_is_counted_as_it_passes_and_never_runs_ahead_of_the_clock(tmp_path):
+    """``hflow_trainer_wait_seconds_total``, whose rate is the dashboard's trainer idle share: a scrape during a
+    wait sees the wait so far; no span between two scrapes holds more idle seconds than it lasts (a wait was
+    booked whole when it ended: the panel read 1.3 there, and 0 while the trainer waited); a job checkpoint
+    is the trainer's work, not a wait for data (it was counted as one)."""
+    wait_s, save_s = 0.3, 0.3
+    st, metrics, report = _stages(tmp_path, [_group(f"u{i}", 8) for i in range(6)])
+    st.checkpointer.due = lambda step: step == 2
+
+    async def save(stages, reason):
+        await asyncio.sleep(save_s)
+
+    st.checkpointer.save = save
+    scrapes = []
+
+    def scrape():  # (a time before the read, the count, a time after it)
+        before = time.monotonic()
+        count = metrics.registry.get_sample_value("hflow_trainer_wait_seconds_total")
+        scrapes.append((before, count, time.monotonic()))
+
+    async def steps():
+        scrape()
+        for _ in range(3):
+            await asyncio.sleep(wait_s)  # the trainer waits for data
+            scrape()
+            await st.update(await st.generate(2, train_weight_version=st.weight_version))
+            scrape()
+
+    asyncio.run(steps())
+    report.close()
+    # Between two scrapes: (the least and the most time that passed between their reads, the count's increase).
+    spans = [(b1 - a0, a1 - b0, c1 - c0) for (b0, c0, a0), (b1, c1, a1) in itertools.pairwise(scrapes)]
+    for least, _, counted in spans[0::2]:  # waiting all along
+        assert counted >= least >= wait_s, spans
+    for _, most, counted in spans:
+        assert counted <= most, spans
+    _, most, counted = spans[3]  # step 2: its update and its checkpoint
+    assert counted <= most - save_s, spans
 
 
 def test_a_short_step_is_logged_with_its_reason(tmp_path, caplog):
