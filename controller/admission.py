@@ -59,6 +59,14 @@ class Admission:
         self.dropped += num_groups
 
 
+def max_live_groups(train_batch_size: int, max_staleness: int) -> int:
+    """The most prompt groups any schedule has started and neither trained nor dropped at once: ``sync`` one
+    batch, ``one-step-off`` two, ``fully-async`` ``max_staleness + 1`` (``Admission.limit`` at any version,
+    every earlier version having trained its batch). What sizes the TransferQueue index
+    (``transferqueue.max_samples``)."""
+    return max(max_staleness + 1, 2) * train_batch_size
+
+
 def staleness(trainer_weight_version: int, min_weight_version: int) -> int:
     """Staleness of a sample trained at ``trainer_weight_version`` whose first token came from
     ``min_weight_version``."""

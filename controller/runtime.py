@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from controller.admission import max_live_groups
 from controller.config import HFlowConfig
 
 if TYPE_CHECKING:
@@ -45,6 +46,14 @@ PARTITION = "samples"
 PROMPT_PARTITION = "prompts"  # the feeder's prompt rows (one per group), taken by the rollers' "rollout" task
 _POLL_S = 0.05  # how often start-up looks at the pools that are not ready yet
 WATCH_PERIOD_S = 0.5  # how often a running schedule's TransferQueue server processes are checked (Runtime.watch)
+
+
+def index_samples(cfg: HFlowConfig) -> int:
+    """The most samples this run's TransferQueue index can hold at once (``transferqueue.max_samples`` is
+    sized from it): a prompt row and ``rollout.n`` samples per group admission lets live, and one
+    validation round (a prompt row, ``val.n`` samples and the greedy one per held-out prompt)."""
+    groups = max_live_groups(cfg.data.train_batch_size, cfg.algorithm.max_staleness)
+    return groups * (cfg.rollout.n + 1) + cfg.data.val_size * (cfg.val.n + int(cfg.val.greedy) + 1)
 
 
 def start_feeder(cfg: HFlowConfig, num_batches: int, context_length: int | None) -> tuple[Any, DataFacts]:
@@ -119,7 +128,7 @@ class Runtime:
         clock = _StageClock(self.startup_s)
         on_stage(self.threads.describe(cfg.mode))
         on_stage(f"starting the TransferQueue (index + {n_units} storage unit{'s' * (n_units > 1)})")
-        self.tq_servers = start_transferqueue(cfg.transferqueue)
+        self.tq_servers = start_transferqueue(cfg.transferqueue.sized_for(index_samples(cfg)))
         handle = self.tq_servers.handle.to_dict()
         self.tq = TQClient(self.tq_servers.handle)
         ray.get(self.feeder.connect.remote(handle))

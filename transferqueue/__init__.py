@@ -23,6 +23,7 @@ from transferqueue.records import (
     FieldSchema,
     Full,
     IndexStats,
+    LimitExceeded,
     RemoteError,
     ServerLost,
     Timeout,
@@ -33,6 +34,6 @@ from transferqueue.records import (
 from transferqueue.samplers import register_sampler
 
 __all__ = [
-    "Batch", "BatchMeta", "Closed", "FieldSchema", "Full", "IndexStats", "RemoteError", "ServerLost", "TQClient",
-    "TQError", "TQHandle", "TQServers", "Timeout", "chunk_sizes", "pad_sequences", "register_sampler", "start_transferqueue",
+    "Batch", "BatchMeta", "Closed", "FieldSchema", "Full", "IndexStats", "LimitExceeded", "RemoteError", "ServerLost",
+    "TQClient", "TQError", "TQHandle", "TQServers", "Timeout", "chunk_sizes", "pad_sequences", "register_sampler", "start_transferqueue",
 ]

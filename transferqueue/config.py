@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.net import check_bind_host
 
@@ -33,6 +33,13 @@ class TransferQueueConfig:
     * ``reservation_lease_s``: a reservation lapses this long after it was made; its unused ids are
       never handed out (ids are never reused). That is how the index forgets clients that went away;
       a client takes ids from a reservation only while its put can finish before the lease ends.
+    * ``max_samples``: samples the index holds at once, over all partitions (each costs the index about
+      150 bytes bare, about 700 with a training sample's tags): a ``prepare_put`` or new-sample ``notify``
+      past it is refused (``LimitExceeded``) until ``clear`` frees room. 0 (the default): sized by the job
+      (``sized_for``: ``SAMPLES_HEADROOM`` x what its admission can ever hold, at least ``max_request_ids``),
+      ``DEFAULT_MAX_SAMPLES`` for a TransferQueue started alone (``sample_bound``). At least
+      ``max_request_ids`` when set. ``max_client_partitions``: partitions one client connection may have
+      created that are not cleared yet (``max_partitions`` bounds them all).
     * ``max_fields`` per partition and ``max_tasks`` (consumer tasks, over all partitions): each adds a bit
       to every sample's field/consumption mask. ``max_partitions``: partitions the index holds at once.
       ``max_name_chars``: length of a partition, field or task name.
@@ -62,7 +69,9 @@ class TransferQueueConfig:
     reservation_lease_s: float = 600.0
     max_fields: int = 256
     max_tasks: int = 256
+    max_samples: int = 0
     max_partitions: int = 1 << 16
+    max_client_partitions: int = 1024
     max_name_chars: int = 1024
     max_subscriptions: int = 64
     max_parked: int = 10_000
@@ -97,9 +106,9 @@ class TransferQueueConfig:
         for key in LIMIT_KEYS:
             if key == "reservation_lease_s":
                 continue
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"transferqueue.{key} must be a positive int, got {value!r}")
+            value, least = getattr(self, key), 0 if key == "max_samples" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"transferqueue.{key} must be an int >= {least}, got {value!r}")
         if self.max_request_ids < MIN_REQUEST_IDS:
             raise ValueError(f"transferqueue.max_request_ids must be >= {MIN_REQUEST_IDS} (clients reserve ids "
                              f"{MIN_REQUEST_IDS} at a time), got {self.max_request_ids}")
@@ -109,8 +118,32 @@ class TransferQueueConfig:
         if self.max_reserved_ids < self.max_client_reserved_ids:
             raise ValueError(f"transferqueue.max_reserved_ids must be >= max_client_reserved_ids "
                              f"({self.max_client_reserved_ids}), got {self.max_reserved_ids}")
+        if 0 < self.max_samples < self.max_request_ids:
+            raise ValueError(f"transferqueue.max_samples must be 0 (sized by the job) or >= max_request_ids "
+                             f"({self.max_request_ids}: one full request fits an empty index), got {self.max_samples}")
         if not isinstance(self.reservation_lease_s, int | float) or not self.reservation_lease_s > 0:
             raise ValueError(f"transferqueue.reservation_lease_s must be > 0, got {self.reservation_lease_s!r}")
+
+    @property
+    def sample_bound(self) -> int:
+        """The samples the index may hold at once: ``max_samples``, or ``DEFAULT_MAX_SAMPLES`` when it is 0."""
+        return self.max_samples or DEFAULT_MAX_SAMPLES
+
+    def sized_for(self, num_samples: int) -> TransferQueueConfig:
+        """This config for a job whose index can hold ``num_samples`` samples at once (what its admission
+        bound lets it start, counted by the controller): with ``max_samples`` 0, a copy whose ``max_samples``
+        is ``SAMPLES_HEADROOM * num_samples``, at least ``max_request_ids``; else this config unchanged.
+        Raises ValueError when ``num_samples < 1``, or when an explicit ``max_samples`` is below ``num_samples``
+        (the job would be refused mid-run)."""
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"sized_for: num_samples must be a positive int, got {num_samples!r}")
+        if self.max_samples == 0:
+            return replace(self, max_samples=max(SAMPLES_HEADROOM * num_samples, self.max_request_ids))
+        if self.max_samples < num_samples:
+            raise ValueError(f"transferqueue.max_samples={self.max_samples} is below the {num_samples} samples this "
+                             f"job's admission can hold in the index at once: set it >= {num_samples}, or 0 (sized "
+                             "by the job)")
+        return self
 
     def limits(self) -> dict:
         """The bounds the servers enforce (``LIMIT_KEYS``), as plain values for a server's spec."""
@@ -118,6 +151,8 @@ class TransferQueueConfig:
 
 
 MIN_REQUEST_IDS = 4096
+DEFAULT_MAX_SAMPLES = 1 << 20  # max_samples of a TransferQueue started alone: about 150-700 MB of index
+SAMPLES_HEADROOM = 4  # max_samples sized by a job: this many times what its admission can hold
 LIMIT_KEYS = ("max_request_ids", "max_client_reserved_ids", "max_reserved_ids", "reservation_lease_s", "max_fields",
-              "max_tasks", "max_partitions", "max_name_chars", "max_subscriptions", "max_parked", "max_parked_bytes",
-              "max_p2p_links")
+              "max_tasks", "max_samples", "max_partitions", "max_client_partitions", "max_name_chars",
+              "max_subscriptions", "max_parked", "max_parked_bytes", "max_p2p_links")

@@ -21,7 +21,7 @@ from collections.abc import Hashable
 from operator import attrgetter
 
 from transferqueue.config import TransferQueueConfig
-from transferqueue.records import BatchMeta, Consume, FieldSchema
+from transferqueue.records import BatchMeta, Consume, FieldSchema, LimitExceeded
 from transferqueue.reservations import Reservations
 from transferqueue.samplers import get_sampler
 from transferqueue.table import NO_TAGS, Partition, Sample, Subscription
@@ -55,15 +55,22 @@ def _set_lengths(samples: list[Sample], lengths: list[tuple[str, list[int]]]) ->
 
 class MetadataIndex:
     """The table itself. All methods raise ValueError for bad input (unknown/cleared ids, fields already
-    written, unknown sampler, a request past one of ``limits``' bounds...); the server turns those into
-    error replies. ``limits``: the ``transferqueue`` config whose ``max_*`` and ``reservation_lease_s``
-    bounds apply (defaults when None)."""
+    written, unknown sampler...) and ``LimitExceeded`` (a ValueError too) for a request past one of
+    ``limits``' bounds, changing nothing; the server turns those into error replies. ``limits``: the
+    ``transferqueue`` config whose ``max_*`` and ``reservation_lease_s`` bounds apply (defaults when None).
+
+    Its memory is bounded: at most ``limits.sample_bound`` samples over all partitions (``num_samples``),
+    ``max_partitions`` partitions, ``max_client_partitions`` of them created by one client connection
+    (``owner``: its ZMQ identity) and not cleared yet, and the reservations' bounds."""
 
     def __init__(self, limits: TransferQueueConfig | None = None):
         self.limits = limits or TransferQueueConfig()
         self.max_request_ids = self.limits.max_request_ids  # read on every notify
         self.max_fields = self.limits.max_fields
+        self.max_samples = self.limits.sample_bound
         self.partitions: dict[str, Partition] = {}
+        self.partitions_by_owner: dict[bytes, int] = {}  # partitions each client created, not cleared yet
+        self.num_samples = 0  # samples held, over all partitions
         self.next_id = 0
         self.produced = 0
         self.reservations = Reservations(self.limits)
@@ -78,15 +85,15 @@ class MetadataIndex:
         if task not in self.task_bits:
             self._check_name("task", task)
             if len(self.task_bits) >= self.limits.max_tasks:
-                raise ValueError(f"task {task!r:.100} would be task number {len(self.task_bits) + 1}: past "
-                                 f"transferqueue.max_tasks={self.limits.max_tasks}")
+                raise LimitExceeded("max_tasks", f"task {task!r:.100} would be task number {len(self.task_bits) + 1}: "
+                                    f"past transferqueue.max_tasks={self.limits.max_tasks}")
             self.task_bits[task] = 1 << len(self.task_bits)
         return self.task_bits[task]
 
     def _check_name(self, what: str, name: str) -> None:
         if len(name) > self.limits.max_name_chars:
-            raise ValueError(f"{what} {name:.64}...: a name of {len(name)} characters, past "
-                             f"transferqueue.max_name_chars={self.limits.max_name_chars}")
+            raise LimitExceeded("max_name_chars", f"{what} {name:.64}...: a name of {len(name)} characters, past "
+                                f"transferqueue.max_name_chars={self.limits.max_name_chars}")
 
     def _check_count(self, what: str, n: int) -> None:
         check_id_count(what, n, self.max_request_ids)
@@ -96,10 +103,18 @@ class MetadataIndex:
         if len(part.bits) + len(columns) > self.max_fields:  # usually false: no per-column work
             new = len({c["name"] for c in columns if c["name"] not in part.bits})
             if len(part.bits) + new > self.max_fields:
-                raise ValueError(f"partition {part.name!r}: {new} new fields would make {len(part.bits) + new}, "
-                                 f"past transferqueue.max_fields={self.max_fields}")
+                raise LimitExceeded("max_fields", f"partition {part.name!r}: {new} new fields would make "
+                                    f"{len(part.bits) + new}, past transferqueue.max_fields={self.max_fields}")
 
-    def _partition(self, name: str, create: bool = False) -> Partition:
+    def _check_room(self, what: str, n: int) -> None:
+        """LimitExceeded when ``n`` new samples would take the index past ``max_samples``."""
+        if self.num_samples + n > self.max_samples:
+            raise LimitExceeded("max_samples", f"{what}: the index holds {self.num_samples} samples; {n} more would "
+                                f"pass transferqueue.max_samples={self.max_samples} (clear consumed samples first)")
+
+    def _partition(self, name: str, create: bool = False, owner: bytes = b"") -> Partition:
+        """Partition ``name``; with ``create``, a new one is made for client ``owner`` when there is none
+        (LimitExceeded past ``max_partitions`` or ``owner``'s ``max_client_partitions``)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"partition must be a non-empty string, got {name!r:.100}")
         if name not in self.partitions:
@@ -108,26 +123,39 @@ class MetadataIndex:
             lim = self.limits
             self._check_name("partition", name)
             if len(self.partitions) >= lim.max_partitions:
-                raise ValueError(f"partition {name!r:.100} would be partition number {len(self.partitions) + 1}: "
-                                 f"past transferqueue.max_partitions={lim.max_partitions}")
-            self.partitions[name] = Partition(name)
+                raise LimitExceeded("max_partitions", f"partition {name!r:.100} would be partition number "
+                                    f"{len(self.partitions) + 1}: past transferqueue.max_partitions={lim.max_partitions}")
+            held = self.partitions_by_owner.get(owner, 0)
+            if held >= lim.max_client_partitions:
+                raise LimitExceeded("max_client_partitions", f"partition {name!r:.100}: this client created {held} "
+                                    f"partitions not cleared yet, the most transferqueue.max_client_partitions="
+                                    f"{lim.max_client_partitions} allows")
+            self.partitions_by_owner[owner] = held + 1
+            self.partitions[name] = Partition(name, owner)
         return self.partitions[name]
 
     # ------------------------------------------------------------------------------------------ put
-    def prepare_put(self, partition: str, sample_ids: list[int] | None, count: int, fields: list[str]) -> list[int]:
-        """Allocate ``count`` new ids (``sample_ids`` None) or check that ``sample_ids`` exist in
-        ``partition`` and none of ``fields`` is written yet (fields are write-once per sample)."""
-        part = self._partition(partition, create=sample_ids is None)
+    def prepare_put(self, partition: str, sample_ids: list[int] | None, count: int, fields: list[str],
+                    owner: bytes = b"") -> list[int]:
+        """Create ``count`` new samples with fresh ids in ``partition`` (``sample_ids`` None; the partition is
+        created for client ``owner`` if new) or check that ``sample_ids`` exist in ``partition`` and none of
+        ``fields`` is written yet (fields are write-once per sample). Returns the ids. Raises
+        LimitExceeded, creating nothing, past ``max_request_ids``, ``max_samples``, ``max_partitions`` or
+        ``max_client_partitions``; ValueError for unknown/cleared ids or a written field."""
         if sample_ids is None:
-            if not isinstance(count, int) or count < 0:
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
                 raise ValueError(f"count must be a non-negative int, got {count!r}")
             self._check_count("prepare_put", count)
+            self._check_room("prepare_put", count)
+            part = self._partition(partition, create=True, owner=owner)
             ids = list(range(self.next_id, self.next_id + count))
             self.next_id += count
             self.produced += count
+            self.num_samples += count
             for sid in ids:
                 part.samples[sid] = Sample(sid)
             return ids
+        part = self._partition(partition)
         self._check_count("prepare_put", len(sample_ids))
         mask = part.field_mask(fields, create=False) or 0
         for sid in sample_ids:
@@ -151,9 +179,10 @@ class MetadataIndex:
         return self.next_id - count
 
     def notify(self, partition: str, sample_ids: list[int], columns: list[dict], tags: list[dict] | None,
-               new: bool = False, consume: Consume | None = None) -> None:
+               new: bool = False, consume: Consume | None = None, owner: bytes = b"") -> None:
         """Mark ``columns`` (validated wire descriptors) ready for ``sample_ids`` and merge ``tags``.
-        ``new``: the ids come from ``reserve`` and the samples are created in ``partition`` now.
+        ``new``: the ids come from ``reserve`` and the samples are created in ``partition`` now (the partition
+        for client ``owner`` if it is new; LimitExceeded past ``max_samples`` or the partition bounds).
         ``consume``: other samples this put answers (a roller's group answers its prompt row), marked
         consumed by ``consume.task`` in the same step (``mark_consumed``): no reader ever sees the put
         without the mark, or the mark without the put.
@@ -163,11 +192,13 @@ class MetadataIndex:
         field."""
         if consume is not None:
             self._check_consume(consume)
-        part = self._partition(partition, create=new)
-        if tags is not None and len(tags) != len(sample_ids):
-            raise ValueError(f"{len(tags)} tag dicts for {len(sample_ids)} samples")
         if len(sample_ids) > self.max_request_ids:  # the fast path pays one comparison
             self._check_count("notify", len(sample_ids))
+        if new:
+            self._check_room("notify", len(sample_ids))
+        part = self._partition(partition, create=new, owner=owner)
+        if tags is not None and len(tags) != len(sample_ids):
+            raise ValueError(f"{len(tags)} tag dicts for {len(sample_ids)} samples")
         self._check_new_fields(part, columns)
         if new:
             uids = self._check_new(part, columns, tags)
@@ -276,6 +307,7 @@ class MetadataIndex:
             samples = [Sample(sid, mask, const + v) for sid, v in zip(sample_ids, var, strict=True)]
         part.samples.update(zip(sample_ids, samples, strict=True))
         self.produced += len(samples)
+        self.num_samples += len(samples)
         return samples
 
     @staticmethod
@@ -401,8 +433,14 @@ class MetadataIndex:
             return []
         if sample_ids is None:  # its subscriptions and uid counts go with it
             del self.partitions[partition]
+            left = self.partitions_by_owner[part.owner] - 1
+            if left:
+                self.partitions_by_owner[part.owner] = left
+            else:
+                del self.partitions_by_owner[part.owner]
             self.bytes_stored -= sum(map(_NBYTES, part.samples.values()))
             self.cleared += len(part.samples)
+            self.num_samples -= len(part.samples)
             return list(part.samples)
         removed = list(map(part.samples.pop, sample_ids, itertools.repeat(None)))
         targets = list(sample_ids)
@@ -427,6 +465,7 @@ class MetadataIndex:
                 sub._recheck(key)
         self.bytes_stored -= sum(map(_NBYTES, removed))
         self.cleared += len(removed)
+        self.num_samples -= len(removed)
         return targets
 
     def reset_consumption(self, partition: str, task: str) -> None:

@@ -21,7 +21,7 @@ from common.curve import CurveKeys
 from transferqueue import wire
 from transferqueue.config import TransferQueueConfig
 from transferqueue.index import MetadataIndex
-from transferqueue.records import Consume, IndexStats
+from transferqueue.records import Consume, IndexStats, LimitExceeded
 from transferqueue.server import Reply, RouterServer
 
 
@@ -60,7 +60,7 @@ class IndexServer(RouterServer):
             return self._get_meta(identity, header)
         if op == "prepare_put":
             ids = ix.prepare_put(header.get("partition"), _ids_or_none(header.get("ids"), "ids"),
-                                 header.get("count"), list(header.get("fields") or []))
+                                 header.get("count"), list(header.get("fields") or []), owner=identity)
             return {"ids": ids}, []
         if op == "notify":
             ids = _ids_or_none(header.get("ids"), "ids") or []
@@ -70,7 +70,8 @@ class IndexServer(RouterServer):
             ix.notify(header.get("partition"), ids,
                       [wire.validate_column(c, len(ids), self.limits.max_name_chars) for c in cols],
                       header.get("tags"), new=bool(header.get("new")),
-                      consume=None if header.get("consume") is None else Consume.from_wire(header["consume"]))
+                      consume=None if header.get("consume") is None else Consume.from_wire(header["consume"]),
+                      owner=identity)
             self._retry(header.get("partition"))
             return {}, []
         if op == "reserve":
@@ -102,11 +103,11 @@ class IndexServer(RouterServer):
             return {"meta": meta.to_wire()}, []
         lim, size = self.limits, len(wire.pack(header))
         if len(self.parked) >= lim.max_parked:
-            raise ValueError(f"get_meta: {len(self.parked)} requests wait already, the most "
-                             f"transferqueue.max_parked={lim.max_parked} allows")
+            raise LimitExceeded("max_parked", f"get_meta: {len(self.parked)} requests wait already, the most "
+                                f"transferqueue.max_parked={lim.max_parked} allows")
         if self.parked_bytes + size > lim.max_parked_bytes:
-            raise ValueError(f"get_meta: waiting requests hold {self.parked_bytes} header bytes; {size} more would "
-                             f"pass transferqueue.max_parked_bytes={lim.max_parked_bytes}")
+            raise LimitExceeded("max_parked_bytes", f"get_meta: waiting requests hold {self.parked_bytes} header "
+                                f"bytes; {size} more would pass transferqueue.max_parked_bytes={lim.max_parked_bytes}")
         self.parked.append((time.monotonic() + timeout_s, identity, header, size))
         self.parked_bytes += size
         return None
@@ -167,7 +168,7 @@ class IndexServer(RouterServer):
     def stats(self) -> IndexStats:
         ix = self.index
         return IndexStats(
-            num_samples=sum(len(p.samples) for p in ix.partitions.values()),
+            num_samples=ix.num_samples,
             produced=ix.produced, consumed=dict(ix.consumed), cleared=ix.cleared, bytes_stored=ix.bytes_stored,
             ready=ix.ready_counts(), partitions={n: len(p.samples) for n, p in ix.partitions.items()},
             requests={k: list(v) for k, v in self.requests.items()}, waiting=len(self.parked),

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from transferqueue.buffers import host_tensor
+from transferqueue.records import LimitExceeded
 
 BACKENDS = ("gloo", "nccl")
 
@@ -95,11 +96,11 @@ class UnitP2P:
         if not isinstance(link_id, str) or not link_id or link_id in self.links:
             raise ValueError(f"p2p_connect: link must be a new non-empty string, got {link_id!r:.100}")
         if len(link_id) > self.max_name_chars:
-            raise ValueError(f"p2p_connect: a link id of {len(link_id)} characters, past "
-                             f"transferqueue.max_name_chars={self.max_name_chars}")
+            raise LimitExceeded("max_name_chars", f"p2p_connect: a link id of {len(link_id)} characters, past "
+                                f"transferqueue.max_name_chars={self.max_name_chars}")
         if len(self.links) >= self.max_links:
-            raise ValueError(f"p2p_connect: this unit holds {len(self.links)} links, the most "
-                             f"transferqueue.max_p2p_links={self.max_links} allows")
+            raise LimitExceeded("max_p2p_links", f"p2p_connect: this unit holds {len(self.links)} links, the most "
+                                f"transferqueue.max_p2p_links={self.max_links} allows")
         if header.get("backend") != self.backend:
             raise ValueError(f"p2p_connect: this unit speaks {self.backend}, not {header.get('backend')!r}")
         if header.get("node") == here:

@@ -39,6 +39,22 @@ class RemoteError(TQError):
     """A server rejected a request (malformed, unknown op, bad ids, ...); the message says why."""
 
 
+class LimitExceeded(RemoteError, ValueError):
+    """A request would take a TransferQueue server past one of its bounds: ``key`` names it (the config key
+    ``transferqueue.<key>``), the message its value and what the request asked for. The server refused the
+    whole request (nothing of it applied), keeps serving, and keeps everything it had accepted before.
+
+    Raised inside the servers (a ValueError there, like every other bad request) and sent to the client as
+    an error reply whose ``limit`` field carries ``key``; the client raises it again from that reply."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(message)
+
+    def __reduce__(self):  # picklable with both arguments (Ray carries a worker's errors to the caller)
+        return type(self), (self.key, self.args[0])
+
+
 class ServerLost(TQError):
     """A TransferQueue server is gone: ``server`` names it (``index`` or ``storage unit K``). Raised by a
     client whose connection to it closed (or never opened) and stayed down while a request waited

@@ -19,6 +19,7 @@ import bisect
 import time
 
 from transferqueue.config import TransferQueueConfig
+from transferqueue.records import LimitExceeded
 from transferqueue.wire import check_id_count, id_range
 
 MIN_CHARGE = 64  # ids a reservation counts against the bounds at least (its bookkeeping)
@@ -38,20 +39,21 @@ class Reservations:
 
     def reserve(self, start: int, count: int, owner: bytes) -> None:
         """Reserve ids ``[start, start + count)`` (``start`` past every id handed out so far) for ``owner``
-        until ``reservation_lease_s`` from now. Raises ValueError, reserving nothing, for ``count < 1`` or a
-        request past ``max_request_ids``, ``max_client_reserved_ids`` or ``max_reserved_ids`` (each names
-        the bound and its value); a reservation counts as at least ``MIN_CHARGE`` ids."""
+        until ``reservation_lease_s`` from now. Raises ValueError, reserving nothing, for ``count < 1``, and
+        LimitExceeded (a ValueError) for a request past ``max_request_ids``, ``max_client_reserved_ids`` or
+        ``max_reserved_ids`` (each names the bound and its value); a reservation counts as at least ``MIN_CHARGE`` ids."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"reserve count must be a positive int, got {count!r}")
         lim, charge = self.limits, max(count, MIN_CHARGE)
         check_id_count("reserve", count, lim.max_request_ids)
         held = self.by_owner.get(owner, 0)
         if held + charge > lim.max_client_reserved_ids:
-            raise ValueError(f"reserve: this client holds {held} reserved ids; {charge} more would pass "
-                             f"transferqueue.max_client_reserved_ids={lim.max_client_reserved_ids}")
+            raise LimitExceeded("max_client_reserved_ids", f"reserve: this client holds {held} reserved ids; "
+                                f"{charge} more would pass transferqueue.max_client_reserved_ids="
+                                f"{lim.max_client_reserved_ids}")
         if self.total + charge > lim.max_reserved_ids:
-            raise ValueError(f"reserve: clients hold {self.total} reserved ids; {charge} more would "
-                             f"pass transferqueue.max_reserved_ids={lim.max_reserved_ids}")
+            raise LimitExceeded("max_reserved_ids", f"reserve: clients hold {self.total} reserved ids; {charge} more "
+                                f"would pass transferqueue.max_reserved_ids={lim.max_reserved_ids}")
         self.used[start] = bytearray(count)
         self.starts.append(start)
         self.leases[start] = (time.monotonic() + lim.reservation_lease_s, owner, charge)

@@ -6,7 +6,8 @@
                   <--[header, *frames]--                       reply later from ``tick()``
 
 Every failure inside ``handle`` (malformed message, bad ids, unknown op) becomes an error reply
-``{"ok": False, "error": ...}`` and the loop keeps serving. Replies go through ``reply``: a reply to a peer
+``{"ok": False, "error": ...}`` (with ``"limit": key`` for a request past a bound: ``LimitExceeded``) and
+the loop keeps serving. Replies go through ``reply``: a reply to a peer
 that is gone (ROUTER_MANDATORY: its process died and its connection closed) or whose queue is full is
 dropped (``send``), and ``undelivered`` lets the server undo what the request did (the index gives the
 samples of an undelivered ``get_meta`` back). The loop wakes at least every ``tick_s`` for timers.
@@ -24,7 +25,7 @@ import zmq
 
 from common.curve import CurveKeys, serve_curve, start_authenticator
 from transferqueue import wire
-from transferqueue.records import Full
+from transferqueue.records import Full, LimitExceeded
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +162,10 @@ class RouterServer:
         except Exception as exc:  # every failure becomes an error reply; the loop keeps serving
             if not isinstance(exc, ValueError | wire.WireError | TypeError | KeyError | Full):
                 logger.exception("%s failed", op)
-            self.send(identity, {"ok": False, "rid": rid, "error": f"{type(exc).__name__}: {exc}",
-                                 "full": isinstance(exc, Full)})
+            reply = {"ok": False, "rid": rid, "error": f"{type(exc).__name__}: {exc}", "full": isinstance(exc, Full)}
+            if isinstance(exc, LimitExceeded):
+                reply["limit"] = exc.key
+            self.send(identity, reply)
         stat = self.requests.setdefault(op if len(self.requests) < 64 or op in self.requests else "?", [0, 0.0, 0.0])
         dt = time.perf_counter() - t0
         stat[0] += 1

@@ -123,8 +123,9 @@ class Subscription:
 
 
 class Partition:
-    def __init__(self, name: str):
+    def __init__(self, name: str, owner: bytes = b""):
         self.name = name
+        self.owner = owner  # the client connection that created it (``transferqueue.max_client_partitions``)
         self.bits: dict[str, int] = {}
         self.schemas: dict[str, FieldSchema] = {}
         self.fixed_len: dict[str, int] = {}  # first dim of a field's samples put while it was fixed-shape

@@ -8,9 +8,9 @@ driver on ``zmq.asyncio`` sockets of the current loop. One code path for both AP
 
 Each ``Channel`` holds one DEALER socket per server and is used by one flow at a time (a bounded pool
 per client), so replies arrive in order; replies whose ``rid`` is stale (from a timed-out request) are
-dropped. Error replies raise ``RemoteError`` (``Full`` when the server says so); a missing reply raises
-``Timeout``; a request cut off by ``close`` raises ``Closed`` (never a ZMQ error or, in the async API, a
-``CancelledError`` the caller did not ask for).
+dropped. Error replies raise ``RemoteError`` (``Full`` when the server says so, ``LimitExceeded`` when it
+names the bound a request would pass); a missing reply raises ``Timeout``; a request cut off by ``close``
+raises ``Closed`` (never a ZMQ error or, in the async API, a ``CancelledError`` the caller did not ask for).
 
 A server that died is not waited for until the request timeout: each socket's ZMQ monitor reports when
 its connection opens and closes (a killed process's kernel closes its sockets at once), and a request
@@ -38,7 +38,16 @@ import zmq.asyncio
 from common.curve import connect_curve
 from common.node import node_id
 from transferqueue import wire
-from transferqueue.records import Closed, Full, RemoteError, ServerLost, Timeout, TQError, TQHandle
+from transferqueue.records import (
+    Closed,
+    Full,
+    LimitExceeded,
+    RemoteError,
+    ServerLost,
+    Timeout,
+    TQError,
+    TQHandle,
+)
 
 INDEX = -1
 CLEANUP_GRACE_S = 5.0  # extra time a failed flow gets for its clean-up requests
@@ -171,7 +180,11 @@ def _check(reply: list, rid: int, tolerate: bool) -> tuple[dict, list] | TQError
     if header.get("rid") != rid:
         return None  # a late reply to an abandoned request
     if not header.get("ok"):
-        err = (Full if header.get("full") else RemoteError)(header.get("error", "unknown error"))
+        message, limit = header.get("error", "unknown error"), header.get("limit")
+        if isinstance(limit, str):
+            err = LimitExceeded(limit, message)
+        else:
+            err = (Full if header.get("full") else RemoteError)(message)
         if tolerate:
             return err
         raise err

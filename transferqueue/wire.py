@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from common.dtypes import DTYPE_NAMES, DTYPES
-from transferqueue.records import RemoteError
+from transferqueue.records import LimitExceeded, RemoteError
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 OBJECT_DTYPE = "object"
@@ -307,8 +307,8 @@ def as_ids(value, what: str = "ids") -> np.ndarray:
 
 
 def check_id_count(what: str, n: int, limit: int) -> None:
-    """Raise ValueError, naming the bound, when one request names or allocates more than ``limit`` ids
-    (``transferqueue.max_request_ids``)."""
+    """Raise LimitExceeded (a ValueError), naming the bound, when one request names or allocates more than
+    ``limit`` ids (``transferqueue.max_request_ids``)."""
     if n > limit:
-        raise ValueError(f"{what}: {n} ids in one request, past transferqueue.max_request_ids={limit} "
-                         "(split the request)")
+        raise LimitExceeded("max_request_ids", f"{what}: {n} ids in one request, past "
+                            f"transferqueue.max_request_ids={limit} (split the request)")

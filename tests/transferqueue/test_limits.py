@@ -12,8 +12,8 @@ import pytest
 import torch
 import zmq
 
-from transferqueue import TQClient, wire
-from transferqueue.config import TransferQueueConfig
+from transferqueue import LimitExceeded, TQClient, wire
+from transferqueue.config import DEFAULT_MAX_SAMPLES, SAMPLES_HEADROOM, TransferQueueConfig
 from transferqueue.index import MetadataIndex
 from transferqueue.launch import start_transferqueue
 from transferqueue.storage import StorageUnit
@@ -209,6 +209,97 @@ def test_a_notify_cannot_rewrite_a_field_or_merge_tags_without_adding_one(tight_
         client.clear("limits-g")
 
 
+# ------------------------------------------------------------------------------- the index's memory
+
+BOUND = 3 * REQ  # max_samples of ``bounded_tq``
+
+
+@pytest.fixture(scope="module")
+def bounded_tq():
+    """One unit; an index that holds at most ``BOUND`` samples and 2 uncleared partitions per client."""
+    servers = start_transferqueue(TransferQueueConfig(**TIGHT, max_samples=BOUND, max_client_partitions=2))
+    yield servers
+    servers.shutdown()
+
+
+def prepare_put(partition: str, count: int = REQ) -> dict:
+    return {"op": "prepare_put", "partition": partition, "ids": None, "count": count}
+
+
+def test_prepare_puts_from_fresh_sockets_cannot_grow_the_index_past_max_samples(bounded_tq, sockets):
+    """The pattern that grew an index from 294 to 1,209 MB in 28 s (issue 44): ``prepare_put``s without ids,
+    each allocating a full request's ids, into new partitions, each from a fresh socket (so no per-client
+    bound applies). Past ``max_samples`` each gets a typed error reply (``limit`` names the key, the message
+    its value) and creates nothing; the index keeps serving and keeps what it had; a client's put into the
+    full index raises ``LimitExceeded`` and leaves nothing behind; clearing gives the room back."""
+    with TQClient(bounded_tq.handle) as client:
+        kept = client.put({"x": torch.arange(8).view(8, 1)}, partition="kept")
+        replies = [ask(sockets(bounded_tq), dict(prepare_put(f"grow-{i}"), rid=i)) for i in range(12)]
+        assert [r["ok"] for r in replies] == [True, True] + [False] * 10  # 8 + 2 * 4096 held; 4096 more won't fit
+        for r in replies[2:]:
+            assert r["limit"] == "max_samples" and f"max_samples={BOUND}" in r["error"]
+            assert r["error"].startswith("LimitExceeded: prepare_put: the index holds 8200 samples")
+        status = client.status()
+        assert status.num_samples == 8 + 2 * REQ and set(status.partitions) == {"kept", "grow-0", "grow-1"}
+        with pytest.raises(LimitExceeded, match=f"max_samples={BOUND}") as refused:
+            client.put({"y": torch.zeros(REQ, 2)}, partition="kept")
+        assert refused.value.key == "max_samples"
+        assert client.status().num_samples == 8 + 2 * REQ
+        assert client.unit_stats(0)["fields"] == 1  # the refused put's "y" was undone on the unit
+        assert torch.equal(client.get_data(kept)["x"], torch.arange(8).view(8, 1))
+        client.clear("grow-0")
+        assert ask(sockets(bounded_tq), prepare_put("grow-again"))["ok"] is True
+        for name in ("kept", "grow-1", "grow-again"):
+            client.clear(name)
+        assert client.status().num_samples == 0
+
+
+def test_partitions_per_client_are_bounded_and_given_back_by_clear(bounded_tq, sockets):
+    """One client connection may hold ``max_client_partitions`` partitions it created: the next one it
+    creates is refused (typed, nothing created) while its partitions take more samples and another client
+    creates its own; clearing one of them gives the slot back."""
+    a, b = sockets(bounded_tq), sockets(bounded_tq)
+    assert ask(a, prepare_put("a0", 1))["ok"] and ask(a, prepare_put("a1", 1))["ok"]
+    refused = ask(a, prepare_put("a2", 1))
+    assert refused["ok"] is False and refused["limit"] == "max_client_partitions"
+    assert "created 2 partitions not cleared yet" in refused["error"] and "max_client_partitions=2" in refused["error"]
+    assert ask(a, prepare_put("a0", 1))["ok"] and ask(b, prepare_put("b0", 1))["ok"]
+    assert ask(b, {"op": "sample_info", "partition": "a2"})["ok"] is False  # the refused one was never made
+    assert ask(a, {"op": "clear", "partition": "a1"})["ok"]
+    assert ask(a, prepare_put("a2", 1))["ok"]
+    for name in ("a0", "a2", "b0"):
+        assert ask(b, {"op": "clear", "partition": name})["ok"]
+
+
+def test_a_notify_past_max_samples_changes_nothing_and_its_reserved_ids_stay_usable():
+    ix = MetadataIndex(TransferQueueConfig(max_request_ids=REQ, max_samples=REQ))
+    ix.prepare_put("p", None, REQ - 2, [])
+    start = ix.reserve(4, b"A")
+    col = {"name": "x", "dtype": "uint8", "shape": [1], "nbytes": 4}
+    with pytest.raises(LimitExceeded, match=f"notify: the index holds {REQ - 2} samples; 4 more") as refused:
+        ix.notify("q", list(range(start, start + 4)), [col], [{"uid": 0}] * 4, new=True)
+    assert refused.value.key == "max_samples" and isinstance(refused.value, ValueError)
+    assert (ix.num_samples, set(ix.partitions), ix.reservations.total) == (REQ - 2, {"p"}, 64)
+    ix.clear("p", list(range(2)))
+    ix.notify("q", list(range(start, start + 4)), [col], [{"uid": 0}] * 4, new=True)
+    assert ix.num_samples == REQ and ix.partitions_by_owner == {b"": 2}
+
+
+def test_max_samples_is_sized_from_the_job_with_headroom_unless_set():
+    """0 (the default): a TransferQueue alone holds ``DEFAULT_MAX_SAMPLES``; a job sizes it to
+    ``SAMPLES_HEADROOM`` x what its admission can hold, at least one full request; a bound the user set is
+    kept, and refused at start when the job could not fit in it."""
+    cfg = TransferQueueConfig()
+    assert cfg.max_samples == 0 and cfg.sample_bound == DEFAULT_MAX_SAMPLES
+    assert cfg.sized_for(100_000).max_samples == SAMPLES_HEADROOM * 100_000
+    assert cfg.sized_for(10).max_samples == cfg.max_request_ids
+    assert cfg.sized_for(10).limits()["max_samples"] == cfg.max_request_ids  # what the index process is given
+    explicit = TransferQueueConfig(max_samples=1 << 18)
+    assert explicit.sized_for(1000) is explicit
+    with pytest.raises(ValueError, match="transferqueue.max_samples=262144 is below the 300000 samples"):
+        explicit.sized_for(300_000)
+
+
 # ---------------------------------------------------------------------------------- in-process bounds
 
 
@@ -271,7 +362,8 @@ def test_subscriptions_are_a_bounded_cache_that_evicts_the_least_recently_used()
 
 @pytest.mark.parametrize("key,value", [("max_request_ids", 100), ("max_request_ids", 0), ("max_fields", -1),
                                        ("max_client_reserved_ids", 5000), ("max_reserved_ids", 1 << 19),
-                                       ("reservation_lease_s", 0), ("max_parked", 1.5), ("max_tasks", True)])
+                                       ("reservation_lease_s", 0), ("max_parked", 1.5), ("max_tasks", True),
+                                       ("max_samples", -1), ("max_samples", 100), ("max_client_partitions", 0)])
 def test_bounds_are_validated(key, value):
     with pytest.raises(ValueError, match=f"transferqueue.{key}"):
         TransferQueueConfig(**{key: value})
