@@ -9,8 +9,8 @@ in a pairwise side group — NCCL for CUDA tensors, gloo on CPU (tests) — whil
           client posts one recv per run into its output tensors (on its device)
 
 Rendezvous uses a ``FileStore`` (no listening socket) when both ends are on one node, else a ``TCPStore``
-on the unit's configured host (c10d's server listens on every interface: use it only on a trusted
-network; NCCL's own bootstrap sockets follow ``NCCL_SOCKET_IFNAME``). Gloo binds to the unit's host.
+listening on the unit's configured host only (``common.net.tcp_store``; NCCL's own bootstrap sockets
+follow ``NCCL_SOCKET_IFNAME``). Gloo binds to the unit's host.
 Each link is used by one request at a time (the client holds the link's lock from header to last byte),
 so sends and recvs match in order.
 """
@@ -26,6 +26,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from common import net
 from transferqueue.buffers import host_tensor
 from transferqueue.records import LimitExceeded
 
@@ -107,9 +108,8 @@ class UnitP2P:
             reply = {"store": "file", "path": os.path.join(self.run_dir, f"{uuid.uuid4().hex}.store")}
             store = dist.FileStore(reply["path"], 2)
         else:
-            if self.tcp_store is None:
-                self.tcp_store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                               timeout=datetime.timedelta(seconds=self.timeout_s))
+            if self.tcp_store is None:  # listens on the unit's host only
+                self.tcp_store = net.tcp_store(self.host, 0, None, True, self.timeout_s, wait_for_workers=False)
             reply = {"store": "tcp", "host": self.host, "port": self.tcp_store.port}
             store = dist.PrefixStore(link_id, self.tcp_store)
         reply.update(host=self.host)
@@ -170,8 +170,7 @@ def client_join(backend: str, reply: dict, link_id: str, timeout_s: float, devic
     if reply["store"] == "file":
         store = dist.FileStore(reply["path"], 2)
     else:
-        store = dist.PrefixStore(link_id, dist.TCPStore(reply["host"], reply["port"], is_master=False,
-                                                        timeout=datetime.timedelta(seconds=timeout_s)))
+        store = dist.PrefixStore(link_id, net.tcp_store(reply["host"], reply["port"], None, False, timeout_s))
     host = "127.0.0.1" if reply["store"] == "file" else _local_host_for(reply["host"])
     return Link(make_group(backend, store, 1, host, timeout_s), 0, device, link_id)
 

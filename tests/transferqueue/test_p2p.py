@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
+import psutil
 import pytest
 import torch
 
 from transferqueue import TQClient
 from transferqueue.config import TransferQueueConfig
 from transferqueue.launch import start_transferqueue
+from transferqueue.p2p import UnitP2P, client_join
 
 
 def round_trip(servers, device: str) -> None:
@@ -34,6 +38,29 @@ def test_gloo_path_on_cpu():
     cfg = TransferQueueConfig(num_storage_units=2, route_block=16, p2p_backend="gloo", request_timeout_s=30)
     with start_transferqueue(cfg) as servers:
         round_trip(servers, "cpu")
+
+
+def test_a_units_tcp_rendezvous_store_listens_on_the_units_host_only():
+    """A client on another node rendezvouses through the unit's ``TCPStore``: it listens on the unit's host
+    (loopback here), never on every interface as c10d's own server does (``common.net.tcp_store``), and the
+    link it sets up carries bytes."""
+    p2p = UnitP2P("gloo", "cpu", "127.0.0.1", 10.0)
+    try:
+        reply, join = p2p.connect({"link": "l", "backend": "gloo", "node": "elsewhere"}, "here")
+        assert reply["store"] == "tcp" and reply["host"] == "127.0.0.1"
+        listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == reply["port"]}
+        assert listening == {"127.0.0.1"}
+        unit_side = threading.Thread(target=join)
+        unit_side.start()
+        link = client_join("gloo", reply, "l", 10.0, torch.device("cpu"))
+        unit_side.join(10)
+        sent = link.send([torch.arange(5, dtype=torch.uint8)])
+        assert torch.equal(p2p.receive("l", [5])[0], torch.arange(5, dtype=torch.uint8))
+        for work in sent:
+            work.wait()
+    finally:
+        p2p.close()
 
 
 def test_device_needs_a_p2p_backend(tq_servers):
