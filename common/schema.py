@@ -149,9 +149,11 @@ VALIDATION = Stage("validation", reads=(RESPONSES, TOKEN_LEVEL_SCORES, UID, GREE
                                         FINISH_REASON, MIN_WEIGHT_VERSION, MAX_WEIGHT_VERSION))
 GENERATION_DUMP = Stage("generation_dump", reads=(RESPONSE_TEXT, UID, REWARD, GREEDY, MIN_WEIGHT_VERSION,
                                                   MAX_WEIGHT_VERSION, FINISH_REASON, RESPONSE_LENGTH))
-# A job checkpoint saves the trainer's fields of buffered groups with their tags and puts them back.
-CHECKPOINT = Stage("checkpoint", reads=TRAINER.read_fields(), optional_reads=TRAINER.optional_reads,
-                   puts=TRAINER.read_fields(), optional_puts=TRAINER.optional_reads)
+# A job checkpoint saves buffered groups as the rollers put them (every stored field, the optional ones the
+# run's settings turn on: ``controller.runtime.sample_fields``) with their tags, and puts them back: whatever
+# reads a sample after a resume (the trainer, the generation dump) finds what it would have found before.
+CHECKPOINT = Stage("checkpoint", reads=ROLLER.put_fields(), optional_reads=ROLLER.optional_puts,
+                   puts=ROLLER.put_fields(), optional_puts=ROLLER.optional_puts)
 
 STAGES = (FEEDER, ROLLER, TRAINER, FORWARD, COMPUTE_ADVANTAGES, UPDATE_ACTOR, UPDATE_CRITIC, CONTROLLER,
           VALIDATION, GENERATION_DUMP, CHECKPOINT)

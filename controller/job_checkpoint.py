@@ -5,7 +5,9 @@ A job checkpoint is one directory ``RUN_DIR/checkpoints/step_N`` (N = trainer st
     .metadata, __*.distcp   the trainer's DCP checkpoint (trainers/checkpoint.py): model, optimizer, LR
                             scheduler, KL controller, RNG states, weight_version
     samples/                the whole uid groups generated but not trained yet, tensors and tags (weight
-                            versions included): trainers/sample_store.py, moved by trainer rank 0
+                            versions included): trainers/sample_store.py, moved by trainer rank 0. Every
+                            field the run's rollers put (``controller.runtime.sample_fields``: the dump's
+                            ``response_text`` too), so every reader finds after a resume what it would before
     job.json                the controller's part (``JobState``): step, weight versions, admission counters,
                             the feeder's data position, the uids buffered and in flight, the run's config
 
@@ -172,6 +174,26 @@ def truncate_metrics(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
     return kept
 
 
+def check_saved_samples(cfg, path: Path, state: JobState, changed: list[str]) -> None:
+    """Raise ValueError when the buffered samples of the checkpoint at ``path`` lack a field the rollers of
+    ``cfg`` put (``controller.runtime.sample_fields``): a setting changed since the save, e.g.
+    ``metrics.dump_every`` from 0 to 1 (whose dump reads ``response_text``), would find them without it."""
+    from controller.runtime import sample_fields
+    from trainers.sample_store import INDEX_FILE
+
+    if not state.buffered_uids:
+        return
+    saved = json.loads((path / SAMPLES_DIR / INDEX_FILE).read_text())["fields"]
+    missing = [name for name in sample_fields(cfg) if name not in saved]
+    if missing:
+        why = (f"{', '.join(changed)} changed since the save: resume with the run's own values" if changed else
+               "the checkpoint predates saving every field the rollers put: resume with the settings that put "
+               "them turned off" + (", here metrics.dump_every=0" if schema.RESPONSE_TEXT in missing else ""))
+        raise ValueError(f"{path}: its {len(state.buffered_uids)} buffered groups were saved without {missing}, "
+                         f"which this config's rollers put and its readers need ({why}), or resume from a "
+                         "checkpoint with no groups buffered")
+
+
 def prepare_resume(cfg, step: int | None, model_dir: Path):
     """(checkpoint directory, JobState, rows of metrics.jsonl kept) to resume ``cfg.run_dir`` from, or None
     when nothing is left to train (a line says why: ``trainer.total_steps`` reached, or the data exhausted
@@ -193,6 +215,7 @@ def prepare_resume(cfg, step: int | None, model_dir: Path):
         print(f"hflow-async: data exhausted at step {state.step} ({path}: every prompt of data.epochs="
               f"{cfg.data.epochs} is trained, none buffered): nothing left to train", flush=True)
         return None
+    check_saved_samples(cfg, path, state, changed)
     if model_dir.exists():
         raise ValueError(f"{model_dir} holds the model of a completed run; move it away to resume from step "
                          f"{state.step}")
@@ -239,13 +262,13 @@ class JobCheckpointer:
     def due(self, step: int) -> bool:
         return self.enabled and step % self.cfg.trainer.save_every == 0
 
-    def train_fields(self) -> list[str]:
-        """The fields the trainer reads of a sample (``common.schema.CHECKPOINT``: what a restored sample is
-        put back with), with the advantage estimator's roller extras."""
-        from trainers.advantages import ADV_ESTIMATORS
+    def sample_fields(self) -> list[str]:
+        """The stored fields a buffered sample is saved and put back with (``common.schema.CHECKPOINT``):
+        every field this run's rollers put (``controller.runtime.sample_fields``), so whatever reads a sample
+        after a resume (the trainer, the generation dump) finds it."""
+        from controller.runtime import sample_fields
 
-        extras = ADV_ESTIMATORS.get(self.cfg.algorithm.adv_estimator).roller_extras
-        return list(schema.CHECKPOINT.read_fields()) + list(extras)
+        return list(sample_fields(self.cfg))
 
     async def save(self, st, reason: str) -> Path | None:
         """Write a job checkpoint of ``st`` (``controller.schedules.Stages``) at its step, holding the
@@ -263,7 +286,6 @@ class JobCheckpointer:
         import ray
 
         from controller.config import to_dict
-        from trainers.sample_store import save_samples
 
         started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -272,9 +294,7 @@ class JobCheckpointer:
         tmp = self.root / f"{TMP_PREFIX}step_{st.step}"
         st.rt.trainer.save_checkpoint(str(tmp))
         self._test_pause(HOLD_ENV, st.step, "holding {}s before its snapshot")
-        buffered, in_flight = self._snapshot(st)
-        num_bytes = st.rt.trainer.execute(save_samples, buffered.to_wire(), self._saved_fields(buffered),
-                                          str(tmp / SAMPLES_DIR))[0]
+        buffered, in_flight, num_bytes = self.save_samples(st, tmp / SAMPLES_DIR)
         feeder = ray.get(st.rt.feeder.state.remote())
         state = JobState(
             step=st.step, weight_version=st.weight_version, synced_weight_version=st.synced_weight_version,
@@ -310,8 +330,25 @@ class JobCheckpointer:
             print(f"hflow-async: checkpoint of step {step} {what.format(pause_s)}", flush=True)
             time.sleep(float(pause_s))
 
-    def _saved_fields(self, buffered) -> list[str]:
-        return sorted(self.train_fields()) if buffered.sample_ids else []
+    def save_samples(self, st, directory: Path):
+        """Write the whole generated groups of ``st``'s TransferQueue under ``directory`` (through trainer rank
+        0: ``trainers.sample_store``), each sample with every field of :meth:`sample_fields` and its tags.
+        Returns (their BatchMeta, uids of the groups in flight, bytes of tensors written). Blocking."""
+        from trainers.sample_store import save_samples
+
+        buffered, in_flight = self._snapshot(st)
+        fields = self.sample_fields() if buffered.sample_ids else []
+        num_bytes = st.rt.trainer.execute(save_samples, buffered.to_wire(), fields, str(directory))[0]
+        return buffered, in_flight, num_bytes
+
+    def restore_samples(self, st, directory: Path) -> list[str]:
+        """Put the samples :meth:`save_samples` wrote under ``directory`` back into the sample partition with
+        the fields of :meth:`sample_fields`; their uids, in order. Raises ValueError naming a field the saved
+        samples lack. Blocking."""
+        from controller.runtime import PARTITION
+        from trainers.sample_store import restore_samples
+
+        return st.rt.trainer.execute(restore_samples, str(directory), PARTITION, self.sample_fields())[0]
 
     def _snapshot(self, st):
         """(BatchMeta of the whole generated groups in the TransferQueue, uids of the groups in flight: a
@@ -326,7 +363,7 @@ class JobCheckpointer:
         by_uid: dict[str, list[dict]] = {}
         for info in infos:
             by_uid.setdefault(str(info["tags"][schema.UID]), []).append(info)
-        need = set(self.train_fields())
+        need = set(self.sample_fields())
         ids, tags, in_flight = [], [], []
         for uid, samples in by_uid.items():
             if len(samples) == st.n and all(need <= set(s["fields"]) for s in samples):
@@ -366,9 +403,6 @@ class JobCheckpointer:
         """Bring ``st`` (fresh pools) to the checkpoint at ``path``: trainer state, buffered samples, the
         feeder's position, the counters; sync the rollers to the restored weights; re-issue the groups in
         flight. Raises ValueError when the trainer's restored ``weight_version`` disagrees with ``job.json``."""
-        from controller.runtime import PARTITION
-        from trainers.sample_store import restore_samples
-
         started = time.monotonic()
         state = JobState.read(path)
         await asyncio.to_thread(st.rt.trainer.load_checkpoint, str(path))
@@ -376,8 +410,7 @@ class JobCheckpointer:
         if trainer_weight_version != state.weight_version:
             raise ValueError(f"{path}: the trainer checkpoint has weight_version {trainer_weight_version}, "
                              f"{JOB_FILE} says {state.weight_version}")
-        uids = (await asyncio.to_thread(st.rt.trainer.execute, restore_samples, str(path / SAMPLES_DIR),
-                                        PARTITION, self.train_fields()))[0]
+        uids = await asyncio.to_thread(self.restore_samples, st, path / SAMPLES_DIR)
         await st.rt.feeder.restore.remote(state.feeder)
         st.step, st.weight_version = state.step, state.weight_version
         st.admission.started, st.admission.dropped = state.admission_started, state.admission_dropped

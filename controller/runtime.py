@@ -48,6 +48,40 @@ _POLL_S = 0.05  # how often start-up looks at the pools that are not ready yet
 WATCH_PERIOD_S = 0.5  # how often a running schedule's TransferQueue server processes are checked (Runtime.watch)
 
 
+def sample_fields(cfg: HFlowConfig) -> tuple[str, ...]:
+    """The stored fields every training sample of this run carries: what its rollers put, i.e.
+    ``common.schema.ROLLER``'s puts and the optional puts the settings turn on — the advantage estimator's
+    roller extras (ReMax: ``remax_baseline``) and, with ``metrics.dump_every`` > 0, ``response_text`` (read
+    by the generation dump). The one list: the rollers are configured from it (``roller_channel``,
+    ``Runtime``), and a job checkpoint saves and puts back exactly these for each buffered sample. Raises
+    ValueError when the estimator asks for a roller extra the rollers cannot put."""
+    from common import schema
+    from trainers.advantages import ADV_ESTIMATORS
+
+    extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras
+    unknown = [name for name in extras if name not in schema.ROLLER.optional_puts]
+    if unknown:
+        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} asks the rollers for "
+                         f"{unknown}; they can put only {list(schema.ROLLER.optional_puts)} besides their own fields")
+    optional = set(extras) | ({schema.RESPONSE_TEXT} if cfg.metrics.dump_every > 0 else set())
+    return (*schema.ROLLER.put_fields(), *(n for n in schema.ROLLER.optional_puts if n in optional))
+
+
+def roller_channel(cfg: HFlowConfig, tq_handle: dict) -> Callable[[], Any]:
+    """A factory of the ``rollers.tq_channel.TQGroupChannel`` each roller of this run builds in its own
+    process (``tq_handle``: ``TQHandle.to_dict()``): training prompts from ``PROMPT_PARTITION``, samples of
+    ``rollout.n`` into ``PARTITION``, validation groups first when ``data.val_size`` > 0, and
+    ``response_text`` when ``sample_fields`` holds it."""
+    from common import schema
+    from controller.validation import VAL_PARTITION, VAL_PROMPT_PARTITION
+    from rollers.tq_channel import GroupSource, TQGroupChannel
+
+    validation = (GroupSource(VAL_PROMPT_PARTITION, VAL_PARTITION, cfg.val.n + int(cfg.val.greedy),
+                              int(cfg.val.greedy)) if cfg.data.val_size else None)
+    return functools.partial(TQGroupChannel.from_handle, tq_handle, PROMPT_PARTITION, PARTITION, cfg.rollout.n,
+                             validation=validation, put_text=schema.RESPONSE_TEXT in sample_fields(cfg))
+
+
 def index_samples(cfg: HFlowConfig) -> int:
     """The most samples this run's TransferQueue index can hold at once (``transferqueue.max_samples`` is
     sized from it): a prompt row and ``rollout.n`` samples per group admission lets live, and one
@@ -116,10 +150,7 @@ class Runtime:
         from common.schema import REMAX_BASELINE
         from controller.pool import RollerPool
         from controller.tasks import resolve_reward
-        from controller.validation import VAL_PARTITION, VAL_PROMPT_PARTITION
         from rollers.actor import remote_roller
-        from rollers.tq_channel import GroupSource, TQGroupChannel
-        from trainers.advantages import ADV_ESTIMATORS
         from transferqueue.client import TQClient
         from transferqueue.launch import start_transferqueue
 
@@ -138,14 +169,10 @@ class Runtime:
         on_stage(f"starting {n_rollers} roller{'s' * (n_rollers > 1)} ({cfg.rollers.engine} engine) and "
                  f"{n_ranks} trainer rank{'s' * (n_ranks > 1)} (model {cfg.model.path}) at once")
         roller_cls = remote_roller(num_cpus=0.5, resources=cfg.rollers.resources)
-        roller_extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras  # e.g. ReMax's baseline
-        validation = (GroupSource(VAL_PROMPT_PARTITION, VAL_PARTITION, cfg.val.n + int(cfg.val.greedy),
-                                  int(cfg.val.greedy)) if cfg.data.val_size else None)
-        channel = functools.partial(TQGroupChannel.from_handle, handle, PROMPT_PARTITION, PARTITION, cfg.rollout.n,
-                                    validation=validation, put_text=cfg.metrics.dump_every > 0)
+        channel = roller_channel(cfg, handle)
         reward = resolve_reward(cfg.rollout.reward, cfg.data.task)
         rollers_cfg = dataclasses.replace(cfg.rollers, num_threads=self.threads.roller_threads)
-        remax = REMAX_BASELINE in roller_extras
+        remax = REMAX_BASELINE in sample_fields(cfg)  # ReMax's greedy baseline, an estimator's roller extra
 
         def make_roller(name: str):
             return roller_cls.remote(cfg.model, cfg.rollout, rollers_cfg, reward, channel, remax_baseline=remax,

@@ -4,6 +4,7 @@ resume and the metrics kept. The whole save/kill/resume cycle is ``test_resume.p
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
@@ -144,8 +145,6 @@ def test_truncate_metrics_keeps_the_rows_up_to_the_checkpoint(tmp_path):
 
 
 def test_a_cancelled_update_finishes_before_the_cancellation_takes_effect():
-    import asyncio
-
     from controller.schedules import _finish_before_cancel
 
     done = []
@@ -167,3 +166,129 @@ def test_a_cancelled_update_finishes_before_the_cancellation_takes_effect():
         assert await _finish_before_cancel(step()) == 1
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------------ buffered samples across settings
+
+# Settings that change what a sample carries or who reads it: generation dumps (``response_text``, read by the
+# dump), validation (a second source of groups in the rollers' channel), DAPO dynamic sampling, the agent loop
+# (multi-turn trajectories), ReMax (the estimator's roller extra ``remax_baseline``), and all of them at once.
+AGENT = ("rollout.environment=tests.rollers.agent_envs:scripted_turns", "rollout.max_turns=3",
+         "rollout.max_response_length=12")
+SETTINGS = {
+    "defaults": (),
+    "dumps": ("metrics.dump_every=1",),
+    "validation": ("data.val_size=2", "trainer.val_every=1"),
+    "dynamic_sampling": ("algorithm.dynamic_sampling=true",),
+    "agent_loop": AGENT,
+    "remax": ("algorithm.adv_estimator=remax",),
+    "all": ("metrics.dump_every=1", "data.val_size=2", "trainer.val_every=1", "algorithm.dynamic_sampling=true",
+            *AGENT, "algorithm.adv_estimator=remax"),
+}
+
+
+class _LocalTrainer:
+    """``TrainerGroup.execute`` on one in-process rank 0 (what moves buffered samples: trainers/sample_store)."""
+
+    def __init__(self, handle):
+        self.worker = SimpleNamespace(rank=0, tq_handle=handle.to_dict(), _tq_client=None)
+
+    def execute(self, fn, *args):
+        return [fn(self.worker, *args)]
+
+
+def _generate_one_group(cfg, handle) -> None:
+    """One group generated as this run's rollers do (the runtime's channel and ReMax setting, the real
+    ``Roller`` on the tiny model), from the prompt row the feeder put."""
+    from common.models import load_model, load_tokenizer
+    from controller.runtime import roller_channel, sample_fields
+    from controller.tasks import resolve_reward
+    from rollers.rewards import build_reward_fn
+    from rollers.roller import Roller
+    from rollers.torch_engine import TorchEngine
+
+    async def scenario():
+        tok = load_tokenizer(cfg.model)
+        engine = TorchEngine(load_model(cfg.model), tok, max_batch_slots=4, seed=cfg.rollout.seed)
+        channel = roller_channel(cfg, handle.to_dict())()
+        try:
+            roller = Roller(engine, tok, build_reward_fn(resolve_reward(cfg.rollout.reward, cfg.data.task)),
+                            cfg.rollout, channel, remax_baseline=schema.REMAX_BASELINE in sample_fields(cfg),
+                            poll_timeout_s=0.05)
+            assert await asyncio.wait_for(roller.run(max_groups=1), 60) == 1
+        finally:
+            await engine.shutdown()
+            channel.client.close()
+
+    asyncio.run(scenario())
+
+
+def _reads(cfg, client: TQClient, feeder: PromptFeeder, meta: BatchMeta) -> dict:
+    """What the run reads of the samples of ``meta`` when it trains them: the trainer's batch (with the
+    estimator's roller extras) and, on a dumped step, the generation dump's rows."""
+    from controller.generations import GenerationDump
+    from trainers.advantages import ADV_ESTIMATORS
+    from trainers.tq_batch import fetch_batch
+
+    reads = {"trainer": fetch_batch(client, meta, ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras)}
+    if GenerationDump("", cfg.metrics.dump_every, None).due(1):
+        reads["dump"] = feeder.dump_rows(meta)
+    return reads
+
+
+def _assert_equal(before, after, where: str = "") -> None:
+    if isinstance(before, torch.Tensor):
+        assert torch.equal(before, after), where
+    elif isinstance(before, dict):
+        assert set(before) == set(after), where
+        for key in before:
+            _assert_equal(before[key], after[key], f"{where}.{key}")
+    elif isinstance(before, list):
+        assert len(before) == len(after), where
+        for i, (b, a) in enumerate(zip(before, after, strict=True)):
+            _assert_equal(b, a, f"{where}[{i}]")
+    else:
+        assert before == after, where
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("settings", list(SETTINGS.values()), ids=list(SETTINGS))
+def test_buffered_groups_come_back_with_what_every_reader_of_the_run_reads(tq, tmp_path, settings):
+    """Issue 44, item 3: a job checkpoint saves a buffered group with every field the run's rollers put, so
+    after a resume the schedule sees it ready, and the trainer and the generation dump read of it exactly
+    what they would have read without the stop. (Before: ``metrics.dump_every=1`` failed on resume with
+    ``get: field 'response_text' missing``: the checkpoint kept only the trainer's fields.)"""
+    from controller.job_checkpoint import JobCheckpointer
+    from controller.runtime import PARTITION, PROMPT_PARTITION
+    from controller.schedules import TRAIN_FIELDS, TRAIN_TASK
+    from controller.validation import VAL_PROMPT_PARTITION
+
+    handle, client = tq
+    cfg = load_config(preset="tiny", overrides=[*OVERRIDES, "rollout.max_response_length=4", *settings,
+                                                f"run_dir={tmp_path}"])
+    feeder = PromptFeeder(cfg, 4, None, PROMPT_PARTITION, VAL_PROMPT_PARTITION if cfg.data.val_size else "")
+    feeder.connect(handle.to_dict())
+    trainer = _LocalTrainer(handle)
+    try:
+        assert [g["uid"] for g in feeder.feed(1)] == ["s0.p0"]
+        _generate_one_group(cfg, handle)
+        infos = client.sample_info(PARTITION)
+        before = _reads(cfg, client, feeder, BatchMeta(PARTITION, [i["id"] for i in infos], [], [i["tags"] for i in infos]))
+
+        checkpointer = JobCheckpointer(cfg)
+        st = SimpleNamespace(rt=SimpleNamespace(tq=client, trainer=trainer), n=cfg.rollout.n)
+        buffered, in_flight, num_bytes = checkpointer.save_samples(st, tmp_path / "samples")
+        assert sorted(buffered.sample_ids) == sorted(i["id"] for i in infos) and in_flight == [] and num_bytes > 0
+        client.clear(PARTITION)  # a resumed job starts with an empty TransferQueue
+        assert checkpointer.restore_samples(st, tmp_path / "samples") == ["s0.p0"] * cfg.rollout.n
+
+        meta = client.get_meta(TRAIN_FIELDS, cfg.rollout.n, TRAIN_TASK, PARTITION, sampler="group_complete",
+                               options={"group_size": cfg.rollout.n}, timeout_s=10)
+        assert len(meta) == cfg.rollout.n  # the schedule sees the whole group ready
+        _assert_equal(before, _reads(cfg, client, feeder, meta))
+    finally:
+        feeder.close()
+        if trainer.worker._tq_client is not None:
+            trainer.worker._tq_client.close()
+        for partition in (PARTITION, PROMPT_PARTITION):  # the next settings' run starts from an empty queue
+            client.clear(partition)

@@ -21,7 +21,12 @@ A trainer rank killed (SIGKILL) with ``trainer.max_restarts=1``: the trainer gro
 latest checkpoint (the roller processes are the same before and after), every prompt trained once; with 0
 the job fails naming the rank.
 
-The start-up decisions of ``--resume`` (a refused config change, nothing left to train) need no pools.
+A run with generation dumps (``metrics.dump_every=1``) stopped while its checkpoint holds buffered groups, then
+a plain ``--resume RUN_DIR``: the buffered groups come back with the ``response_text`` the dump reads (issue 44,
+item 3; the matrix of settings is ``test_job_checkpoint.py``'s, without pools).
+
+The start-up decisions of ``--resume`` (a refused config change, buffered samples saved without a field the new
+settings read, nothing left to train) need no pools.
 """
 
 from __future__ import annotations
@@ -170,6 +175,44 @@ def test_resume_with_the_data_exhausted_and_nothing_buffered_exits_0(tmp_path, c
     done = cli(capsys, "--resume", str(run_dir), "trainer.total_steps=6")
     assert done.returncode == 0 and "data exhausted at step 4" in done.stdout, done.stderr
     assert not (run_dir / "metrics.jsonl").exists()  # nothing started
+
+
+def run_with_buffered_samples(run_dir: Path, overrides: list[str], fields: list[str]) -> None:
+    """``fake_run`` at step 1 with one group buffered, its samples saved with ``fields``."""
+    from controller.job_checkpoint import SAMPLES_DIR
+    from trainers.sample_store import INDEX_FILE
+
+    fake_run(run_dir, 1, overrides, buffered_uids=["s1.p0"])
+    samples = run_dir / CHECKPOINTS / "step_1" / SAMPLES_DIR
+    samples.mkdir()
+    (samples / INDEX_FILE).write_text(json.dumps({"num_samples": 8, "fields": fields, "tags": [], "objects": {}}))
+
+
+def test_resume_refuses_buffered_samples_saved_without_a_field_its_settings_read(tmp_path):
+    """A resume whose settings make a reader need a field the buffered samples were saved without is refused
+    at once, naming the field and what to do: ``metrics.dump_every`` turned on (0 -> 1: the dump reads
+    ``response_text``), or a checkpoint of a dumping run written before the checkpoint kept that field. With
+    settings its samples serve, it goes ahead."""
+    from controller.job_checkpoint import prepare_resume
+    from controller.runtime import sample_fields
+
+    base = ["data.size=8", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=4"]
+
+    def config(run_dir: Path, *extra: str):
+        return load_config(preset="tiny", overrides=[*base, f"run_dir={run_dir}", *extra])
+
+    turned_on = tmp_path / "turned_on"
+    run_with_buffered_samples(turned_on, base, list(sample_fields(config(turned_on))))
+    with pytest.raises(ValueError, match=r"saved without \['response_text'\].*metrics.dump_every changed since"):
+        prepare_resume(config(turned_on, "metrics.dump_every=1"), None, turned_on / "model")
+    assert prepare_resume(config(turned_on), None, turned_on / "model") is not None
+
+    before_the_fix = tmp_path / "before_the_fix"
+    run_with_buffered_samples(before_the_fix, [*base, "metrics.dump_every=1"],
+                              list(sample_fields(config(before_the_fix))))  # the trainer's fields only
+    with pytest.raises(ValueError, match=r"saved without \['response_text'\].*predates.*metrics.dump_every=0"):
+        prepare_resume(config(before_the_fix, "metrics.dump_every=1"), None, before_the_fix / "model")
+    assert prepare_resume(config(before_the_fix, "metrics.dump_every=0"), None, before_the_fix / "model") is not None
 
 
 def test_resume_needs_a_job_checkpoint(tmp_path, capsys):
@@ -342,3 +385,30 @@ def test_a_trainer_restart_replaces_rollers_that_hold_weights_newer_than_the_che
     superseded = [json.loads(line) for line in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
     assert superseded and min(r["step"] for r in superseded) == 4
     assert_every_prompt_once(run_dir, 6, MAX_STALENESS)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
+def test_a_plain_resume_of_a_run_with_generation_dumps_dumps_its_buffered_groups(tmp_path):
+    """Issue 44, item 3, as a user met it: a run with ``metrics.dump_every=1`` stopped (SIGTERM) while a
+    checkpoint holds groups generated ahead of training, then ``--resume RUN_DIR`` (the run's own config):
+    exit 0, every step dumped, the buffered groups' responses included. Before the fix: exit 1,
+    ``get: field 'response_text' missing``."""
+    run_dir = tmp_path / "run"
+    code, out, err = run([*JOB, "data.epochs=1", "trainer.total_steps=4", "metrics.dump_every=1",
+                          f"run_dir={run_dir}"],
+                         until=lambda o: "checkpoint of step 2 holding" in o, sig=signal.SIGTERM, **{HOLD_ENV: "2:10"})
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    stop = JobState.read(run_dir / CHECKPOINTS / "step_2")
+    assert stop.buffered_uids, stop  # generated ahead of training while the save was held
+
+    code, out, err = run(["--resume", str(run_dir)])
+    assert code == 0, err[-3000:]
+    rows = assert_every_prompt_once(run_dir, 4, MAX_STALENESS)
+    dumped = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    trained = [row for row in dumped if row["kind"] == "train"]
+    assert sorted({row["step"] for row in trained}) == [1, 2, 3, 4]
+    assert {base_uid(row["uid"]) for row in trained} >= set(stop.buffered_uids), stop
+    assert all(isinstance(row["response"], str) for row in trained)
+    assert len(rows) == 4
