@@ -14,22 +14,17 @@ the engine between steps, never inside one.
 
 Sequences keep their keys/values at their absolute positions in a per-slot cache
 (``rollers.kv_cache.SlotKVCache``), so positions and masks of a sequence never depend on the slot's
-history or its neighbours; greedy output equals Hugging Face ``generate`` token for token.
+history or its neighbours (``rollers.slot_forward`` builds the forwards); greedy output equals Hugging Face
+``generate`` token for token.
 
 Decoding a small model on CPU is bound by reading the weights, so one forward for every running slot
 per step is what makes it fast; slots freed by short requests are refilled at the next step. For the same
 reason the model's linear layers multiply decode steps' few rows by prepacked weights
 (``rollers.packed_linear``: each weight read once per step instead of about twice).
 
-**Prefix reuse** (what SGLang's radix cache gives multi-turn rollouts): a finished request leaves its
-keys/values in its slot, which is free again; a newcomer that continues it — its token ids start with every
-token the slot holds, as the next turn of an agent loop (``rollers.agent_loop``) does — takes that slot and
-prefills only its new tokens. Free slots hold at most ``max_batch_slots - running`` such prefixes; one in a
-newcomer's way moves to an empty free slot, else to an older prefix's (evicting it), else is dropped.
-Requests cut by a pause are not kept (a weight load follows).
-Reused keys/values were computed token by token while decoding, so logits match a full prefill to float
-rounding (~1e-6), not bit for bit. A weight load or ``flush_cache`` drops every prefix (they belong to the
-old weights). Only exact continuations are reused: no shared-prefix tree.
+**Prefix reuse** (``rollers.slot_prefixes``, what SGLang's radix cache gives multi-turn rollouts): a
+finished request leaves its keys/values in its slot, which is free again; a newcomer that continues it takes
+that slot and prefills only its new tokens. A weight load or ``flush_cache`` drops every prefix.
 
 Requests are checked against the model when submitted (``check_request``: token and stop ids inside the
 vocabulary, ``top_k`` at most the vocabulary, a prompt shorter than ``max_seq_len``); a response that
@@ -74,6 +69,8 @@ from rollers.model_limits import (
 )
 from rollers.packed_linear import pack_linears
 from rollers.sampling import RowSampling, sample_rows
+from rollers.slot_forward import SlotForward
+from rollers.slot_prefixes import SlotPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +91,6 @@ class _Sequence:
 
     def tokens(self) -> list[int]:
         return [*self.request.input_ids, *self.output.output_ids]
-
-
-@dataclass(frozen=True)
-class _Prefix:
-    """A finished request's keys/values left in a free slot: ``tokens`` (those whose keys/values the slot
-    holds, positions ``0 .. len - 1``) and ``stamp`` (finish order: the smallest is evicted first)."""
-
-    tokens: tuple[int, ...]
-    stamp: int
 
 
 def own_weights(model: torch.nn.Module) -> None:
@@ -178,11 +166,8 @@ class TorchEngine(Engine):
         self._started_at = time.perf_counter()
         self._busy_s = 0.0
         self._num_tokens_generated = 0
-        self._num_forwards = 0
-        self._num_prefill_tokens = 0
-        self._num_reused_tokens = 0
-        self._prefixes: list[_Prefix | None] = [None] * max_batch_slots  # by slot; only free slots hold one
-        self._num_finished = 0
+        self._forwards = SlotForward(model, self._cache, self._device)
+        self._prefixes = SlotPrefixes(self._cache, max_batch_slots)
         self._busy_flag = busy_flag
 
     # ------------------------------------------------------------------------------ public API
@@ -279,7 +264,7 @@ class TorchEngine(Engine):
                 target.copy_(tensor)
         self._weight_version = weight_version
         if self._pause_mode != "in_place":
-            self._drop_prefixes()
+            self._prefixes.clear()
 
     async def flush_cache(self) -> None:
         """Free the KV cache. Raises EngineError while any request holds KV: decoding, or kept by an
@@ -290,7 +275,7 @@ class TorchEngine(Engine):
             raise EngineError(f"flush_cache while {len(self._running)} requests hold KV cache (running or "
                               "paused in place)")
         self._cache.clear()
-        self._drop_prefixes()
+        self._prefixes.clear()
 
     async def health(self) -> bool:
         return not self._closed and self._error is None and not (self._task is not None and self._task.done())
@@ -312,7 +297,7 @@ class TorchEngine(Engine):
             except asyncio.CancelledError:
                 pass
         self._cache.clear()
-        self._drop_prefixes()
+        self._prefixes.clear()
         if self._busy_flag is not None:
             self._busy_flag.close()
 
@@ -333,10 +318,10 @@ class TorchEngine(Engine):
             "num_running": len(self._running),
             "num_waiting": len(self._waiting),
             "num_requests_in_flight": len(self._running) + len(self._waiting),
-            "num_forwards": self._num_forwards,
-            "num_prefill_tokens": self._num_prefill_tokens,
-            "num_reused_tokens": self._num_reused_tokens,
-            "num_cached_prefixes": sum(p is not None for p in self._prefixes),
+            "num_forwards": self._forwards.num_forwards,
+            "num_prefill_tokens": self._forwards.num_prefill_tokens,
+            "num_reused_tokens": self._forwards.num_reused_tokens,
+            "num_cached_prefixes": self._prefixes.num_cached,
             "weight_version": self._weight_version,
             "kv_capacity_tokens": self._cache.capacity,
         }
@@ -415,59 +400,7 @@ class TorchEngine(Engine):
                 self._running[i] = moved
             self._running.pop()
             if leaving.kv_len > 0:
-                self._num_finished += 1
-                self._prefixes[last] = _Prefix(tuple(leaving.tokens()[: leaving.kv_len]), self._num_finished)
-
-    def _drop_prefixes(self) -> None:
-        self._prefixes = [None] * self._num_slots
-
-    def _swap_slots(self, a: int, b: int) -> None:
-        """Exchange two free slots' prefixes (keys/values and records)."""
-        pa, pb = self._prefixes[a], self._prefixes[b]
-        self._cache.swap(a, b, max(len(pa.tokens) if pa else 0, len(pb.tokens) if pb else 0))
-        self._prefixes[a], self._prefixes[b] = pb, pa
-
-    def _place(self, first: int, keys: list[tuple[int, ...]], num_new: int) -> list[int]:
-        """Get slots ``first .. first + num_new - 1`` ready for the newcomers (``keys``: the distinct token ids
-        prefilled into slots ``first ..``, in order; duplicates follow). A key that continues a cached prefix
-        gets that prefix's slot swapped into place; a prefix in the way of any other newcomer moves to an empty
-        free slot above them, or to that of an older prefix (evicting it), or is dropped. Returns, per key, the
-        positions already held (reused)."""
-        reused = [0] * len(keys)
-        claimed: dict[int, int] = {}  # key index -> slot of the prefix it continues
-        for k, key in enumerate(keys):
-            best = None
-            for slot in range(first, self._num_slots):
-                p = self._prefixes[slot]
-                if p is None or slot in claimed.values() or len(p.tokens) >= len(key) \
-                        or key[: len(p.tokens)] != p.tokens:
-                    continue
-                if best is None or len(p.tokens) > len(self._prefixes[best].tokens):
-                    best = slot
-            if best is not None:
-                claimed[k] = best
-        for k, slot in claimed.items():
-            target = first + k
-            if slot != target:
-                self._swap_slots(slot, target)
-                for other, other_slot in claimed.items():  # the prefix that sat at target now sits at slot
-                    if other_slot == target:
-                        claimed[other] = slot
-                claimed[k] = target
-            reused[k] = len(self._prefixes[target].tokens)
-        above = range(first + num_new, self._num_slots)
-        for target in range(first, first + num_new):
-            p, self._prefixes[target] = self._prefixes[target], None
-            if p is None or claimed.get(target - first) == target:
-                continue
-            empty = next((s for s in above if self._prefixes[s] is None), None)
-            oldest = min(above, key=lambda s: self._prefixes[s].stamp, default=None) if empty is None else None
-            dest = empty if empty is not None else (
-                oldest if oldest is not None and self._prefixes[oldest].stamp < p.stamp else None)
-            if dest is not None:
-                self._cache.move(target, dest, len(p.tokens))
-                self._prefixes[dest] = p
-        return reused
+                self._prefixes.keep(last, tuple(leaving.tokens()[: leaving.kv_len]))
 
     # ------------------------------------------------------------------------------ decode loop
 
@@ -509,24 +442,12 @@ class TorchEngine(Engine):
         self._by_id.clear()
         self._running.clear()
         self._waiting.clear()
-        self._drop_prefixes()
+        self._prefixes.clear()
 
     def _step(self) -> None:
         self._admit()
         if self._running:
             self._decode()
-
-    def _forward(self, input_ids, position_ids, mask, logits_to_keep) -> torch.Tensor:
-        self._num_forwards += 1
-        out = self._model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            cache=self._cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
-        return out.logits
 
     def _admit(self) -> None:
         """Prefill waiting sequences into free slots and sample their next token.
@@ -553,7 +474,7 @@ class TorchEngine(Engine):
         admitted, rows = firsts + duplicates, [*range(len(firsts)), *source]  # rows: prefill row of each
         first = len(self._running)
         keys = list(distinct)
-        logits = self._prefill(first, keys, self._place(first, keys, num_new))
+        logits = self._forwards.prefill(first, keys, self._prefixes.place(first, keys, num_new))
         lengths = [len(key) for key in keys]
         if duplicates:
             self._cache.copy_rows([first + row for row in source], list(range(first + len(firsts), first + num_new)),
@@ -564,55 +485,13 @@ class TorchEngine(Engine):
             seq.kv_len = lengths[row]
         self._append_tokens(first, logits)
 
-    def _prefill(self, first: int, tokens: list[tuple[int, ...]], reused: list[int]) -> torch.Tensor:
-        """One right-padded forward writing ``tokens`` (one sequence per row) into slots ``first ..``, each row
-        from position ``reused[row]`` (the slot already holds the positions before it); returns the logits at
-        each row's last position, (rows, vocab)."""
-        num_rows = len(tokens)
-        lengths = torch.tensor([len(t) - r for t, r in zip(tokens, reused, strict=True)], device=self._device)
-        seq_len = int(lengths.max().item())
-        input_ids = torch.zeros(num_rows, seq_len, dtype=torch.long, device=self._device)
-        for row, (toks, r) in enumerate(zip(tokens, reused, strict=True)):
-            input_ids[row, : len(toks) - r] = torch.tensor(toks[r:], device=self._device)
-        positions = torch.arange(seq_len, device=self._device)
-        last = lengths - 1
-        keep = torch.unique(last)
-        self._num_prefill_tokens += num_rows * seq_len
-        self._num_reused_tokens += sum(reused)
-        if not any(reused):
-            allowed = (positions[None, :] <= positions[:, None])[None] & (positions < lengths[:, None])[:, None, :]
-            self._cache.plan_prefill(first, num_rows, seq_len)
-            logits = self._forward(input_ids, positions.expand(num_rows, -1), self._mask(allowed[:, None]), keep)
-        else:  # queries at start + i attend to keys 0 .. start + i of their own row (reused prefix included)
-            starts = torch.tensor(reused, device=self._device)[:, None]
-            ends = starts + lengths[:, None]
-            # A row's padding queries all sit one past its last token (inside the context length): the next
-            # decode step overwrites what they write there.
-            query_at = torch.where(positions[None, :] < lengths[:, None], starts + positions[None, :], ends)
-            key_at = torch.arange(int(query_at.max().item()) + 1, device=self._device)
-            allowed = (key_at[None, None, :] <= query_at[:, :, None]) & (key_at[None, None, :] < ends[:, :, None])
-            self._cache.plan_prefill(first, num_rows, seq_len, query_at)
-            logits = self._forward(input_ids, query_at, self._mask(allowed[:, None]), keep)
-        return logits[torch.arange(num_rows, device=self._device), torch.searchsorted(keep, last)]
-
     def _decode(self) -> None:
         """One forward over every running slot: feed each slot's last token at its own position."""
-        last_tokens = torch.tensor([[seq.output.output_ids[-1]] for seq in self._running], device=self._device)
-        positions = torch.tensor([seq.kv_len for seq in self._running], device=self._device)
-        self._cache.plan_decode(positions)
-        kv_len = int(positions.max().item()) + 1
-        allowed = torch.arange(kv_len, device=self._device)[None, :] <= positions[:, None]
-        logits = self._forward(last_tokens, positions[:, None], self._mask(allowed[:, None, None]), 1)
+        logits = self._forwards.decode([seq.output.output_ids[-1] for seq in self._running],
+                                       [seq.kv_len for seq in self._running])
         for seq in self._running:
             seq.kv_len += 1
-        self._append_tokens(0, logits[:, -1])
-
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """Additive 4-D attention mask (0 where ``allowed``, dtype minimum elsewhere) in the model dtype."""
-        dtype = next(self._model.parameters()).dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=self._device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )
+        self._append_tokens(0, logits)
 
     def _append_tokens(self, first: int, logits: torch.Tensor) -> None:
         """Sample one token for running slots ``first ..`` from ``logits`` (rows, vocab); finish stopped ones.
