@@ -19,11 +19,14 @@ Everything else (token auth, offline hubs) applies either way.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+from contextlib import nullcontext
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+logger = logging.getLogger(__name__)
 
 # Environment every process of a job starts with (Ray workers of a local cluster inherit it from the driver).
 _PROCESS_ENV = {
@@ -255,11 +258,14 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
     """Start (or join, with ``address``) a Ray cluster; returns ``ray.init``'s context.
 
     A local cluster listens on loopback only, requires Ray's auth token, gets ``num_cpus`` logical CPUs
-    (default ``default_logical_cpus()``), no dashboard, and its temp dir under ``ray_temp_dir()``.
+    (default ``default_logical_cpus()``), no dashboard, and its temp dir under ``ray_temp_dir()``; its
+    processes run in a process group of their own, killed when this process ends however it ends
+    (``common.ray_group``; stop it with ``shutdown_ray``).
     Joining checks first that ``address`` answers within ``connect_timeout_s`` (RayConnectError if not).
     Raises RuntimeError when ray was imported before ``setup_process_env`` ran (Ray would then listen on
     every interface). Idempotent within a process.
     """
+    global _local_group
     setup_process_env(ray_address=address)
     import ray
     from ray._private import ray_constants
@@ -274,13 +280,52 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
         if address != "auto":
             check_ray_address(address, connect_timeout_s)
         return ray.init(address=address, **kwargs)
-    context = ray.init(
-        num_cpus=num_cpus or default_logical_cpus(),
-        object_store_memory=object_store_bytes,
-        include_dashboard=False,
-        _node_ip_address=LOOPBACK,
-        _temp_dir=str(ray_temp_dir()),
-        **kwargs,
-    )
+    group = _start_process_group()
+    with group.adopting() if group else nullcontext():
+        try:
+            context = ray.init(
+                num_cpus=num_cpus or default_logical_cpus(),
+                object_store_memory=object_store_bytes,
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+                _temp_dir=str(ray_temp_dir()),
+                **kwargs,
+            )
+        except BaseException:
+            if group:
+                group.close()
+            raise
+    if group and not group.members():
+        logger.warning("Ray's processes did not join their own process group %d: a stop signal to this job's "
+                       "process group reaches them too", group.pgid)
+    _local_group = group
     _secure_token_file()
     return context
+
+
+_local_group = None  # the RayProcessGroup of the local cluster init_ray started, until shutdown_ray
+
+
+def _start_process_group():
+    """A ``RayProcessGroup`` for a local cluster's processes, or None (logged) where one cannot be started."""
+    from common.ray_group import RayProcessGroup
+
+    try:
+        return RayProcessGroup()
+    except OSError as exc:  # the reaper could not be started (no fork, no exec)
+        logger.warning("Ray's processes stay in this job's process group (%s): a stop signal to the group "
+                       "reaches them too", exc)
+        return None
+
+
+def shutdown_ray() -> None:
+    """``ray.shutdown()``, then SIGKILL whatever the local cluster ``init_ray`` started still runs (its
+    process group: ``common.ray_group``) and wait for it. Bounded: at most ``common.ray_group``'s close
+    timeout (10 s) after Ray's own shutdown."""
+    import ray
+
+    global _local_group
+    ray.shutdown()
+    group, _local_group = _local_group, None
+    if group is not None:
+        group.close()

@@ -329,7 +329,7 @@ def _shut_down(rt, feeder, metrics, owns_ray: bool, session_dir: Path | None, ke
     ``keep_logs`` (a failed run: its logs say why)."""
     import ray
 
-    from common.env import remove_ray_session_dir
+    from common.env import remove_ray_session_dir, shutdown_ray
 
     if rt is not None:
         rt.close()
@@ -337,7 +337,7 @@ def _shut_down(rt, feeder, metrics, owns_ray: bool, session_dir: Path | None, ke
         ray.kill(feeder, no_restart=True)
     metrics.close()
     if owns_ray and ray.is_initialized():
-        ray.shutdown()
+        shutdown_ray()
     if session_dir is not None:
         if keep_logs:
             print(f"hflow-async: Ray's logs of this run are in {session_dir}", file=sys.stderr, flush=True)

@@ -1,6 +1,9 @@
-"""How a job stops on SIGINT and SIGTERM: the schedule unwinds through its ``finally`` blocks, the run
-writes its summary, and the process exits ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM; the shell's
-convention). ``controller/job.py`` installs the handlers for the length of a run (main thread only).
+"""How a job stops on SIGINT, SIGTERM and SIGHUP: the schedule unwinds through its ``finally`` blocks, the run
+writes its summary, and the process exits ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM, 129 for a hangup;
+the shell's convention). ``controller/job.py`` installs the handlers for the length of a run (main thread only).
+A signal to the job's whole process group (Ctrl-C, ``timeout``, ``kill -- -PGID``) reaches the job's process
+alone: the Ray cluster it starts runs in a process group of its own (``common.ray_group``), so the clean stop
+below is the same for a signal to the process and to its group.
 
     signal ──> STOP.handle ── first, during the schedule ──> cancel the schedule's task (again each second
                          │                                    until it ends: an await may swallow one)
@@ -16,10 +19,12 @@ import sys
 import threading
 
 EXIT_SIGNAL_BASE = 128  # a stop by signal N exits 128 + N: 130 for SIGINT, 143 for SIGTERM (shell convention)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; kill, timeout, systemd, Slurm; hangup
 
 
 class JobStop:
-    """How SIGINT and SIGTERM stop a job (handlers installed by ``install_handlers``, main thread only).
+    """How a stop signal (``STOP_SIGNALS``) stops a job (handlers installed by ``install_handlers``, main
+    thread only).
 
     The first signal during the schedule cancels the schedule's task: every stage unwinds through its
     ``finally`` (no task is left holding a KeyboardInterrupt, so nothing prints a traceback). Outside the
@@ -75,11 +80,11 @@ STOP = JobStop()
 
 
 def install_handlers() -> dict:
-    """Install ``STOP``'s handler for SIGINT and SIGTERM (Ctrl-C and SIGTERM stop the job alike). Main
-    thread only; returns the previous handlers to restore (empty elsewhere)."""
+    """Install ``STOP``'s handler for every signal of ``STOP_SIGNALS`` (Ctrl-C, SIGTERM and a hangup stop the
+    job alike). Main thread only; returns the previous handlers to restore (empty elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, STOP.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return {sig: signal.signal(sig, STOP.handle) for sig in STOP_SIGNALS}
 
 
 def interrupted(summary: dict) -> int:
