@@ -9,6 +9,10 @@ N``, counting from 1, or ``FILE:LINE`` for a ``.jsonl`` file) and length, or, wi
 context (run at start by the prompt feeder, ``controller.feeder.PromptFeeder``); one with some room is served, its responses
 truncated at the limit.
 
+Held-out prompts (``data.val_size``) are held out by text: ``load_split`` draws them after the training rows,
+passing over every row whose normalised text (``normalised_text``: whitespace collapsed, before the chat
+template) occurs in training, and raises ValueError naming the keys when the task cannot supply them.
+
 Step arithmetic. The prompts form one stream: epoch 0's order, then epoch 1's, ... (each epoch reshuffled
 with ``data.seed + epoch`` when ``data.shuffle``), and step k takes the stream's next
 ``data.train_batch_size`` prompts, so a step may span two epochs (every schedule admits prompt groups
@@ -81,9 +85,10 @@ def normalised_text(prompt: str) -> str:
 
 @dataclass(frozen=True)
 class DataSplit:
-    """The training and held-out records of a run (``load_split``). ``num_val_skipped``: rows passed over
-    while the held-out set was drawn because their normalised text occurs in training (or, for a file task,
-    was already kept for training); ``num_val_seen``: held-out prompts whose text does occur in training
+    """The training and held-out records of a run (``load_split``); held-out prompts are distinct by text
+    (except with ``data.val_disjoint=false``). ``num_val_skipped``: rows passed over while the held-out set
+    was drawn because their normalised text occurs in training or was already held out (a file task: was
+    kept for training); ``num_val_seen``: held-out prompts whose text does occur in training
     (only with ``data.val_disjoint=false``; 0 otherwise)."""
 
     train: list[TaskRecord]
@@ -101,13 +106,15 @@ def load_split(cfg: DataConfig) -> DataSplit:
     * A procedural task (reasoning-gym, tiny_repeat, a plug-in) draws row i from its seed and i alone
       (reasoning-gym's ``Random(seed + i)``), so training is its first ``data.size`` rows, as without
       validation, and the held-out prompts are drawn from the rows after them, in order, passing over every
-      row whose text occurs in training, until ``val_size`` are found; the candidates grow ``val_size``,
-      2×, 4×, ... up to 16× ``val_size`` rows (``VAL_DRAW_FACTORS``). A different seed would not do:
-      reasoning-gym's row i of seed s+1 is row i+1 of seed s.
+      row whose text occurs in training or among the prompts already held out, until ``val_size`` are
+      found; the candidates grow ``val_size``, 2×, 4×, ... up to 16× ``val_size`` rows
+      (``VAL_DRAW_FACTORS``). A different seed would not do: reasoning-gym's row i of seed s+1 is row i+1 of
+      seed s. A plug-in that returns another number of rows than asked (fixed rows) is split like a file.
     * A file task (no ``data.val_file``): the held-out prompts are drawn from its last rows backwards; a row
       whose text occurs in the rows before it, or among the rows already passed over, is passed over and
       trains (so no row is lost); training is every row not held out.
-    * ``data.val_file``: its first ``val_size`` rows whose text does not occur in training.
+    * ``data.val_file``: its first ``val_size`` rows whose text occurs neither in training nor earlier in
+      the file.
 
     With ``data.val_disjoint=false`` the held-out prompts are the ``val_size`` rows after the training ones
     (a file: its last ``val_size``; ``data.val_file``: its first), whatever their text, and ``num_val_seen``
@@ -128,21 +135,19 @@ def load_split(cfg: DataConfig) -> DataSplit:
         val, skipped = _unseen(rows, _texts(train), cfg.val_size, cfg.val_disjoint)
         if len(val) < cfg.val_size:
             raise ValueError(f"data.val_size={cfg.val_size} but data.val_file={cfg.val_file!r} has {len(rows)} rows"
-                             + (f", {skipped} of them training prompts (data.val_disjoint=true)" if skipped else ""))
+                             + (f", {skipped} of them training prompts or repeats (data.val_disjoint=true)"
+                                if skipped else ""))
         return DataSplit(train, val, skipped, _num_seen(val, train))
     if cfg.task.endswith(FILE_SUFFIXES):
         return _file_split(load(cfg.task, 0, cfg.task_kwargs), cfg)
     for factor in VAL_DRAW_FACTORS if cfg.val_disjoint else (1,):
         records = load(cfg.task, cfg.size + factor * cfg.val_size, cfg.task_kwargs)
+        if len(records) != cfg.size + factor * cfg.val_size:  # a plug-in of fixed rows: they are all there is
+            return _file_split(records, cfg)
         train, rows = records[: cfg.size], records[cfg.size:]
-        if not train or len(records) <= cfg.val_size:
-            raise ValueError(f"data.val_size={cfg.val_size} leaves no training rows: data.task={cfg.task!r} has "
-                             f"{len(records)} rows (lower data.val_size, or give data.val_file)")
         val, skipped = _unseen(rows, _texts(train), cfg.val_size, cfg.val_disjoint)
         if len(val) == cfg.val_size:
             return DataSplit(train, val, skipped, _num_seen(val, train))
-        if len(rows) < factor * cfg.val_size:
-            break  # the task has no more rows to draw
     raise ValueError(
         f"data.val_size={cfg.val_size}: data.task={cfg.task!r} with data.task_kwargs={dict(cfg.task_kwargs)} "
         f"gave only {len(val)} prompts whose text does not occur among its data.size={cfg.size} training "
@@ -162,18 +167,20 @@ def _num_seen(val: Sequence[TaskRecord], train: Sequence[TaskRecord]) -> int:
 
 def _unseen(rows: Sequence[TaskRecord], train_texts: set[str], want: int,
             disjoint: bool) -> tuple[list[TaskRecord], int]:
-    """The first ``want`` of ``rows`` whose text is not in ``train_texts`` (any ``want`` rows unless
-    ``disjoint``), and how many rows were passed over to find them."""
+    """The first ``want`` of ``rows`` whose text is neither in ``train_texts`` nor an earlier one's (any
+    ``want`` rows unless ``disjoint``), and how many rows were passed over to find them."""
     if not disjoint:
         return list(rows[:want]), 0
-    val, skipped = [], 0
+    val, skipped, seen = [], 0, set(train_texts)
     for row in rows:
         if len(val) == want:
             break
-        if normalised_text(row.prompt) in train_texts:
+        text = normalised_text(row.prompt)
+        if text in seen:
             skipped += 1
         else:
             val.append(row)
+            seen.add(text)
     return val, skipped
 
 
