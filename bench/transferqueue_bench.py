@@ -18,6 +18,7 @@ GB/s are 1e9 bytes per second. Usage: ``python bench/transferqueue_bench.py [--q
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transferqueue.config import TransferQueueConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM_ENV = ROOT / "bench" / ".envs" / "upstream-tq"
@@ -189,16 +194,24 @@ def _ours_one(client, size: str, data: dict, reps: int) -> tuple[float, float, i
     return put_s, get_s, nbytes(data)
 
 
+def meta_config(num_samples: int) -> TransferQueueConfig:
+    """The TransferQueue of ``bench_meta``: one unit, an index that holds ``num_samples`` samples (at least
+    ``max_request_ids``, the smallest explicit ``max_samples``; the standalone default of 2^20 would refuse
+    a larger ``--meta-samples`` mid-bench)."""
+    from transferqueue.config import TransferQueueConfig
+
+    cfg = TransferQueueConfig(num_storage_units=1, capacity_bytes=2 * 1024**3, request_timeout_s=300)
+    return dataclasses.replace(cfg, max_samples=max(num_samples, cfg.max_request_ids))
+
+
 def bench_meta(num_samples: int, reps: int) -> tuple[float, float]:
     """``get_meta`` throughput at batch 1024 (group_complete, groups of 4) and latency at batch 1
     (sequential), with ``num_samples`` samples indexed (one tiny field each, uid tags)."""
     import torch
 
     from transferqueue import TQClient, start_transferqueue
-    from transferqueue.config import TransferQueueConfig
 
-    cfg = TransferQueueConfig(num_storage_units=1, capacity_bytes=2 * 1024**3, request_timeout_s=300)
-    with start_transferqueue(cfg) as servers, TQClient(servers.handle) as client:
+    with start_transferqueue(meta_config(num_samples)) as servers, TQClient(servers.handle) as client:
         chunk = 65536
         t0 = time.perf_counter()
         for start in range(0, num_samples, chunk):

@@ -199,7 +199,8 @@ KEY_DOCS: dict[str, str] = {
     "transferqueue.reservation_lease_s": "seconds until an unused id reservation lapses (clients that went away)",
     "transferqueue.max_fields": "most fields per partition",
     "transferqueue.max_tasks": "most consumer tasks over all partitions",
-    "transferqueue.max_samples": "most samples the index holds over all partitions; 0 = 4x what the job's admission holds",
+    "transferqueue.max_samples": ("most samples the index holds; 0 = 4x what the job's admission holds, 2^20 "
+                                   "standalone, both >= max_request_ids"),
     "transferqueue.max_partitions": "most partitions the index holds at once",
     "transferqueue.max_client_partitions": "most uncleared partitions one client connection may have created",
     "transferqueue.max_name_chars": "longest partition, field or task name, in characters",

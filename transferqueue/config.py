@@ -37,9 +37,9 @@ class TransferQueueConfig:
       150 bytes bare, about 700 with a training sample's tags): a ``prepare_put`` or new-sample ``notify``
       past it is refused (``LimitExceeded``) until ``clear`` frees room. 0 (the default): sized by the job
       (``sized_for``: ``SAMPLES_HEADROOM`` x what its admission can ever hold, at least ``max_request_ids``),
-      ``DEFAULT_MAX_SAMPLES`` for a TransferQueue started alone (``sample_bound``). At least
-      ``max_request_ids`` when set. ``max_client_partitions``: partitions one client connection may have
-      created that are not cleared yet (``max_partitions`` bounds them all).
+      ``DEFAULT_MAX_SAMPLES`` (or ``max_request_ids`` if larger) for a TransferQueue started alone
+      (``sample_bound``). At least ``max_request_ids`` when set. ``max_client_partitions``: partitions one
+      client connection may have created that are not cleared yet (``max_partitions`` bounds them all).
     * ``max_fields`` per partition and ``max_tasks`` (consumer tasks, over all partitions): each adds a bit
       to every sample's field/consumption mask. ``max_partitions``: partitions the index holds at once.
       ``max_name_chars``: length of a partition, field or task name.
@@ -126,8 +126,18 @@ class TransferQueueConfig:
 
     @property
     def sample_bound(self) -> int:
-        """The samples the index may hold at once: ``max_samples``, or ``DEFAULT_MAX_SAMPLES`` when it is 0."""
-        return self.max_samples or DEFAULT_MAX_SAMPLES
+        """The samples the index may hold at once: ``max_samples``; when it is 0 (a TransferQueue started
+        alone: a job sets it, ``sized_for``), ``DEFAULT_MAX_SAMPLES`` or ``max_request_ids`` if that is larger,
+        so one full request always fits an empty index."""
+        return self.max_samples or max(DEFAULT_MAX_SAMPLES, self.max_request_ids)
+
+    def sample_bound_source(self) -> str:
+        """``sample_bound`` as an error message names it: the key and its value, or, when the key is 0, the
+        bound and the default it came from."""
+        if self.max_samples:
+            return f"transferqueue.max_samples={self.max_samples}"
+        return (f"the index's bound of {self.sample_bound} samples (transferqueue.max_samples=0: the default of a "
+                f"TransferQueue started alone, max({DEFAULT_MAX_SAMPLES}, max_request_ids={self.max_request_ids}))")
 
     def sized_for(self, num_samples: int) -> TransferQueueConfig:
         """This config for a job whose index can hold ``num_samples`` samples at once (what its admission

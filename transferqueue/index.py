@@ -79,7 +79,9 @@ class MetadataIndex:
         self.cleared = 0
         self.bytes_stored = 0
 
-    def _task_bit(self, task: str) -> int:
+    def _check_task(self, task: str) -> None:
+        """ValueError for a task that is not a non-empty string; LimitExceeded when a new task's name is past
+        ``max_name_chars`` or it would pass ``max_tasks``. Registers nothing (``_task_bit`` does)."""
         if not isinstance(task, str) or not task:
             raise ValueError(f"task must be a non-empty string, got {task!r}")
         if task not in self.task_bits:
@@ -87,6 +89,11 @@ class MetadataIndex:
             if len(self.task_bits) >= self.limits.max_tasks:
                 raise LimitExceeded("max_tasks", f"task {task!r:.100} would be task number {len(self.task_bits) + 1}: "
                                     f"past transferqueue.max_tasks={self.limits.max_tasks}")
+
+    def _task_bit(self, task: str) -> int:
+        """The consumption bit of ``task``, registered now if it is new (errors as ``_check_task``)."""
+        self._check_task(task)
+        if task not in self.task_bits:
             self.task_bits[task] = 1 << len(self.task_bits)
         return self.task_bits[task]
 
@@ -110,29 +117,38 @@ class MetadataIndex:
         """LimitExceeded when ``n`` new samples would take the index past ``max_samples``."""
         if self.num_samples + n > self.max_samples:
             raise LimitExceeded("max_samples", f"{what}: the index holds {self.num_samples} samples; {n} more would "
-                                f"pass transferqueue.max_samples={self.max_samples} (clear consumed samples first)")
+                                f"pass {self.limits.sample_bound_source()} (clear consumed samples first)")
 
     def _partition(self, name: str, create: bool = False, owner: bytes = b"") -> Partition:
-        """Partition ``name``; with ``create``, a new one is made for client ``owner`` when there is none
-        (LimitExceeded past ``max_partitions`` or ``owner``'s ``max_client_partitions``)."""
+        """Partition ``name``. With ``create`` and no such partition: a new one for client ``owner``, checked
+        against the partition bounds (LimitExceeded past ``max_name_chars``, ``max_partitions`` or ``owner``'s
+        ``max_client_partitions``) but not in the index yet: the caller adds it with ``_keep`` once every
+        other check of its request has passed, so a refused request leaves no partition behind."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"partition must be a non-empty string, got {name!r:.100}")
-        if name not in self.partitions:
-            if not create:
-                raise ValueError(f"unknown partition {name!r:.100}")
-            lim = self.limits
-            self._check_name("partition", name)
-            if len(self.partitions) >= lim.max_partitions:
-                raise LimitExceeded("max_partitions", f"partition {name!r:.100} would be partition number "
-                                    f"{len(self.partitions) + 1}: past transferqueue.max_partitions={lim.max_partitions}")
-            held = self.partitions_by_owner.get(owner, 0)
-            if held >= lim.max_client_partitions:
-                raise LimitExceeded("max_client_partitions", f"partition {name!r:.100}: this client created {held} "
-                                    f"partitions not cleared yet, the most transferqueue.max_client_partitions="
-                                    f"{lim.max_client_partitions} allows")
-            self.partitions_by_owner[owner] = held + 1
-            self.partitions[name] = Partition(name, owner)
-        return self.partitions[name]
+        part = self.partitions.get(name)
+        if part is not None:
+            return part
+        if not create:
+            raise ValueError(f"unknown partition {name!r:.100}")
+        lim = self.limits
+        self._check_name("partition", name)
+        if len(self.partitions) >= lim.max_partitions:
+            raise LimitExceeded("max_partitions", f"partition {name!r:.100} would be partition number "
+                                f"{len(self.partitions) + 1}: past transferqueue.max_partitions={lim.max_partitions}")
+        held = self.partitions_by_owner.get(owner, 0)
+        if held >= lim.max_client_partitions:
+            raise LimitExceeded("max_client_partitions", f"partition {name!r:.100}: this client created {held} "
+                                f"partitions not cleared yet, the most transferqueue.max_client_partitions="
+                                f"{lim.max_client_partitions} allows")
+        return Partition(name, owner)
+
+    def _keep(self, part: Partition) -> None:
+        """Add ``part`` (from ``_partition``) to the index if it is new, charged to its owner's
+        ``max_client_partitions`` until ``clear`` removes it."""
+        if part.name not in self.partitions:
+            self.partitions[part.name] = part
+            self.partitions_by_owner[part.owner] = self.partitions_by_owner.get(part.owner, 0) + 1
 
     # ------------------------------------------------------------------------------------------ put
     def prepare_put(self, partition: str, sample_ids: list[int] | None, count: int, fields: list[str],
@@ -148,6 +164,7 @@ class MetadataIndex:
             self._check_count("prepare_put", count)
             self._check_room("prepare_put", count)
             part = self._partition(partition, create=True, owner=owner)
+            self._keep(part)
             ids = list(range(self.next_id, self.next_id + count))
             self.next_id += count
             self.produced += count
@@ -187,8 +204,8 @@ class MetadataIndex:
         consumed by ``consume.task`` in the same step (``mark_consumed``): no reader ever sees the put
         without the mark, or the mark without the put.
 
-        Every check (ids, tags, uid types, dtypes, ``consume``'s names) runs before anything changes, so a
-        rejected notify leaves the index as it was. Raises ValueError naming the first offending id, tag or
+        Every check (ids, tags, uid types, dtypes, ``consume``'s names, a new partition's bounds) runs before
+        anything changes, so a rejected notify leaves the index as it was: no partition, task or claimed id. Raises ValueError naming the first offending id, tag or
         field."""
         if consume is not None:
             self._check_consume(consume)
@@ -202,7 +219,8 @@ class MetadataIndex:
         self._check_new_fields(part, columns)
         if new:
             uids = self._check_new(part, columns, tags)
-            self.reservations.claim(sample_ids)
+            self.reservations.claim(sample_ids)  # the last check: it marks the ids used when it passes
+            self._keep(part)
         else:
             samples = self._existing(part, sample_ids, tags, columns)
             self._check_dtypes(part, columns)
@@ -235,7 +253,7 @@ class MetadataIndex:
         if not isinstance(consume.partition, str) or not consume.partition:
             raise ValueError(f"consume: partition must be a non-empty string, got {consume.partition!r:.100}")
         self._check_count("consume", len(consume.sample_ids))
-        self._task_bit(consume.task)
+        self._check_task(consume.task)  # registered by mark_consumed, once the notify is accepted
 
     def mark_consumed(self, consume: Consume) -> None:
         """Mark ``consume.sample_ids`` of ``consume.partition`` consumed by ``consume.task`` (so that task's

@@ -16,6 +16,7 @@ from transferqueue import LimitExceeded, TQClient, wire
 from transferqueue.config import DEFAULT_MAX_SAMPLES, SAMPLES_HEADROOM, TransferQueueConfig
 from transferqueue.index import MetadataIndex
 from transferqueue.launch import start_transferqueue
+from transferqueue.records import Consume
 from transferqueue.storage import StorageUnit
 
 REQ = 4096  # the smallest max_request_ids allowed
@@ -422,3 +423,92 @@ def test_p2p_links_per_unit_are_bounded():
     finally:
         p2p.links.clear()
         p2p.close()
+
+
+# ------------------------------------------- refused requests leave no partition; the sample bound's floor
+
+
+def _refused_notifies(ix: MetadataIndex, owner: bytes) -> list[tuple[str, dict]]:
+    """Notifies of new samples into partitions that do not exist yet, each refused by a different check
+    that runs after the partition's bounds: (what the error says, notify's keyword arguments)."""
+    start = ix.reserve(4, owner)
+    col = {"name": "x", "dtype": "uint8", "shape": [1], "nbytes": 2}
+    answered = Consume("elsewhere", [], "answered")  # a task no request has named yet
+    return [
+        ("was not reserved", dict(sample_ids=[10**6, 10**6 + 1], columns=[col], tags=None)),
+        ("1 tag dicts for 2 samples", dict(sample_ids=[start, start + 1], columns=[col], tags=[{"uid": 0}])),
+        ("uid is a str or int", dict(sample_ids=[start, start + 1], columns=[col], tags=[{"uid": 1.5}] * 2)),
+        ("max_fields=2", dict(sample_ids=[start, start + 1], tags=None,
+                              columns=[dict(col, name=f"f{i}") for i in range(3)])),
+        ("was not reserved", dict(sample_ids=[10**6], columns=[dict(col, nbytes=1)], tags=None, consume=answered)),
+    ]
+
+
+def test_a_refused_new_sample_notify_creates_no_partition_and_takes_none_of_the_clients_quota():
+    """Each refused notify of new samples into new partitions (unreserved ids, a tag count, a uid type, too
+    many fields, with a ``consume`` naming a new task) leaves the index as it was: no partition, no slot of
+    the client's ``max_client_partitions``, no task. The client then creates its full quota of partitions
+    (it was refused ``max_client_partitions`` after two refused notifies) and the reserved ids stay usable."""
+    ix = MetadataIndex(TransferQueueConfig(max_client_partitions=2, max_fields=2))
+    refusals = _refused_notifies(ix, b"A")
+    reserved = (dict(ix.reservations.by_owner), ix.reservations.total)
+    for i, (why, kwargs) in enumerate(refusals):
+        with pytest.raises(ValueError, match=why):
+            ix.notify(f"q{i}", new=True, owner=b"A", **kwargs)
+    assert (ix.partitions, ix.partitions_by_owner, ix.task_bits, ix.num_samples) == ({}, {}, {}, 0)
+    assert (dict(ix.reservations.by_owner), ix.reservations.total) == reserved
+    start = min(ix.reservations.used)
+    col = {"name": "x", "dtype": "uint8", "shape": [1], "nbytes": 4}
+    ix.notify("q0", list(range(start, start + 4)), [col], None, new=True, owner=b"A")
+    assert ix.prepare_put("p", None, 1, [], owner=b"A") == [start + 4]
+    assert ix.partitions_by_owner == {b"A": 2} and ix.num_samples == 5
+    with pytest.raises(LimitExceeded, match="max_client_partitions=2"):
+        ix.prepare_put("p2", None, 1, [], owner=b"A")
+
+
+def test_a_refused_prepare_put_creates_no_partition():
+    ix = MetadataIndex(TransferQueueConfig(max_request_ids=REQ, max_samples=REQ, max_client_partitions=1))
+    ix.prepare_put("p", None, REQ - 1, [], owner=b"B")
+    for count, why in ((2, "max_samples"), (-1, "non-negative"), (REQ + 1, "max_request_ids")):
+        with pytest.raises(ValueError, match=why):
+            ix.prepare_put("q", None, count, [], owner=b"A")
+    assert set(ix.partitions) == {"p"} and ix.partitions_by_owner == {b"B": 1}
+    assert ix.prepare_put("q", None, 1, [], owner=b"A") == [REQ - 1]
+
+
+def test_a_standalone_index_holds_one_full_request_and_names_its_default_bound(monkeypatch):
+    """``max_samples`` 0 outside a job: the bound is ``DEFAULT_MAX_SAMPLES`` or ``max_request_ids`` if that is
+    larger (a prepare_put of 2**21 ids into an empty index with max_request_ids=2**21 was refused), and a
+    refusal says the bound is that default (it said ``max_samples=1048576`` while the key was 0)."""
+    big = TransferQueueConfig(max_request_ids=1 << 21, max_client_reserved_ids=1 << 22)
+    assert big.sample_bound == 1 << 21 and MetadataIndex(big).max_samples == 1 << 21
+    assert TransferQueueConfig().sample_bound == DEFAULT_MAX_SAMPLES
+    # The same at a size a test can fill: a default of 2 * REQ samples, requests of up to 4 * REQ ids.
+    monkeypatch.setattr("transferqueue.config.DEFAULT_MAX_SAMPLES", 2 * REQ)
+    ix = MetadataIndex(TransferQueueConfig(max_request_ids=4 * REQ))
+    assert ix.prepare_put("p", None, 4 * REQ, []) == list(range(4 * REQ))
+    with pytest.raises(LimitExceeded, match=f"the index holds {4 * REQ} samples; 1 more") as refused:
+        ix.prepare_put("p", None, 1, [])
+    message = str(refused.value)
+    assert refused.value.key == "max_samples" and f"max_samples={4 * REQ}" not in message
+    assert "transferqueue.max_samples=0" in message and f"max({2 * REQ}, max_request_ids={4 * REQ})" in message
+    explicit = MetadataIndex(TransferQueueConfig(max_request_ids=REQ, max_samples=REQ))
+    explicit.prepare_put("p", None, REQ, [])
+    with pytest.raises(LimitExceeded, match=f"1 more would pass transferqueue.max_samples={REQ} "):
+        explicit.prepare_put("p", None, 1, [])
+
+
+def test_the_max_samples_key_doc_names_the_request_floor_and_the_standalone_default():
+    from controller.config_docs import KEY_DOCS
+
+    doc = KEY_DOCS["transferqueue.max_samples"]
+    assert "max_request_ids" in doc and f"2^{DEFAULT_MAX_SAMPLES.bit_length() - 1}" in doc and len(doc) <= 110
+
+
+def test_the_benchmark_index_holds_every_sample_the_meta_bench_puts():
+    """``--meta-samples`` past the standalone default (2^20) was refused mid-bench; 1000 still gives a valid
+    config (an explicit max_samples is at least max_request_ids)."""
+    from bench.transferqueue_bench import meta_config
+
+    assert meta_config(3_000_000).sample_bound == 3_000_000
+    assert meta_config(1000).sample_bound == meta_config(1000).max_request_ids
