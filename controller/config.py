@@ -214,6 +214,13 @@ class HFlowConfig:
                 f"algorithm.dynamic_sampling=true needs rollout.n >= 2 (a group of one sample never has "
                 f"reward variance), got rollout.n={self.rollout.n}"
             )
+        # What the job's start-up derives from the settings, checked here so a bad value is a config error
+        # (exit 2, before Ray starts) rather than a failure once the pools are starting. Imported here:
+        # controller.runtime imports this module.
+        from controller.runtime import index_samples, sample_fields
+
+        sample_fields(self)  # ValueError naming algorithm.adv_estimator: a roller extra the rollers cannot put
+        self.transferqueue.sized_for(index_samples(self))  # ValueError naming transferqueue.max_samples
 
 
 def available_presets() -> list[str]:
@@ -352,3 +359,17 @@ def to_yaml(cfg: HFlowConfig) -> str:
 
 def to_dict(cfg: HFlowConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def with_defaults(tree: dict[str, Any], cls: type = HFlowConfig) -> dict[str, Any]:
+    """``tree`` (a ``to_dict`` tree of ``cls``, e.g. the config a job checkpoint saved) with every key it lacks
+    added with its default: a tree written before that key existed. Sections are filled key by key; a free
+    mapping (``data.task_kwargs``) is kept as it is, and so is a key ``cls`` no longer has."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(cls), resolve=True)
+    out = dict(tree)
+    for f in dataclasses.fields(cls):
+        if f.name not in out:
+            out[f.name] = defaults[f.name]
+        elif dataclasses.is_dataclass(f.default_factory) and isinstance(out[f.name], dict):
+            out[f.name] = with_defaults(out[f.name], f.default_factory)
+    return out

@@ -164,7 +164,8 @@ def _start_feeder(cfg: HFlowConfig, context_length: int):
 
 def _start_runtime(cfg: HFlowConfig, feeder):
     """Start every pool around ``feeder`` (``controller.runtime.Runtime``, which owns it from here on); a
-    ValueError raised in a pool is a StartError."""
+    ValueError raised in a pool, or by the controller's own set-up of them (e.g. ``transferqueue.max_samples``
+    below what the run needs, on a config changed since its checks), is a StartError."""
     import ray
 
     from controller.runtime import Runtime
@@ -176,6 +177,8 @@ def _start_runtime(cfg: HFlowConfig, feeder):
         if isinstance(cause, ValueError):
             raise StartError(str(cause)) from cause
         raise cause from None
+    except ValueError as exc:  # Runtime closed what it had started
+        raise StartError(str(exc)) from exc
 
 
 def _add_sglang_targets(targets, cfg: HFlowConfig, rt) -> None:

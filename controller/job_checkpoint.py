@@ -62,6 +62,18 @@ FIXED_KEYS = ("mode", "model", "data", "rollout.n", "rollout.seed", "algorithm.a
               "algorithm.max_staleness", "algorithm.require_batches", "algorithm.dynamic_sampling",
               "trainer.use_reference")
 CHANGEABLE_UNDER_FIXED = ("data.epochs",)  # more epochs only lengthen the stream
+# The keys that choose the held-out prompts (controller.data.load_split). Not in CHANGEABLE_UNDER_FIXED: whether
+# they change the training stream depends on the task. A procedural task trains on its first data.size rows
+# whatever they are (the held-out ones are drawn after them), so there they change validation only; a file
+# task (or a plug-in of fixed rows, split like a file) gives its held-out rows up from training, so there a
+# change would change the prompt stream. So a change of these alone is allowed when both configs load the
+# same training rows (``_same_training_rows``), and refused otherwise.
+SPLIT_KEYS = ("data.val_size", "data.val_file", "data.val_disjoint")
+# Keys added after job checkpoints were written, whose default does not do what the runs before them did: a
+# saved config without one reads this value; any other key it lacks reads its default (config.with_defaults).
+VALUES_BEFORE_THE_KEY = {
+    "data.val_disjoint": False,  # before a48c431 held-out prompts were held out by row: what false does now
+}
 
 
 @dataclasses.dataclass
@@ -134,19 +146,54 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """The config a job checkpoint saved (a ``to_dict`` tree) as the run had it, in today's keys: a key added
+    since the save reads ``VALUES_BEFORE_THE_KEY``'s value, or else its default (``config.with_defaults``)."""
+    from controller.config import with_defaults
+
+    tree = json.loads(json.dumps(saved))  # a copy, tuples as lists
+    for key, value in VALUES_BEFORE_THE_KEY.items():
+        *sections, name = key.split(".")
+        node = tree
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if isinstance(node, dict) and name not in node:
+            node[name] = value
+    return with_defaults(tree)
+
+
+def _same_training_rows(saved_data: dict[str, Any], current_data: dict[str, Any]) -> bool:
+    """Whether the two ``data`` sections (``to_dict`` trees) load the same training rows (``load_split``),
+    in order: then the feeder's stream is the same. Raises load_split's ValueError for either."""
+    from controller.config import DataConfig
+    from controller.data import load_split
+
+    def rows(tree: dict[str, Any]) -> list[tuple[str, Any]]:
+        cfg = DataConfig(**{f.name: tree[f.name] for f in dataclasses.fields(DataConfig)})
+        return [(r.prompt, r.ground_truth) for r in load_split(cfg).train]
+
+    return rows(saved_data) == rows(current_data)
+
+
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Compare the run's saved config with the one a resume would use (both ``to_dict`` trees). Returns
-    the changed keys that are allowed (steps, logging, pool sizes...); raises ValueError naming every
-    changed key of ``FIXED_KEYS`` with both values."""
-    old, new = _flatten(json.loads(json.dumps(saved))), _flatten(json.loads(json.dumps(current)))  # tuples as lists
+    """Compare the run's saved config (read through ``saved_config``: keys added since the save take the
+    value the run had) with the one a resume would use (both ``to_dict`` trees). Returns the changed keys
+    that are allowed (steps, logging, pool sizes...); raises ValueError naming every changed key of
+    ``FIXED_KEYS`` with both values (``SPLIT_KEYS`` only where the training rows change with them)."""
+    saved, current = saved_config(saved), json.loads(json.dumps(current))
+    old, new = _flatten(saved), _flatten(current)
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "run_dir")
     refused = [k for k in changed if k not in CHANGEABLE_UNDER_FIXED
                and any(k == f or k.startswith(f + ".") for f in FIXED_KEYS)]
+    if refused and set(refused) <= set(SPLIT_KEYS) and _same_training_rows(saved["data"], current["data"]):
+        refused = []  # they choose other held-out prompts only
     if refused:
         what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in refused)
+        split = ("; here the held-out prompts are taken out of the training rows, so the training prompts would "
+                 "change too" if set(refused) <= set(SPLIT_KEYS) else "")
         raise ValueError(f"cannot resume with a changed {', '.join(refused)} ({what}): it would break the run's "
-                         "promises (each prompt trained once per epoch, the staleness bound); keep the run's "
-                         "values or start a new run")
+                         f"promises (each prompt trained once per epoch, the staleness bound){split}; keep the "
+                         "run's values or start a new run")
     return changed
 
 
@@ -174,24 +221,36 @@ def truncate_metrics(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
     return kept
 
 
-def check_saved_samples(cfg, path: Path, state: JobState, changed: list[str]) -> None:
+def check_saved_samples(cfg, path: Path, state: JobState) -> None:
     """Raise ValueError when the buffered samples of the checkpoint at ``path`` lack a field the rollers of
-    ``cfg`` put (``controller.runtime.sample_fields``): a setting changed since the save, e.g.
-    ``metrics.dump_every`` from 0 to 1 (whose dump reads ``response_text``), would find them without it."""
-    from controller.runtime import sample_fields
+    ``cfg`` put (``controller.runtime.sample_fields``), saying what to do: a setting that turns the field on
+    changed since the save (e.g. ``metrics.dump_every`` from 0 to 1, whose dump reads ``response_text``):
+    resume with the run's own value of that key; the run's rollers put it but the checkpoint predates saving
+    it: resume with that setting turned off."""
+    from controller.runtime import optional_sample_fields, sample_fields
     from trainers.sample_store import INDEX_FILE
 
     if not state.buffered_uids:
         return
     saved = json.loads((path / SAMPLES_DIR / INDEX_FILE).read_text())["fields"]
     missing = [name for name in sample_fields(cfg) if name not in saved]
-    if missing:
-        why = (f"{', '.join(changed)} changed since the save: resume with the run's own values" if changed else
-               "the checkpoint predates saving every field the rollers put: resume with the settings that put "
-               "them turned off" + (", here metrics.dump_every=0" if schema.RESPONSE_TEXT in missing else ""))
-        raise ValueError(f"{path}: its {len(state.buffered_uids)} buffered groups were saved without {missing}, "
-                         f"which this config's rollers put and its readers need ({why}), or resume from a "
-                         "checkpoint with no groups buffered")
+    if not missing:
+        return
+    run = saved_config(state.config)  # what the run's own rollers put
+    run_put = optional_sample_fields(run["algorithm"]["adv_estimator"], run["metrics"]["dump_every"])
+    turned_on = optional_sample_fields(cfg.algorithm.adv_estimator, cfg.metrics.dump_every)
+    added = sorted({turned_on[n] for n in missing if n not in run_put})  # turned on since the save
+    predates = sorted({turned_on[n] for n in missing if n in run_put})  # put, but not saved before d396240
+    flat = _flatten(run)
+    why = [f"{', '.join(added)} changed since the save and turns on fields the run did not put: resume with the "
+           "run's own " + ", ".join(f"{k}={flat[k]}" for k in added)] if added else []
+    if predates:
+        off = ", ".join("metrics.dump_every=0" if k == "metrics.dump_every" else k for k in predates)
+        why.append(f"the checkpoint predates saving every field the rollers put: resume with the settings that "
+                   f"put them turned off, here {off}")
+    raise ValueError(f"{path}: its {len(state.buffered_uids)} buffered groups were saved without {missing}, "
+                     f"which this config's rollers put and its readers need ({'; '.join(why)}), or resume from a "
+                     "checkpoint with no groups buffered")
 
 
 def prepare_resume(cfg, step: int | None, model_dir: Path):
@@ -215,7 +274,7 @@ def prepare_resume(cfg, step: int | None, model_dir: Path):
         print(f"hflow-async: data exhausted at step {state.step} ({path}: every prompt of data.epochs="
               f"{cfg.data.epochs} is trained, none buffered): nothing left to train", flush=True)
         return None
-    check_saved_samples(cfg, path, state, changed)
+    check_saved_samples(cfg, path, state)
     if model_dir.exists():
         raise ValueError(f"{model_dir} holds the model of a completed run; move it away to resume from step "
                          f"{state.step}")

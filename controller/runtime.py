@@ -50,21 +50,34 @@ WATCH_PERIOD_S = 0.5  # how often a running schedule's TransferQueue server proc
 
 def sample_fields(cfg: HFlowConfig) -> tuple[str, ...]:
     """The stored fields every training sample of this run carries: what its rollers put, i.e.
-    ``common.schema.ROLLER``'s puts and the optional puts the settings turn on — the advantage estimator's
-    roller extras (ReMax: ``remax_baseline``) and, with ``metrics.dump_every`` > 0, ``response_text`` (read
-    by the generation dump). The one list: the rollers are configured from it (``roller_channel``,
-    ``Runtime``), and a job checkpoint saves and puts back exactly these for each buffered sample. Raises
-    ValueError when the estimator asks for a roller extra the rollers cannot put."""
+    ``common.schema.ROLLER``'s puts and the optional puts the settings turn on (``optional_sample_fields``).
+    The one list: the rollers are configured from it (``roller_channel``, ``Runtime``), and a job checkpoint
+    saves and puts back exactly these for each buffered sample. Raises ValueError when the estimator asks
+    for a roller extra the rollers cannot put."""
+    from common import schema
+
+    optional = optional_sample_fields(cfg.algorithm.adv_estimator, cfg.metrics.dump_every)
+    return (*schema.ROLLER.put_fields(), *optional)
+
+
+def optional_sample_fields(adv_estimator: str, dump_every: int) -> dict[str, str]:
+    """The optional roller puts (``common.schema.ROLLER.optional_puts``, in their order) that the settings
+    ``algorithm.adv_estimator`` and ``metrics.dump_every`` turn on, each with the key that turns it on: the
+    estimator's roller extras (ReMax: ``remax_baseline``) and, with ``dump_every`` > 0, ``response_text``
+    (read by the generation dump). Raises ValueError naming ``algorithm.adv_estimator`` when the estimator
+    asks for a roller extra the rollers cannot put."""
     from common import schema
     from trainers.advantages import ADV_ESTIMATORS
 
-    extras = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).roller_extras
+    extras = ADV_ESTIMATORS.get(adv_estimator).roller_extras
     unknown = [name for name in extras if name not in schema.ROLLER.optional_puts]
     if unknown:
-        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} asks the rollers for "
-                         f"{unknown}; they can put only {list(schema.ROLLER.optional_puts)} besides their own fields")
-    optional = set(extras) | ({schema.RESPONSE_TEXT} if cfg.metrics.dump_every > 0 else set())
-    return (*schema.ROLLER.put_fields(), *(n for n in schema.ROLLER.optional_puts if n in optional))
+        raise ValueError(f"algorithm.adv_estimator={adv_estimator!r} asks the rollers for {unknown}; they can "
+                         f"put only {list(schema.ROLLER.optional_puts)} besides their own fields")
+    on = dict.fromkeys(extras, "algorithm.adv_estimator")
+    if dump_every > 0:
+        on[schema.RESPONSE_TEXT] = "metrics.dump_every"
+    return {name: on[name] for name in schema.ROLLER.optional_puts if name in on}
 
 
 def roller_channel(cfg: HFlowConfig, tq_handle: dict) -> Callable[[], Any]:

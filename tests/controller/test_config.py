@@ -214,3 +214,23 @@ def test_auto_compute_dtype_follows_the_final_model_and_the_trainer_device(monke
     assert load_config(overrides=["trainer.device=cuda"]).model.compute_dtype == "float32"
     assert load_config(overrides=["trainer.device=cpu"]).model.compute_dtype == "bfloat16"
     assert devices[-2:] == ["cuda", "cpu"]
+
+
+def test_a_max_samples_below_what_admission_holds_is_a_config_error():
+    """An explicit transferqueue.max_samples below the samples the run's admission can hold in the index at
+    once is refused when the config loads (exit 2 before Ray starts), naming the key and the least value: a
+    batch of 4096 prompts of 16 samples, staleness 1, 64 held-out prompts need 139648."""
+    big = ["data.train_batch_size=4096", "rollout.n=16", "trainer.ppo_mini_batch_size=16", "data.val_size=64"]
+    with pytest.raises(ValueError, match=r"transferqueue.max_samples=131072 is below the 139648 samples.*>= 139648"):
+        load_config(overrides=[*big, "transferqueue.max_samples=131072"])
+    assert load_config(overrides=[*big, "transferqueue.max_samples=139648"]).transferqueue.max_samples == 139648
+
+
+def test_an_estimator_asking_the_rollers_for_a_field_they_cannot_put_is_a_config_error(monkeypatch):
+    from trainers.advantages import ADV_ESTIMATORS, AdvantageEstimator
+
+    grpo = ADV_ESTIMATORS.get("grpo")
+    monkeypatch.setitem(ADV_ESTIMATORS._items, "needs_magic",
+                        AdvantageEstimator("needs_magic", grpo.fn, roller_extras=("magic",)))
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator='needs_magic' asks the rollers for \['magic'\]"):
+        load_config(preset="tiny", overrides=["algorithm.adv_estimator=needs_magic"])

@@ -339,3 +339,17 @@ def test_epochs_are_one_stream_of_prompts(tmp_path, ray_cluster):
     code, steps, summary = run(tmp_path / "three", "sync", *small, "trainer.total_steps=3")
     assert code == EXIT_OK and [s["num_groups"] for s in steps] == [4, 4, 4]
     assert summary["status"] == "completed"
+
+
+def test_a_value_error_of_the_controllers_own_pool_set_up_is_a_start_error(monkeypatch):
+    """A ValueError raised by the controller-side set-up inside Runtime (not in a pool's actor, where it
+    arrives as a RayTaskError), e.g. TransferQueueConfig.sized_for's, is a StartError: exit 2 'cannot start',
+    not a failed run."""
+    from controller import job, runtime
+
+    def refuse(cfg, feeder, on_stage):
+        raise ValueError("transferqueue.max_samples=1 is below the 2 samples this job's admission can hold")
+
+    monkeypatch.setattr(runtime, "Runtime", refuse)
+    with pytest.raises(job.StartError, match="transferqueue.max_samples=1"):
+        job._start_runtime(load_config(preset="tiny"), feeder=None)

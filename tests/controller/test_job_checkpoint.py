@@ -136,6 +136,58 @@ def test_resume_config_check_names_the_keys_that_break_promises():
         check_resume_config(saved, changed)
 
 
+def test_a_config_saved_before_a_key_existed_reads_the_value_the_run_had():
+    """A checkpoint's config written before a key existed (here data.val_disjoint, a48c431, and
+    metrics.dump_every) reads it as the run had it: the value of ``VALUES_BEFORE_THE_KEY`` (held out by row
+    before a48c431: false) or the default, not None. With no held-out prompts the training rows are the same
+    whatever data.val_disjoint says, so the resume goes ahead naming it."""
+    current = to_dict(load_config(preset="tiny", overrides=OVERRIDES))
+    saved = json.loads(json.dumps(current))
+    del saved["data"]["val_disjoint"], saved["metrics"]["dump_every"]
+    assert check_resume_config(saved, current) == ["data.val_disjoint"]
+
+
+def write_rows(path, prompts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
+    return str(path)
+
+
+def test_held_out_prompts_may_change_on_resume_only_where_the_training_rows_stay():
+    """data.val_size / val_file / val_disjoint choose the held-out prompts. A procedural task trains on its
+    first data.size rows whatever they are: a change is allowed."""
+    def tree(*extra: str) -> dict:
+        return to_dict(load_config(preset="tiny", overrides=[*OVERRIDES, *extra]))
+
+    assert check_resume_config(tree(), tree("data.val_size=2", "data.val_disjoint=false")) == [
+        "data.val_disjoint", "data.val_size"]
+    assert check_resume_config(tree("data.val_size=2", "data.val_disjoint=false"), tree()) == [
+        "data.val_disjoint", "data.val_size"]
+
+
+def test_a_file_tasks_held_out_rows_are_fixed_on_resume(tmp_path):
+    """A file task gives its held-out rows up from training: a change that moves them is refused, one that
+    leaves the training rows as they were is not (a pre-a48c431 run held out by row: val_disjoint=false)."""
+    distinct = write_rows(tmp_path / "distinct.jsonl", [f"what is {i} + 1?" for i in range(12)])
+    repeats = write_rows(tmp_path / "repeats.jsonl", [f"what is {i} + 1?" for i in range(10)] + ["what is 9 + 1?"])
+
+    def tree(task: str, *extra: str, before_a48c431: bool = False) -> dict:
+        out = to_dict(load_config(preset="tiny", overrides=[*OVERRIDES, f"data.task={task}", *extra]))
+        if before_a48c431:
+            del out["data"]["val_disjoint"]
+        return out
+
+    with pytest.raises(ValueError, match=r"changed data.val_size \(data.val_size: 0 -> 2\).*taken out of the training"):
+        check_resume_config(tree(distinct), tree(distinct, "data.val_size=2"))
+    # Held out by row before a48c431; by text now: the same rows when the file repeats none of its last ones...
+    assert check_resume_config(tree(distinct, "data.val_size=2", before_a48c431=True),
+                               tree(distinct, "data.val_size=2")) == ["data.val_disjoint"]
+    # ... other training rows when it does (its last row repeats a training prompt): keep the run's split.
+    with pytest.raises(ValueError, match=r"data.val_disjoint: False -> True"):
+        check_resume_config(tree(repeats, "data.val_size=2", before_a48c431=True), tree(repeats, "data.val_size=2"))
+    assert check_resume_config(tree(repeats, "data.val_size=2", before_a48c431=True),
+                               tree(repeats, "data.val_size=2", "data.val_disjoint=false")) == []
+
+
 def test_truncate_metrics_keeps_the_rows_up_to_the_checkpoint(tmp_path):
     rows = [{"step": s} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "cut')

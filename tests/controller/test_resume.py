@@ -215,6 +215,36 @@ def test_resume_refuses_buffered_samples_saved_without_a_field_its_settings_read
     assert prepare_resume(config(before_the_fix, "metrics.dump_every=0"), None, before_the_fix / "model") is not None
 
 
+def test_a_refused_resume_of_buffered_samples_names_only_the_keys_that_add_the_field(tmp_path):
+    """The advice names what would work: a run that dumped throughout, checkpointed before its samples kept
+    ``response_text``, resumed with another key changed (trainer.total_steps) is told the checkpoint predates
+    the field (resume with metrics.dump_every=0: its own values fail too), not that total_steps changed; a run
+    that did not dump is told to keep its own metrics.dump_every, whatever else changed."""
+    from controller.job_checkpoint import prepare_resume
+    from controller.runtime import sample_fields
+
+    base = ["data.size=8", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=4"]
+
+    def config(run_dir: Path, *extra: str):
+        return load_config(preset="tiny", overrides=[*base, f"run_dir={run_dir}", *extra])
+
+    before_the_fix = tmp_path / "before_the_fix"
+    run_with_buffered_samples(before_the_fix, [*base, "metrics.dump_every=1"],
+                              list(sample_fields(config(before_the_fix))))  # the trainer's fields only
+    with pytest.raises(ValueError, match=r"saved without \['response_text'\]") as refused:
+        prepare_resume(config(before_the_fix, "metrics.dump_every=1", "trainer.total_steps=6"), None,
+                       before_the_fix / "model")
+    assert "predates" in str(refused.value) and "metrics.dump_every=0" in str(refused.value)
+    assert "total_steps" not in str(refused.value), refused.value
+
+    turned_on = tmp_path / "turned_on"
+    run_with_buffered_samples(turned_on, base, list(sample_fields(config(turned_on))))
+    with pytest.raises(ValueError, match=r"saved without \['response_text'\]") as refused:
+        prepare_resume(config(turned_on, "metrics.dump_every=1", "trainer.total_steps=6"), None, turned_on / "model")
+    assert "metrics.dump_every changed since the save" in str(refused.value)
+    assert "run's own metrics.dump_every=0" in str(refused.value) and "total_steps" not in str(refused.value)
+
+
 def test_resume_needs_a_job_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
     fake_run(run_dir, 1, [])
