@@ -67,7 +67,7 @@ MODES = ("sync", "one-step-off", "fully-async")
 PRESET = "smollm2-reasoning"
 # The main workload as recorded (bench/recorded/): the preset before it was tuned to learn (issue 17), without
 # validation (held-out rounds would sit inside the measured window); pinned so re-runs stay comparable. Its
-# task is chain_sum with two one-digit terms (the preset's until issue 44 widened it to two digits).
+# task is chain_sum with two one-digit terms (the preset's until issue 44 widened it to one or two digits).
 MAIN_TASK = ("data.task=chain_sum", "data.task_kwargs.min_terms=2", "data.task_kwargs.max_terms=2",
              "data.task_kwargs.min_digits=1", "data.task_kwargs.max_digits=1")
 MAIN_WORKLOAD = (*MAIN_TASK, "rollout.n=4", "rollout.max_response_length=32", "trainer.ppo_mini_batch_size=4",
