@@ -324,8 +324,16 @@ def shutdown_ray() -> None:
     timeout (10 s) after Ray's own shutdown."""
     import ray
 
-    global _local_group
     ray.shutdown()
+    kill_local_cluster()
+
+
+def kill_local_cluster() -> None:
+    """SIGKILL the process group of the local cluster ``init_ray`` started (nothing for a cluster this
+    process joined) and wait for it, at most 10 s, without ``ray.shutdown()``: for a process that leaves
+    with ``os._exit`` because its cluster no longer answers (a stop signal sent to every process of the
+    job, Ray's own included, as systemd and Slurm send it). Idempotent."""
+    global _local_group
     group, _local_group = _local_group, None
     if group is not None:
         group.close()

@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,12 @@ from controller.stop import STOP, close_all, install_handlers, interrupted
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+# A job that started its own Ray cluster leaves without it when stopping the pools and Ray takes longer than
+# this: its own processes were stopped too (SIGTERM to every process of the job, as systemd's and Slurm's
+# default stops send), so each call to Ray waits on a GCS that no longer answers, until Ray ends the process
+# after 60 s with exit 1. A healthy shutdown takes 3-5 s (and one cut short loses nothing: the summary is
+# written, the model exported, and the cluster's processes are killed as after a SIGKILL).
+SHUTDOWN_DEADLINE_S = 10.0
 GAUGE_PERIOD_S = 2.0
 MODEL_DIR = "model"  # RUN_DIR/model: the trained policy as a Hugging Face model directory
 
@@ -348,6 +355,40 @@ def _shut_down(rt, feeder, metrics, owns_ray: bool, session_dir: Path | None, ke
             remove_ray_session_dir(session_dir)
 
 
+def _shut_down_within(deadline_s: float, *args, **kwargs) -> bool:
+    """``_shut_down(*args, **kwargs)`` in a thread of its own; returns False when it has not ended within
+    ``deadline_s`` seconds (it goes on meanwhile: the caller leaves with ``os._exit``), and re-raises what it
+    raised."""
+    raised: list[BaseException] = []
+
+    def shut_down() -> None:
+        try:
+            _shut_down(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            raised.append(exc)
+
+    thread = threading.Thread(target=shut_down, name="hflow-shutdown", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if raised:
+        raise raised[0]
+    return not thread.is_alive()
+
+
+def _leave_without_ray(code: int, session_dir: Path | None) -> None:
+    """End this process with ``code`` now, output flushed, after killing the local cluster it started
+    (``common.env.kill_local_cluster``) and removing its ``session_dir`` (None: kept): interpreter exit
+    would run Ray's exit hook, which waits on the cluster too."""
+    from common.env import kill_local_cluster, remove_ray_session_dir
+
+    kill_local_cluster()
+    if session_dir is not None:
+        remove_ray_session_dir(session_dir)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = None) -> int:
     """Run ``cfg`` to completion; returns the process exit code (see the module docstring). ``resume``:
     continue the run in ``cfg.run_dir`` from its job checkpoint of step ``resume_step`` (None: the latest)."""
@@ -455,12 +496,26 @@ def run_job(cfg: HFlowConfig, resume: bool = False, resume_step: int | None = No
         stopping = time.monotonic()
         if targets is not None:
             targets.close()
-        _shut_down(rt, feeder, metrics, owns_ray, session_dir, keep_logs=failed_run)
+        # Bounded only where this job started Ray: the deadline ends the process (and a test's in-process
+        # job shares the session's cluster).
+        if owns_ray:
+            shut = _shut_down_within(SHUTDOWN_DEADLINE_S, rt, feeder, metrics, owns_ray, session_dir,
+                                     keep_logs=failed_run)
+        else:
+            _shut_down(rt, feeder, metrics, owns_ray, session_dir, keep_logs=failed_run)
+            shut = True
         if report is not None:  # known only now: the summary's shutdown time, and wall time through it
             _complete_summary(report, shutdown_s=time.monotonic() - stopping, wall_s=time.monotonic() - started)
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
+    pools = ("pools stopped" if shut else
+             f"Ray did not answer within {SHUTDOWN_DEADLINE_S:.0f} s (a stop sent to every process of the job "
+             "stops Ray's too), so its pools were killed")
     if summary["status"] == "interrupted":
         done = f"after {len(report.steps)} of {cfg.trainer.total_steps} steps" if report else "during start-up"
-        print(f"hflow-async: {summary['error']} {done}; pools stopped", file=sys.stderr, flush=True)
+        print(f"hflow-async: {summary['error']} {done}; {pools}", file=sys.stderr, flush=True)
+    elif not shut:
+        print(f"hflow-async: {pools}", file=sys.stderr, flush=True)
+    if not shut:
+        _leave_without_ray(code, None if failed_run else session_dir)
     return code

@@ -3,7 +3,10 @@ writes its summary, and the process exits ``128 + signal`` (130 for Ctrl-C, 143 
 the shell's convention). ``controller/job.py`` installs the handlers for the length of a run (main thread only).
 A signal to the job's whole process group (Ctrl-C, ``timeout``, ``kill -- -PGID``) reaches the job's process
 alone: the Ray cluster it starts runs in a process group of its own (``common.ray_group``), so the clean stop
-below is the same for a signal to the process and to its group.
+below is the same for a signal to the process and to its group. A signal to every process of the job (systemd's
+and Slurm's default stops) stops Ray's processes too: the job's summary is written as ever, then stopping the
+pools waits on a Ray that no longer answers, so after ``controller.job.SHUTDOWN_DEADLINE_S`` the job kills its
+cluster and leaves with the same exit code (its stop line says so).
 
     signal ──> STOP.handle ── first, during the schedule ──> cancel the schedule's task (again each second
                          │                                    until it ends: an await may swallow one)

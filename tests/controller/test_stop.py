@@ -6,6 +6,7 @@ every key, and nothing it started is left running. A SIGKILL of its process leav
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,17 +30,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + STOP_TIMEO
 
 
 def run_and_stop(run_dir: Path, mode: str, sig: signal.Signals, ready: Callable[[int, str, str], bool],
-                 again_after_s: float | None = None, to_group: bool = False, **env_vars: str):
+                 again_after_s: float | None = None, to_group: bool = False, to_all: bool = False,
+                 **env_vars: str):
     """Start the tiny preset in ``mode`` (with ``env_vars`` in its environment), send ``sig`` to it once
     ``ready(pid, stdout, stderr)`` (and again ``again_after_s`` later, as an impatient user does), to its
-    process or (``to_group``) to its process group; returns (exit code, stdout, stderr, what of the job still
-    ran ``LEFT_WITHIN_S`` after it ended: ``CliJob.running``). The process and everything it started are
-    killed if it does not end."""
+    process, (``to_group``) to its process group, or (``to_all``) to every process of the job; returns (exit
+    code, stdout, stderr, what of the job still ran ``LEFT_WITHIN_S`` after it ended: ``CliJob.running``).
+    The process and everything it started are killed if it does not end."""
     job = CliJob(["--mode", mode, "--preset", "tiny", f"run_dir={run_dir}"], **env_vars)
     proc = job.proc
 
     def send() -> None:
-        if to_group:  # as `kill -SIG -- -PGID`, `timeout` and a terminal do; the job leads its group (CliJob)
+        if to_all:  # as systemd (KillMode=control-group) and Slurm's scancel do: every process, Ray's too
+            for pid in [int(p.split()[0]) for p in job.running()]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        elif to_group:  # as `kill -SIG -- -PGID`, `timeout` and a terminal do; the job leads its group (CliJob)
             os.killpg(proc.pid, sig)
         else:  # to the job's process only, as `kill PID` does
             proc.send_signal(sig)
@@ -100,6 +106,7 @@ def check_stopped(run_dir: Path, code: int, out: str, err: str, sig: signal.Sign
         assert noise not in out + err, (noise, err[-3000:])
     stops = [line for line in err.splitlines() if line.startswith("hflow-async:")]
     assert len(stops) == 1 and stops[0].startswith(f"hflow-async: stopped by {sig.name} "), stops
+    assert "Failed to connect to GCS" not in err, err[-3000:]  # Ray ends a driver whose GCS is gone after 60 s
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == {*SUMMARY_KEYS, "config"}
     assert summary["status"] == "interrupted" and summary["error"] == f"stopped by {sig.name}"
@@ -173,6 +180,22 @@ def test_every_stop_signal_to_the_process_or_its_group_is_the_same_clean_stop(tm
     assert summary["num_steps"] >= 1 and summary["shutdown_s"] < 30, summary["shutdown_s"]
     assert f"after {summary['num_steps']} of 250 steps; pools stopped" in err
     assert time.monotonic() - started < START_TIMEOUT_S + 30 + LEFT_WITHIN_S
+
+
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="SIGTERM"),
+                                 pytest.param(signal.SIGINT, id="SIGINT", marks=pytest.mark.long)])
+def test_a_stop_signal_to_every_process_of_the_job_is_a_stop_within_seconds(tmp_path, sig):
+    """systemd's default stop (KillMode=control-group) and Slurm's scancel signal every process of the job,
+    Ray's daemons and workers included: the summary is written as for any stop, then the pools cannot be
+    stopped through a Ray that no longer answers, so the job kills its cluster after
+    ``SHUTDOWN_DEADLINE_S`` and leaves (was: a 60 s wait, Ray's 'Failed to connect to GCS', exit 1 and
+    ``shutdown_s: null``)."""
+    from controller.job import SHUTDOWN_DEADLINE_S
+
+    code, out, err, left = run_and_stop(tmp_path / "run", "sync", sig, steps_started, to_all=True)
+    summary = check_stopped(tmp_path / "run", code, out, err, sig, left)
+    assert summary["num_steps"] >= 1 and summary["shutdown_s"] < SHUTDOWN_DEADLINE_S + 10, summary["shutdown_s"]
+    assert f"after {summary['num_steps']} of 250 steps; " in err
 
 
 def test_a_sigkill_of_the_job_leaves_nothing_of_it_running(tmp_path):
