@@ -20,7 +20,8 @@ import torch
 
 from rollers.config import RolloutConfig
 from rollers.faults import FaultInjector, FaultSpec, FaultyChannel
-from rollers.roller import FailedGroup, GroupResult, PromptGroup, Roller
+from rollers.groups import FailedGroup, GroupResult, PromptGroup
+from rollers.roller import Roller
 
 logger = logging.getLogger(__name__)
 

@@ -64,9 +64,9 @@ from rollers.environments import (
     EnvironmentFailure,
     StepResult,
 )
-from rollers.response_fields import forced_response_length, sample_seed
+from rollers.groups import PromptGroup
+from rollers.response_fields import build_response_fields, forced_response_length, sample_seed
 from rollers.rewards import reward_result
-from rollers.roller import PromptGroup, build_response_fields
 from rollers.user_calls import call_user
 
 _PLACEHOLDER = "\x00OBSERVATION\x00"
@@ -331,9 +331,9 @@ class AgentLoop:
 
     def build_fields(self, outputs: Sequence[Trajectory], scores: Sequence[float], pad_token_id: int,
                      pad_to: int | None = None) -> dict[str, Any]:
-        """``rollers.roller.build_response_fields`` for trajectories, with ``response_mask`` 1 on model tokens
-        only, ``rollout_log_probs`` 0 on environment tokens and ``token_level_scores`` the per-turn rewards
-        (``(batch, response_len)`` each; ``scores`` must be the trajectories' ``reward``)."""
+        """``rollers.response_fields.build_response_fields`` for trajectories, with ``response_mask`` 1 on model
+        tokens only, ``rollout_log_probs`` 0 on environment tokens and ``token_level_scores`` the per-turn
+        rewards (``(batch, response_len)`` each; ``scores`` must be the trajectories' ``reward``)."""
         fields = build_response_fields(outputs, scores, pad_token_id, pad_to)
         for row, traj in enumerate(outputs):
             length = len(traj.output_ids)

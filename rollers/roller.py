@@ -20,7 +20,8 @@ group, i.e. its prompt row, not yet taken by the ``rollout`` task, or ``None`` o
 ``put_group`` (the group's samples, one row each). ``rollers.tq_channel.TQGroupChannel`` is the
 TransferQueue one (what runs use; tests also use in-process ones). The fields on each side are the
 contract's (``common.schema.ROLLER``); ``build_response_fields`` and the per-sample seeds live in
-``rollers.response_fields``.
+``rollers.response_fields``, the records (``PromptGroup`` in, ``GroupResult``/``FailedGroup`` out) and the
+``GroupChannel`` protocol in ``rollers.groups``.
 
 **Truncation.** A response ends with ``finish_reason=length`` at ``rollout.max_response_length`` tokens
 or where prompt + response reach the engine's context length; both count in ``truncation_ratio``.
@@ -38,17 +39,16 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Protocol
 
 import torch
 
 from common import schema
+from rollers.agent_loop import AgentLoop
 from rollers.config import RolloutConfig
 from rollers.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
 from rollers.environments import AsyncReward
+from rollers.groups import FailedGroup, GroupChannel, GroupResult, PromptGroup
 from rollers.response_fields import build_response_fields, forced_response_length, sample_seed
 from rollers.rewards import RewardFn, RewardResult
 
@@ -57,81 +57,7 @@ logger = logging.getLogger(__name__)
 REWARD_BASELINES = schema.REMAX_BASELINE  # (batch,) fp32: reward of the prompt's greedy response (ReMax)
 _MAX_FAILURES_KEPT = 1024
 _MAX_BUSY_INTERVALS_KEPT = 8192
-
-
-# ------------------------------------------------------------------------------------------ records
-
-
 TAKE_POLL_S = 0.5  # a take's long-poll at the TransferQueue index lasts at most this (``Roller.poll_timeout_s``)
-
-
-@dataclass(frozen=True)
-class PromptGroup:
-    """One prompt group as the roller receives it: one prompt, to be answered by ``num_samples`` samples
-    sharing ``uid``.
-
-    ``prompt_id``: the data plane's id of the group's prompt row (stored once per group; the channel
-    clears it once the samples are put); ``num_samples``: samples to generate (``rollout.n``, or
-    ``val.n`` + greedy); ``input_ids``: the prompt token ids (unpadded); ``ground_truth``: the task's
-    answer; ``num_greedy``: its last ``num_greedy`` samples are greedy (temperature 0), put like the
-    others; ``validation``: a validation group (no ReMax baseline, no forced lengths); ``partition``: where
-    its responses go (empty: the channel's own); ``seed_key``: what its sampling seeds derive from (empty:
-    the uid); ``prompt_fields``: the prompt row's stored fields as read (``input_ids``, ``attention_mask``,
-    each ``(1, prompt_len)``), which the channel puts beside every sample (the trainer reads them per
-    sample).
-    """
-
-    uid: str
-    prompt_id: int
-    num_samples: int
-    input_ids: tuple[int, ...]
-    ground_truth: dict
-    num_greedy: int = 0
-    validation: bool = False
-    partition: str = ""
-    seed_key: str = ""
-    prompt_fields: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
-
-
-@dataclass
-class GroupResult:
-    """What is put for ``group``: ``fields`` (``build_response_fields`` output, one row per sample);
-    ``rewards``: per sample; ``greedy``: per sample, whether it was decoded greedily; ``texts``: the
-    decoded responses."""
-
-    group: PromptGroup
-    fields: dict[str, Any]
-    rewards: list[float]
-    greedy: tuple[bool, ...] = ()
-    texts: tuple[str, ...] = ()
-
-    @property
-    def uid(self) -> str:
-        return self.group.uid
-
-
-@dataclass(frozen=True)
-class FailedGroup:
-    """A group that was not put: ``prompt_id`` its prompt row (still in the data plane); ``stage`` is
-    ``reward``, ``generate`` or ``environment`` (multi-turn); ``errors`` one line per problem;
-    ``partition``: the group's (empty: the channel's own, i.e. training)."""
-
-    uid: str
-    prompt_id: int
-    stage: str
-    errors: tuple[str, ...]
-    partition: str = ""
-
-    def __str__(self) -> str:
-        return f"group {self.uid} failed in {self.stage}: {'; '.join(self.errors)}"
-
-
-class GroupChannel(Protocol):
-    async def take_group(self, timeout_s: float) -> PromptGroup | None:
-        """One whole prompt group not yet taken by the ``rollout`` task, or None after ``timeout_s``."""
-
-    async def put_group(self, result: GroupResult) -> None:
-        """Put the samples of ``result`` (one row each, beside its group's prompt fields)."""
 
 
 # ----------------------------------------------------------------------------------------- the roller
@@ -203,8 +129,6 @@ class Roller:
         self.reward = AsyncReward(reward_fn, rollout.reward_max_concurrency, rollout.reward_timeout_s)
         self.agent = None  # multi-turn trajectories when rollout.environment is set (rollers.agent_loop)
         if rollout.environment:
-            from rollers.agent_loop import AgentLoop
-
             self.agent = AgentLoop(rollout, tokenizer, self.reward, self._stop_ids)
         self._counters = _Counters()
         self._failures: deque[FailedGroup] = deque(maxlen=_MAX_FAILURES_KEPT)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from common import schema
 from common.ground_truth import decode_ground_truth
+from rollers.groups import GroupResult, PromptGroup
 from rollers.response_fields import response_digest
-from rollers.roller import GroupResult, PromptGroup
 from transferqueue.records import Consume
 
 ROLLOUT_TASK = "rollout"  # the rollers' consumer task of prompt rows
