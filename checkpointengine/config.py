@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from checkpointengine.backend import get_backend
 from common.dtypes import FLOAT_DTYPES
 from common.net import check_bind_host
+from common.settings import check_settings, setting
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 GROUP_BACKENDS = ("auto", "gloo", "nccl")
@@ -35,38 +36,31 @@ class CheckpointEngineConfig:
     without them is refused. The ``broadcast`` group itself
     (torch.distributed) is not covered: with ``curve`` a warning says so."""
 
-    backend: str = "shm"
-    bucket_bytes: int = 64 * 1024**2
-    dtype: str = "float32"
-    pause_mode: str = "retract"
-    timeout_s: float = 120.0
-    num_slots: int = 2
-    disk_dir: str = ""
-    group_backend: str = "auto"
-    reuse_receive_buffers: bool = True
-    host: str = "127.0.0.1"
-    curve: bool = False
+    backend: str = setting(
+        "shm", doc="how weights reach rollers: shm | zmq | broadcast (SGLang protocol) | disk")
+    bucket_bytes: int = setting(64 * 1024**2, ge=1024, doc="size of one weight bucket, bytes")
+    dtype: str = setting("float32", choices=FLOAT_DTYPES, doc="dtype weights are sent in")
+    pause_mode: str = setting(
+        "retract", choices=PAUSE_MODES, doc="what rollers do with in-flight requests during an update")
+    timeout_s: float = setting(120.0, gt=0, doc="bound in seconds on every wait of a weight update")
+    num_slots: int = setting(2, ge=2, doc="bucket buffers the sender cycles through (2 = double buffering)")
+    disk_dir: str = setting(
+        "", doc="root of the disk backend's directories, one per weight_version; empty = a temp dir")
+    group_backend: str = setting(
+        "auto", choices=GROUP_BACKENDS,
+        doc="torch.distributed backend of the broadcast group; auto: nccl with CUDA")
+    reuse_receive_buffers: bool = setting(
+        True, doc="rollers copy buckets into their previous update's tensors")
+    host: str = setting(
+        "127.0.0.1",
+        doc="bind address of the weight plane's cross-node sockets: IPv4 "
+            "(loopback) | node (rank 0's)")
+    curve: bool = setting(
+        False, doc="ZMQ CURVE on the weight plane's control socket (keys handed out through Ray)")
 
     def __post_init__(self):
+        check_settings(self, "checkpointengine")
         get_backend(self.backend, "checkpointengine.backend")  # ValueError listing the registered backends
-        if self.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"checkpointengine.dtype={self.dtype!r} is not one of {list(FLOAT_DTYPES)}")
-        if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(
-                f"checkpointengine.pause_mode={self.pause_mode!r} is not one of {list(PAUSE_MODES)}"
-            )
-        if self.bucket_bytes < 1024:
-            raise ValueError(f"checkpointengine.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
-        if self.num_slots < 2:
-            raise ValueError(
-                f"checkpointengine.num_slots must be >= 2 (double buffering), got {self.num_slots}"
-            )
-        if self.group_backend not in GROUP_BACKENDS:
-            raise ValueError(
-                f"checkpointengine.group_backend={self.group_backend!r} is not one of {list(GROUP_BACKENDS)}"
-            )
-        if self.timeout_s <= 0:
-            raise ValueError(f"checkpointengine.timeout_s must be > 0, got {self.timeout_s}")
         check_bind_host("checkpointengine.host", self.host)
         if not isinstance(self.curve, bool):
             raise ValueError(f"checkpointengine.curve must be true or false, got {self.curve!r}")

@@ -29,6 +29,7 @@ import torch
 
 from common.dtypes import DTYPES, FLOAT_DTYPES
 from common.env import cache_dir
+from common.settings import check_settings, setting
 
 logger = logging.getLogger(__name__)
 
@@ -52,28 +53,24 @@ TINY_CHAT_TEMPLATE = (
 class TinyModelConfig:
     """Shape of the ``tiny`` model (a LlamaForCausalLM). ``vocab_size`` 0 = the tiny tokenizer's size."""
 
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 512
-    vocab_size: int = 0
-    tie_word_embeddings: bool = True
-    seed: int = 0
+    hidden_size: int = setting(64, ge=1, doc="tiny model: hidden size")
+    intermediate_size: int = setting(128, ge=1, doc="tiny model: MLP intermediate size")
+    num_hidden_layers: int = setting(2, ge=1, doc="tiny model: number of decoder layers")
+    num_attention_heads: int = setting(4, ge=1, doc="tiny model: attention heads (must divide hidden_size)")
+    num_key_value_heads: int = setting(2, ge=1, doc="tiny model: key/value heads (grouped-query attention)")
+    max_position_embeddings: int = setting(512, ge=1, doc="tiny model: context length in tokens")
+    vocab_size: int = setting(0, ge=0, doc="tiny model: vocabulary size; 0 = the tiny tokenizer's size")
+    tie_word_embeddings: bool = setting(True, doc="tiny model: share input and output embeddings")
+    seed: int = setting(
+        0, doc="tiny model: seed of its random initial weights (every process builds the same model)")
 
     def __post_init__(self):
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "max_position_embeddings"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        check_settings(self, "model.tiny")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.tiny.hidden_size={self.hidden_size} must be divisible by "
                 f"model.tiny.num_attention_heads={self.num_attention_heads}"
             )
-        if self.vocab_size < 0:
-            raise ValueError(f"model.tiny.vocab_size must be >= 0, got {self.vocab_size}")
 
 
 def native_bf16(device: str) -> bool:
@@ -118,14 +115,17 @@ class ModelConfig:
     always resolves to ``dtype``: it is for tests and smoke runs, whose numbers must not depend on the CPU.
     """
 
-    path: str = SMOLLM2
-    dtype: str = "float32"
-    compute_dtype: str = AUTO_DTYPE
+    path: str = setting(SMOLLM2, doc="tiny | smollm2-135m-instruct | a local Hugging Face model directory")
+    dtype: str = setting(
+        "float32", choices=FLOAT_DTYPES, doc="parameter dtype of trainers and rollers")
+    compute_dtype: str = setting(
+        AUTO_DTYPE,
+        doc="dtype forwards compute in, rollers hold; auto: bfloat16 where native, "
+            "else model.dtype")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self):
-        if self.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r} is not one of {sorted(FLOAT_DTYPES)}")
+        check_settings(self, "model")
         if self.compute_dtype and self.compute_dtype not in (AUTO_DTYPE, *FLOAT_DTYPES):
             raise ValueError(f"model.compute_dtype={self.compute_dtype!r} is not one of "
                              f"{[AUTO_DTYPE, *sorted(FLOAT_DTYPES)]} or empty (= model.dtype)")

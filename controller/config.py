@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from checkpointengine.config import CheckpointEngineConfig
 from common.models import AUTO_DTYPE, ModelConfig
 from common.net import NODE_HOST
+from common.settings import check_settings, setting
 from rollers.config import RollersConfig, RolloutConfig
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.rollout_corr import resolve_bypass_mode
@@ -45,29 +46,46 @@ class DataConfig:
     ``val_disjoint=false`` takes the rows whatever their text, for a task with too few distinct prompts to
     hold any out (tiny_repeat); the run then counts the held-out prompts it trains on."""
 
-    task: str = "chain_sum"
-    task_kwargs: dict[str, Any] = field(default_factory=dict)
-    size: int = 1000
-    seed: int = 0
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    system_prompt: str = ""
-    train_batch_size: int = 4
-    max_prompt_length: int = 256
-    skip_long_prompts: bool = False
-    epochs: int = 1
-    drop_last: bool = False
-    shuffle: bool = True
-    val_size: int = 0
-    val_file: str = ""
-    val_disjoint: bool = True
+    task: str = setting(
+        "chain_sum",
+        doc="a registered task (tiny_repeat), a task plug-in module:name, a "
+            "reasoning-gym task, or a .jsonl / .parquet file")
+    task_kwargs: dict[str, Any] = setting(
+        factory=dict,
+        doc="options of the task: a reasoning-gym task's (e.g. min_terms), "
+            "tiny_repeat's num_symbols")
+    size: int = setting(1000, ge=1, doc="examples generated for a procedural task (a file uses all its rows)")
+    seed: int = setting(0, doc="seed of a procedural task's examples and of the per-epoch shuffle")
+    prompt_key: str = setting("prompt", doc="a data file's column holding the prompt")
+    answer_key: str = setting(
+        "answer", doc="a data file's column holding the answer (the reward's ground truth)")
+    system_prompt: str = setting(
+        "", doc="a system turn put before every prompt by the chat template; empty = none")
+    train_batch_size: int = setting(4, ge=1, doc="prompts per trainer step (each sampled rollout.n times)")
+    max_prompt_length: int = setting(
+        256, ge=1, doc="longest prompt in tokens after the chat template; longer ones are an error")
+    skip_long_prompts: bool = setting(
+        False, doc="skip (and count) prompts over data.max_prompt_length instead of failing")
+    epochs: int = setting(
+        1, ge=1, doc="passes over the data available to the run (trainer.total_steps must fit in them)")
+    drop_last: bool = setting(
+        False, doc="drop an epoch's final partial batch instead of training it as a shorter step")
+    shuffle: bool = setting(True, doc="reshuffle the prompts each epoch (with data.seed + epoch)")
+    val_size: int = setting(
+        0, ge=0,
+        doc="held-out prompts for validation, drawn after the training rows (or "
+            "from data.val_file); 0 = none")
+    val_file: str = setting(
+        "",
+        doc="a .jsonl / .parquet file of validation prompts (its first "
+            "data.val_size rows); empty: rows of data.task")
+    val_disjoint: bool = setting(
+        True,
+        doc="held-out prompts never repeat a training prompt's text (rows that do "
+            "are passed over); false: any rows")
 
     def __post_init__(self):
-        for key in ("size", "train_batch_size", "max_prompt_length", "epochs"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
-        if self.val_size < 0:
-            raise ValueError(f"data.val_size must be >= 0 (0 = no validation), got {self.val_size}")
+        check_settings(self, "data")
         if self.val_file and not self.val_file.endswith((".jsonl", ".parquet")):
             raise ValueError(f"data.val_file must be a .jsonl or .parquet file, got {self.val_file!r}")
         if self.val_file and not self.val_size:
@@ -92,13 +110,13 @@ class ValConfig:
     samples per prompt at ``rollout.temperature`` (pass@1 and pass@k, Chen et al. 2021); ``greedy``: also
     one greedy response per prompt (temperature 0)."""
 
-    n: int = 4
-    greedy: bool = True
-    before_train: bool = True
+    n: int = setting(4, ge=1, doc="validation samples per prompt at rollout.temperature (pass@1, pass@k)")
+    greedy: bool = setting(True, doc="also one greedy (temperature 0) validation response per prompt")
+    before_train: bool = setting(
+        True, doc="validate the initial weights (weight_version 0) before the first step")
 
     def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"val.n must be >= 1, got {self.n}")
+        check_settings(self, "val")
 
 
 @dataclass
@@ -114,28 +132,36 @@ class MetricsConfig:
     controller's machine, ``0.0.0.0`` included (the one socket allowed a wildcard, in a pod: deploy/README.md),
     but not ``node``, which the other ``*.host`` keys take."""
 
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: int = 0
-    progress: bool = True
-    sd_dir: str = ""
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "hflow-async"
-    wandb_mode: str = "offline"
-    dump_every: int = 0
+    enabled: bool = setting(True, doc="serve the Prometheus endpoint")
+    host: str = setting("127.0.0.1", doc="address of the Prometheus endpoint (loopback by default)")
+    port: int = setting(
+        0, ge=0, le=65535,
+        doc="port of the Prometheus endpoint; 0 = a free one each run (fix it for a scrape target)")
+    progress: bool = setting(True, doc="print one progress line per trainer step")
+    sd_dir: str = setting(
+        "",
+        doc="also put the job's Prometheus file_sd targets in this directory; "
+            "empty = only in the run dir")
+    tensorboard: bool = setting(
+        False,
+        doc="write the metrics.jsonl scalars as TensorBoard events in "
+            "RUN_DIR/tensorboard (pip install tensorboard)")
+    wandb: bool = setting(False, doc="log the metrics.jsonl scalars to Weights & Biases (pip install wandb)")
+    wandb_project: str = setting("hflow-async", doc="the W&B project of the run")
+    wandb_mode: str = setting(
+        "offline", choices=WANDB_MODES,
+        doc="offline: files in RUN_DIR/wandb (wandb sync uploads them); online")
+    dump_every: int = setting(
+        0, ge=0,
+        doc="every N trainer steps, decoded prompts, responses and rewards to "
+            "RUN_DIR/generations.jsonl; 0 = never")
 
     def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"metrics.port must be in [0, 65535], got {self.port}")
+        check_settings(self, "metrics")
         if self.host == NODE_HOST:  # the other *.host keys take it; this endpoint is served before Ray starts
             raise ValueError(f"metrics.host={NODE_HOST!r} is not supported: the controller serves the endpoint before it "
                              "joins Ray; give an address of the controller's machine (deploy/README.md, Metrics "
                              "endpoint)")
-        if self.dump_every < 0:
-            raise ValueError(f"metrics.dump_every must be >= 0 (0 = never), got {self.dump_every}")
-        if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"metrics.wandb_mode={self.wandb_mode!r} is not one of {list(WANDB_MODES)}")
 
 
 @dataclass
@@ -146,17 +172,14 @@ class RayConfig:
     ``RAY_AUTH_TOKEN``. ``connect_timeout_s``: how long joining waits for ``address`` to answer.
     ``num_cpus``: logical CPUs of a local cluster (0 = a safe default for small machines)."""
 
-    address: str = ""
-    connect_timeout_s: float = 10.0
-    num_cpus: int = 0
-    object_store_bytes: int = 1024**3
+    address: str = setting(
+        "", doc="join a Ray cluster at HOST:PORT or auto; empty = start a local one on loopback")
+    connect_timeout_s: float = setting(10.0, gt=0, doc="seconds joining ray.address waits for it to answer")
+    num_cpus: int = setting(0, ge=0, doc="logical CPUs of a local cluster; 0 = a default for small machines")
+    object_store_bytes: int = setting(1024**3, ge=1, doc="object store size of a local cluster, bytes")
 
     def __post_init__(self):
-        if self.num_cpus < 0:
-            raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
-        if not (math.isfinite(self.connect_timeout_s) and self.connect_timeout_s > 0):
-            raise ValueError(f"ray.connect_timeout_s must be a finite number of seconds > 0, "
-                             f"got {self.connect_timeout_s}")
+        check_settings(self, "ray")
         if self.address and self.address != "auto":
             host, _, port = self.address.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -168,8 +191,10 @@ class RayConfig:
 class HFlowConfig:
     """The root of the config tree. ``run_dir`` empty means ``runs/<timestamp>``."""
 
-    mode: str = "one-step-off"
-    run_dir: str = ""
+    mode: str = setting(
+        "one-step-off", doc="the schedule: sync | one-step-off | fully-async (README, 'Choosing a mode')")
+    run_dir: str = setting(
+        "", doc="where the run writes its outputs; empty = runs/<timestamp>; must be new or empty")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from common.env import AUTO_THREADS, check_num_threads, check_ray_resources
+from common.settings import check_settings, setting
 from rollers.engine import check_sampling
 
 ENGINES = ("torch", "sglang")
 SGLANG_LAUNCH = ("sglang", "torch")
+ON_FAILED_GROUP = ("fail", "skip")
 
 
 @dataclass
@@ -45,44 +46,40 @@ class RolloutConfig:
     options of the environment (the keys its spec declares, ``rollers.environments.EnvironmentSpec.options``).
     """
 
-    n: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_response_length: int = 32
-    seed: int = 0
-    reward: str = "auto"
-    reward_timeout_s: float = 30.0
-    reward_max_concurrency: int = 8
-    max_resubmits: int = 16
-    forced_response_lengths: list[list[int]] = field(default_factory=list)
-    environment: str = ""
-    max_turns: int = 4
-    env_timeout_s: float = 30.0
-    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    n: int = setting(4, ge=1, doc="samples generated per prompt (the GRPO group size)")
+    temperature: float = setting(1.0, doc="sampling temperature (> 0)")
+    top_p: float = setting(1.0, doc="nucleus sampling threshold in (0, 1]; 1 = off")
+    top_k: int = setting(-1, doc="sample among the k most likely tokens; -1 = off")
+    max_response_length: int = setting(
+        32, ge=1, doc="longest response in tokens; a longer one is cut (finish_reason=length)")
+    seed: int = setting(
+        0, doc="base of the per-sample seeds (responses do not depend on batching or schedule)")
+    reward: str = setting(
+        "auto", doc="auto (data.task's reward) | reasoning_gym | tiny_repeat | math_verify | module:function")
+    reward_timeout_s: float = setting(
+        30.0, gt=0, doc="seconds one reward call may take before its group is marked failed")
+    reward_max_concurrency: int = setting(8, ge=1, doc="reward calls one roller runs at once")
+    max_resubmits: int = setting(
+        16, ge=0, doc="times one sample may be paused (abort mode) and resumed before it fails")
+    forced_response_lengths: list[list[int]] = setting(
+        factory=list, doc="benchmarks: [[weight, min, max], ...] forced lengths, EOS ignored; [] = off")
+    environment: str = setting(
+        "", doc="multi-turn: a registered environment (calculator | module:name); empty = single-turn")
+    max_turns: int = setting(4, ge=1, doc="multi-turn: most model turns in one trajectory")
+    env_timeout_s: float = setting(
+        30.0, gt=0, doc="multi-turn: limit of one environment or tool call (seconds)")
+    env_kwargs: dict[str, Any] = setting(
+        factory=dict, doc="multi-turn: options of the environment (the keys it declares, e.g. gem's env_id)")
 
     def __post_init__(self):
+        check_settings(self, "rollout")
         self._check_environment()
         if not self.reward:
             raise ValueError("rollout.reward must be auto | reasoning_gym | tiny_repeat | math_verify | module:function")
-        if self.reward_timeout_s <= 0:
-            raise ValueError(f"rollout.reward_timeout_s must be > 0 (seconds), got {self.reward_timeout_s}")
-        if self.reward_max_concurrency < 1:
-            raise ValueError(f"rollout.reward_max_concurrency must be >= 1, got {self.reward_max_concurrency}")
-        if self.max_resubmits < 0:
-            raise ValueError(f"rollout.max_resubmits must be >= 0, got {self.max_resubmits}")
-        if self.n < 1:
-            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
         check_sampling(self.temperature, self.top_p, self.top_k, prefix="rollout.")
-        if self.max_response_length < 1:
-            raise ValueError(f"rollout.max_response_length must be >= 1, got {self.max_response_length}")
         self._check_forced_lengths()
 
     def _check_environment(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
-        if self.env_timeout_s <= 0:
-            raise ValueError(f"rollout.env_timeout_s must be > 0 (seconds), got {self.env_timeout_s}")
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"rollout.env_kwargs must be a mapping of option -> value, got {self.env_kwargs!r}")
         if self.env_kwargs and not self.environment:
@@ -148,67 +145,66 @@ class RollersConfig:
     purpose (``rollers.faults``).
     """
 
-    num_replicas: int = 1
-    engine: str = "torch"
-    num_threads: int | str = AUTO_THREADS
-    max_batch_slots: int = 16
-    sglang_url: str = ""
-    sglang_launch: str = "sglang"
-    sglang_mem_fraction: float = 0.7
-    sglang_colocated: bool = False
-    sglang_startup_timeout_s: float = 600.0
-    sglang_request_timeout_s: float = 600.0
-    sglang_max_retries: int = 8
-    on_failed_group: str = "fail"
-    resources: dict[str, float] = field(default_factory=dict)
-    health_timeout_s: float = 60.0
-    max_replicas: int = 16
-    min_replicas: int = 1
-    autoscale: bool = False
-    autoscale_wait_share: float = 0.3
-    autoscale_period_s: float = 30.0
-    max_restarts: int = 3
-    fault_injection: list[str] = field(default_factory=list)
+    num_replicas: int = setting(1, ge=1, doc="roller processes generating in parallel")
+    engine: str = setting(
+        "torch", choices=ENGINES,
+        doc="generation engine: torch (in-process) or sglang (client of an SGLang server)")
+    num_threads: int | str = setting(AUTO_THREADS, doc="torch threads per roller process")
+    max_batch_slots: int = setting(
+        16, ge=1, doc="sequences decoded at once by the torch engine (continuous batching)")
+    sglang_url: str = setting("", doc="an SGLang server to use instead of launching one (sglang engine only)")
+    sglang_launch: str = setting(
+        "sglang", choices=SGLANG_LAUNCH,
+        doc="what a launched server runs: sglang (needs a GPU) or torch (our engine, SGLang's API)")
+    sglang_mem_fraction: float = setting(
+        0.7, gt=0, le=1, doc="SGLang's --mem-fraction-static for a launched server")
+    sglang_colocated: bool = setting(
+        False, doc="the trainer shares the launched server's GPU (adds --enable-memory-saver)")
+    sglang_startup_timeout_s: float = setting(
+        600.0, gt=0, doc="seconds to wait for a launched server's /health")
+    sglang_request_timeout_s: float = setting(600.0, gt=0, doc="seconds one /generate request may take")
+    sglang_max_retries: int = setting(
+        8, ge=0, doc="/flush_cache retries (exponential backoff) during a weight update")
+    on_failed_group: str = setting(
+        "fail", choices=ON_FAILED_GROUP,
+        doc="a failed group: fail stops the run; skip trains on (fully-async "
+            "admits a fresh prompt instead)")
+    resources: dict[str, float] = setting(
+        factory=dict,
+        doc="Ray custom resources each roller asks for, e.g. {hflow_roller: 1}: "
+            "places the pool")
+    health_timeout_s: float = setting(
+        60.0, gt=0,
+        doc="seconds a roller may leave a health check or weight update "
+            "unanswered; then it is replaced")
+    max_replicas: int = setting(16, doc="the most rollers a scale request (hflow-async scale) may ask for")
+    min_replicas: int = setting(1, ge=1, doc="the fewest rollers the autoscaler keeps")
+    autoscale: bool = setting(
+        False, doc="resize the pool on RL signals (trainer starved: add; staleness cap: remove)")
+    autoscale_wait_share: float = setting(
+        0.3, gt=0, le=1, doc="autoscale: share of time the trainer waits for data that adds a roller")
+    autoscale_period_s: float = setting(
+        30.0, gt=0, doc="autoscale: seconds between decisions (the window its signals average)")
+    max_restarts: int = setting(
+        3, ge=0, doc="replacements of lost rollers over the run; past it the pool shrinks")
+    fault_injection: list[str] = setting(
+        factory=list,
+        doc="tests: ROLLER:FAULT:TRIGGER=N[:SECONDS] (kill|hang|slow, "
+            "group|weight_sync); [] = off")
 
     def __post_init__(self):
         from rollers.faults import FaultSpec
 
+        check_settings(self, "rollers")
         check_ray_resources("rollers.resources", self.resources)
         for spec in self.fault_injection:
             FaultSpec.parse(spec)  # ValueError naming rollers.fault_injection and the accepted form
-        if not math.isfinite(self.health_timeout_s) or self.health_timeout_s <= 0:
-            raise ValueError(f"rollers.health_timeout_s must be a finite number of seconds > 0, "
-                             f"got {self.health_timeout_s}")
-        if not 1 <= self.min_replicas <= self.num_replicas:
+        if self.min_replicas > self.num_replicas:
             raise ValueError(f"rollers.min_replicas={self.min_replicas} must be in 1 .. rollers.num_replicas="
                              f"{self.num_replicas}")
-        if not 0 < self.autoscale_wait_share <= 1:
-            raise ValueError(f"rollers.autoscale_wait_share must be in (0, 1], got {self.autoscale_wait_share}")
-        if not math.isfinite(self.autoscale_period_s) or self.autoscale_period_s <= 0:
-            raise ValueError(f"rollers.autoscale_period_s must be a finite number of seconds > 0, "
-                             f"got {self.autoscale_period_s}")
         if self.max_replicas < self.num_replicas:
             raise ValueError(f"rollers.max_replicas={self.max_replicas} is below rollers.num_replicas="
                              f"{self.num_replicas}")
-        if self.max_restarts < 0:
-            raise ValueError(f"rollers.max_restarts must be >= 0, got {self.max_restarts}")
-        if self.on_failed_group not in ("fail", "skip"):
-            raise ValueError(f"rollers.on_failed_group={self.on_failed_group!r} is not one of ['fail', 'skip']")
-        if self.num_replicas < 1:
-            raise ValueError(f"rollers.num_replicas must be >= 1, got {self.num_replicas}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"rollers.engine={self.engine!r} is not one of {list(ENGINES)}")
         check_num_threads("rollers.num_threads", self.num_threads)
-        if self.max_batch_slots < 1:
-            raise ValueError(f"rollers.max_batch_slots must be >= 1, got {self.max_batch_slots}")
-        if self.sglang_launch not in SGLANG_LAUNCH:
-            raise ValueError(f"rollers.sglang_launch={self.sglang_launch!r} is not one of {list(SGLANG_LAUNCH)}")
-        if not 0 < self.sglang_mem_fraction <= 1:
-            raise ValueError(f"rollers.sglang_mem_fraction must be in (0, 1], got {self.sglang_mem_fraction}")
-        for key in ("sglang_startup_timeout_s", "sglang_request_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"rollers.{key} must be > 0 seconds, got {getattr(self, key)}")
-        if self.sglang_max_retries < 0:
-            raise ValueError(f"rollers.sglang_max_retries must be >= 0, got {self.sglang_max_retries}")
         if self.sglang_url and not self.sglang_url.startswith(("http://", "https://")):
             raise ValueError(f"rollers.sglang_url={self.sglang_url!r} must start with http:// or https://")

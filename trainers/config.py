@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.env import AUTO_THREADS, LOOPBACK, check_num_threads, check_ray_resources
 from common.net import check_bind_host
+from common.settings import check_settings, setting
 from trainers.advantages import ADV_ESTIMATORS
 from trainers.kl import KL_ESTIMATORS
 from trainers.losses import LOSS_AGG_MODES
@@ -21,11 +22,6 @@ STALE_POLICIES = ("drop", "keep")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 LR_SCHEDULES = ("constant", "cosine")
 TRAINER_DEVICES = ("auto", "cpu", "cuda")
-
-
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{key}={value!r} is not one of {list(choices)}")
 
 
 @dataclass
@@ -60,49 +56,58 @@ class TrainerConfig:
     refuses ranks on several nodes with an error naming this key.
     """
 
-    num_ranks: int = 1
-    total_steps: int = 10
-    ppo_mini_batch_size: int = 4
-    ppo_micro_batch_size: int = 8
-    ppo_max_token_len_per_gpu: int = 0
-    prefix_grouper: bool = True
-    ppo_epochs: int = 1
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    save_every: int = 0
-    keep_checkpoints: int = 0
-    max_restarts: int = 0
-    val_every: int = 0
-    num_threads: int | str = AUTO_THREADS
-    use_reference: bool = False
-    critic_lr: float = 1e-5
-    device: str = "auto"
-    num_cpus_per_rank: float = 1.0
-    timeout_s: float = 1800.0
-    resources: dict[str, float] = field(default_factory=dict)
-    host: str = LOOPBACK
+    num_ranks: int = setting(1, ge=1, doc="FSDP2 trainer processes (data parallel)")
+    total_steps: int = setting(10, ge=1, doc="trainer steps (updates) the run makes, then it stops")
+    ppo_mini_batch_size: int = setting(
+        4, ge=1, doc="prompts per optimizer step (x rollout.n samples); <= data.train_batch_size")
+    ppo_micro_batch_size: int = setting(
+        8, ge=1, doc="samples per forward/backward pass (gradient accumulation inside a mini-batch)")
+    ppo_max_token_len_per_gpu: int = setting(
+        0, ge=0, doc="tokens per pass per rank (samples x longest), 0 = off: verl's dynamic batch size")
+    prefix_grouper: bool = setting(
+        True, doc="forward each prompt once for all its samples (shared-prefix mask, same results)")
+    ppo_epochs: int = setting(1, ge=1, doc="passes over each step's batch")
+    lr: float = setting(1e-5, gt=0, doc="policy learning rate (AdamW)")
+    weight_decay: float = setting(0.0, ge=0, doc="AdamW weight decay")
+    betas: tuple[float, float] = setting((0.9, 0.999), doc="AdamW betas")
+    lr_schedule: str = setting(
+        "constant", choices=LR_SCHEDULES, doc="learning-rate schedule after trainer.warmup_steps")
+    warmup_steps: int = setting(0, ge=0, doc="linear learning-rate warm-up, in trainer steps")
+    max_grad_norm: float = setting(1.0, gt=0, doc="gradient clipping by global norm")
+    save_every: int = setting(
+        0, ge=0,
+        doc="job checkpoint (for --resume RUN_DIR) every N steps, at a stop and at the end; 0 = never")
+    keep_checkpoints: int = setting(0, ge=0, doc="job checkpoints kept (the latest); 0 = all")
+    max_restarts: int = setting(
+        0, ge=0, doc="restarts of the trainer group alone from the latest job checkpoint; 0 = fail")
+    val_every: int = setting(
+        0, ge=0,
+        doc="validate every N trainer steps (also before the first and after the "
+            "last); 0 = only those two")
+    num_threads: int | str = setting(
+        AUTO_THREADS,
+        doc="torch threads per trainer rank (the most: fully-async core lending "
+            "yields decoding rollers' cores)")
+    use_reference: bool = setting(
+        False, doc="keep a frozen reference policy (needed by KL loss or KL in reward)")
+    critic_lr: float = setting(1e-5, gt=0, doc="the critic's learning rate (adv_estimator=gae only)")
+    device: str = setting(
+        "auto", choices=TRAINER_DEVICES, doc="where ranks run; auto: cuda when each rank has a GPU")
+    num_cpus_per_rank: float = setting(1.0, gt=0, doc="Ray logical CPUs reserved per trainer rank")
+    timeout_s: float = setting(
+        1800.0, gt=0, doc="bound in seconds on every collective and every call the controller waits for")
+    resources: dict[str, float] = setting(
+        factory=dict, doc="Ray custom resources each trainer rank asks for, e.g. {hflow_trainer: 1}")
+    host: str = setting(
+        LOOPBACK,
+        doc="rendezvous address when ranks span Ray nodes: IPv4 of rank 0's node | "
+            "node (its Ray address)")
 
     def __post_init__(self):
+        check_settings(self, "trainer")
         check_ray_resources("trainer.resources", self.resources)
         check_bind_host("trainer.host", self.host)
         check_num_threads("trainer.num_threads", self.num_threads)
-        for key in ("num_ranks", "total_steps", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("lr", "critic_lr", "num_cpus_per_rank", "timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"trainer.{key} must be > 0, got {getattr(self, key)}")
-        _check_choice("trainer.device", self.device, TRAINER_DEVICES)
-        if self.max_grad_norm <= 0:
-            raise ValueError(f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        for key in ("ppo_max_token_len_per_gpu", "warmup_steps", "save_every", "keep_checkpoints", "max_restarts", "val_every"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
-        _check_choice("trainer.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"trainer.betas must both be in [0, 1) (Adam's moment decay rates), got {self.betas}")
 
@@ -153,76 +158,88 @@ class AlgorithmConfig:
     score before the advantages (``overlong/*`` metrics).
     """
 
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
-    loss_agg_mode: str = "token-mean"
-    policy_loss: str = "vanilla"
+    adv_estimator: str = setting(
+        "grpo", doc="advantage estimator: grpo | rloo | gae | ... (README, Algorithms) | module:name")
+    norm_adv_by_std: bool = setting(True, doc="GRPO: divide advantages by the group's reward std")
+    gamma: float = setting(1.0, ge=0, le=1, doc="discount factor (GAE, REINFORCE++)")
+    lam: float = setting(1.0, ge=0, le=1, doc="GAE lambda")
+    loss_agg_mode: str = setting(
+        "token-mean", doc="how token losses average: token-mean | seq-mean-token-mean | ... or module:name")
+    policy_loss: str = setting(
+        "vanilla", doc="policy loss: vanilla (PPO) | gspo | ... (README, Algorithms) | module:name")
     # The policy losses' knobs; their defaults live in PolicyLossParams (one place).
-    clip_ratio_low: float = _LOSS.clip_ratio_low
-    clip_ratio_high: float = _LOSS.clip_ratio_high
-    dual_clip_c: float = _LOSS.dual_clip_c
-    sapo_tau_pos: float = _LOSS.sapo_tau_pos
-    sapo_tau_neg: float = _LOSS.sapo_tau_neg
-    clip_cov_ratio: float = _LOSS.clip_cov_ratio
-    clip_cov_lb: float = _LOSS.clip_cov_lb
-    clip_cov_ub: float = _LOSS.clip_cov_ub
-    kl_cov_ratio: float = _LOSS.kl_cov_ratio
-    kl_cov_coef: float = _LOSS.kl_cov_coef
-    dppo_ratio_cap: float = _LOSS.dppo_ratio_cap
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_estimator: str = "low_var_kl"
-    use_kl_in_reward: bool = False
-    kl_in_reward_coef: float = 0.001
-    kl_in_reward_estimator: str = "k1"
-    kl_ctrl_type: str = "fixed"
-    kl_target: float = 0.1
-    kl_horizon: int = 10000
-    cliprange_value: float = 0.5
-    dynamic_sampling: bool = False
-    max_refill_rounds: int = 10
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    stale_correction: str = "none"
-    tis_cap: float = 2.0
-    bypass_mode: bool | None = None  # None: per mode (trainers.rollout_corr.resolve_bypass_mode)
-    max_staleness: int = 1
-    stale_policy: str = "drop"
-    require_batches: int = 1
-    trigger_sync_steps: int = 1
+    clip_ratio_low: float = setting(
+        _LOSS.clip_ratio_low, ge=0, lt=1, doc="PPO clip: ratio lower bound is 1 - clip_ratio_low")
+    clip_ratio_high: float = setting(
+        _LOSS.clip_ratio_high, ge=0,
+        doc="PPO clip: ratio upper bound is 1 + clip_ratio_high (DAPO clip-higher)")
+    dual_clip_c: float = setting(
+        _LOSS.dual_clip_c, doc="dual-clip PPO constant for negative advantages; 0 = off, else > 1")
+    sapo_tau_pos: float = setting(
+        _LOSS.sapo_tau_pos, gt=0, doc="sapo: gate temperature for positive advantages")
+    sapo_tau_neg: float = setting(
+        _LOSS.sapo_tau_neg, gt=0, doc="sapo: gate temperature for negative advantages")
+    clip_cov_ratio: float = setting(
+        _LOSS.clip_cov_ratio, gt=0, le=1, doc="clip_cov: fraction of tokens whose gradient is detached")
+    clip_cov_lb: float = setting(_LOSS.clip_cov_lb, doc="clip_cov: lower bound of the covariance window")
+    clip_cov_ub: float = setting(_LOSS.clip_cov_ub, doc="clip_cov: upper bound of the covariance window")
+    kl_cov_ratio: float = setting(_LOSS.kl_cov_ratio, gt=0, le=1, doc="kl_cov: fraction of tokens penalised")
+    kl_cov_coef: float = setting(_LOSS.kl_cov_coef, ge=0, doc="kl_cov: coefficient of the penalty")
+    dppo_ratio_cap: float = setting(
+        _LOSS.dppo_ratio_cap, gt=0, doc="dppo_tv / dppo_kl: truncation of the importance ratio")
+    entropy_coeff: float = setting(0.0, ge=0, doc="weight of the entropy bonus; 0 = off")
+    use_kl_loss: bool = setting(
+        False, doc="add a KL(policy || reference) term to the loss (needs trainer.use_reference)")
+    kl_loss_coef: float = setting(0.001, ge=0, doc="weight of the KL loss")
+    kl_estimator: str = setting(
+        "low_var_kl", doc="KL estimator of the KL loss: k1 | k2 | k3 | low_var_kl | mse | ... or module:name")
+    use_kl_in_reward: bool = setting(
+        False, doc="subtract a KL penalty from the reward (needs trainer.use_reference)")
+    kl_in_reward_coef: float = setting(0.001, ge=0, doc="starting coefficient of the KL-in-reward penalty")
+    kl_in_reward_estimator: str = setting("k1", doc="KL estimator of the KL-in-reward penalty")
+    kl_ctrl_type: str = setting(
+        "fixed", choices=KL_CTRL_TYPES, doc="KL-in-reward coefficient: fixed, or adaptive towards kl_target")
+    kl_target: float = setting(0.1, gt=0, doc="adaptive KL target, nats per token")
+    kl_horizon: int = setting(10000, ge=1, doc="adaptive KL horizon, in samples")
+    cliprange_value: float = setting(0.5, gt=0, doc="critic value clipping (GAE only)")
+    dynamic_sampling: bool = setting(
+        False, doc="DAPO: replace each group whose rewards all agree by a fresh prompt")
+    max_refill_rounds: int = setting(
+        10, ge=1, doc="DAPO: replacements per batch slot before a zero-variance group is trained as is")
+    overlong_buffer_len: int = setting(
+        0, ge=0, doc="DAPO soft overlong penalty over the last N tokens before the limit; 0 = off")
+    overlong_penalty_factor: float = setting(1.0, ge=0, doc="DAPO: the overlong penalty at the length limit")
+    stale_correction: str = setting(
+        "none", choices=STALE_CORRECTIONS, doc="off-policy correction of stale samples")
+    tis_cap: float = setting(2.0, gt=0, doc="tis: cap of the truncated importance weight")
+    bypass_mode: bool | None = setting(
+        None,
+        doc="old_log_probs: true rollers', false trainer's; null (default) true if "
+            "samples can be stale, no correction")
+    max_staleness: int = setting(
+        1, ge=0, doc="fully-async: most versions a trained sample may lag the trainer (admission bound)")
+    stale_policy: str = setting(
+        "drop", choices=STALE_POLICIES,
+        doc="fully-async: a group staler than max_staleness is dropped (its prompt re-issued) or kept")
+    require_batches: int = setting(
+        1, ge=1, doc="fully-async: train batches (of data.train_batch_size prompts) per update")
+    trigger_sync_steps: int = setting(
+        1, ge=1, doc="fully-async: push weights every N updates (needs max_staleness >= N - 1)")
 
     def __post_init__(self):
+        check_settings(self, "algorithm")
         ADV_ESTIMATORS.get(self.adv_estimator)
         LOSS_AGG_MODES.get(self.loss_agg_mode)
         KL_ESTIMATORS.get(self.kl_estimator)
         KL_ESTIMATORS.get(self.kl_in_reward_estimator, key="algorithm.kl_in_reward_estimator")
         self._check_policy_loss()
-        _check_choice("algorithm.kl_ctrl_type", self.kl_ctrl_type, KL_CTRL_TYPES)
-        self._check_algorithm_numbers()
-        _check_choice("algorithm.stale_correction", self.stale_correction, STALE_CORRECTIONS)
-        _check_choice("algorithm.stale_policy", self.stale_policy, STALE_POLICIES)
-        if not 0 <= self.clip_ratio_low < 1 or self.clip_ratio_high < 0:
-            raise ValueError(
-                f"algorithm.clip_ratio_low must be in [0, 1) (the ratio's lower bound is 1 - clip_ratio_low) and "
-                f"clip_ratio_high >= 0, got {self.clip_ratio_low}/{self.clip_ratio_high}"
-            )
         if self.dual_clip_c != 0 and self.dual_clip_c <= 1:
             raise ValueError(f"algorithm.dual_clip_c must be 0 (off) or > 1, got {self.dual_clip_c}")
-        if self.max_staleness < 0:
-            raise ValueError(f"algorithm.max_staleness must be >= 0, got {self.max_staleness}")
-        for key in ("require_batches", "trigger_sync_steps"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"algorithm.{key} must be >= 1, got {getattr(self, key)}")
         if self.max_staleness < self.trigger_sync_steps - 1:
             raise ValueError(
                 f"algorithm.trigger_sync_steps={self.trigger_sync_steps} needs "
                 f"algorithm.max_staleness >= {self.trigger_sync_steps - 1}, got {self.max_staleness}"
             )
-        if self.tis_cap <= 0:
-            raise ValueError(f"algorithm.tis_cap must be > 0, got {self.tis_cap}")
         if self.bypass_mode and self.stale_correction != "none":
             raise ValueError(
                 f"algorithm.bypass_mode=true takes rollout_log_probs as old_log_probs, so "
@@ -230,34 +247,9 @@ class AlgorithmConfig:
                 "pi_rollout / pi_rollout = 1; set stale_correction=none (bypass_mode already anchors the "
                 "ratio at the rollout policy) or bypass_mode=false")
 
-    def _check_algorithm_numbers(self) -> None:
-        """KL controller, value clipping and DAPO knobs (the staleness knobs are checked above)."""
-        for key in ("kl_loss_coef", "kl_in_reward_coef", "entropy_coeff", "overlong_penalty_factor"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"algorithm.{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("kl_target", "cliprange_value"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"algorithm.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("kl_horizon", "max_refill_rounds"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"algorithm.{key} must be >= 1, got {getattr(self, key)}")
-        if self.overlong_buffer_len < 0:
-            raise ValueError(
-                f"algorithm.overlong_buffer_len must be >= 0 (0 = no overlong shaping), got {self.overlong_buffer_len}"
-            )
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ValueError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}")
-
     def _check_policy_loss(self) -> None:
         """``policy_loss`` is registered, its knobs are in range, and no knob is set that it does not read."""
         loss = POLICY_LOSSES.get(self.policy_loss)
-        for key in ("sapo_tau_pos", "sapo_tau_neg", "kl_cov_coef", "dppo_ratio_cap"):
-            value = getattr(self, key)
-            if not value >= 0 or (value == 0 and key != "kl_cov_coef"):
-                raise ValueError(f"algorithm.{key} must be {'>= 0' if key == 'kl_cov_coef' else '> 0'}, got {value}")
-        for key in ("clip_cov_ratio", "kl_cov_ratio"):
-            if not 0 < getattr(self, key) <= 1:
-                raise ValueError(f"algorithm.{key} must be in (0, 1] (a fraction of tokens), got {getattr(self, key)}")
         if not self.clip_cov_lb < self.clip_cov_ub:
             raise ValueError(f"algorithm.clip_cov_lb={self.clip_cov_lb} must be < algorithm.clip_cov_ub="
                              f"{self.clip_cov_ub}")

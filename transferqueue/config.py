@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from common.net import check_bind_host
+from common.settings import check_settings, setting
+
+MIN_REQUEST_IDS = 4096
+DEFAULT_MAX_SAMPLES = 1 << 20  # max_samples of a TransferQueue started alone: about 150-700 MB of index
+SAMPLES_HEADROOM = 4  # max_samples sized by a job: this many times what its admission can hold
+P2P_BACKENDS = ("", "gloo", "nccl")
+P2P_DEVICES = ("cpu", "cuda")
 
 
 @dataclass
@@ -51,67 +58,60 @@ class TransferQueueConfig:
       lives as long as the unit.
     """
 
-    num_storage_units: int = 2
-    capacity_bytes: int = 2 * 1024**3
-    shared_memory: bool = True
-    curve: bool = False
-    host: str = "127.0.0.1"
-    request_timeout_s: float = 60.0
-    route_block: int = 64
-    shm_min_bytes: int = 64 * 1024
-    sampler_modules: list[str] = field(default_factory=list)
-    start_timeout_s: float = 60.0
-    p2p_backend: str = ""
-    p2p_device: str = "cpu"
-    max_request_ids: int = 1 << 17
-    max_client_reserved_ids: int = 1 << 20
-    max_reserved_ids: int = 1 << 24
-    reservation_lease_s: float = 600.0
-    max_fields: int = 256
-    max_tasks: int = 256
-    max_samples: int = 0
-    max_partitions: int = 1 << 16
-    max_client_partitions: int = 1024
-    max_name_chars: int = 1024
-    max_subscriptions: int = 64
-    max_parked: int = 10_000
-    max_parked_bytes: int = 64 * 1024**2
-    max_p2p_links: int = 1024
+    num_storage_units: int = setting(2, ge=1, doc="storage server processes holding sample tensors")
+    capacity_bytes: int = setting(2 * 1024**3, ge=1, doc="memory each storage unit may hold, bytes")
+    shared_memory: bool = setting(
+        True, doc="same-node clients move tensors through shared memory, not sockets")
+    curve: bool = setting(
+        False, doc="ZMQ CURVE authentication and encryption (for sockets that leave the node)")
+    host: str = setting(
+        "127.0.0.1",
+        doc="bind address of the servers: IPv4 (loopback default) | node (the "
+            "driver's Ray node address)")
+    request_timeout_s: float = setting(60.0, gt=0, doc="seconds one client request may wait for its reply")
+    route_block: int = setting(
+        64, ge=1, doc="samples [k*B, (k+1)*B) live on storage unit k mod num_storage_units")
+    shm_min_bytes: int = setting(64 * 1024, ge=0, doc="puts smaller than this go over ZMQ even on one node")
+    sampler_modules: list[str] = setting(
+        factory=list, doc="modules the index imports at start to register custom samplers")
+    start_timeout_s: float = setting(60.0, gt=0, doc="seconds to wait for the servers to start")
+    p2p_backend: str = setting(
+        "", choices=P2P_BACKENDS, doc="device path between units and clients; '' = off")
+    p2p_device: str = setting(
+        "cpu", choices=P2P_DEVICES, doc="device of the p2p path's tensors (nccl needs cuda)")
+    max_request_ids: int = setting(
+        1 << 17, ge=MIN_REQUEST_IDS, doc="most sample ids one request may name or allocate (at least 4096)")
+    max_client_reserved_ids: int = setting(
+        1 << 20, ge=1, doc="most ids one client connection may hold reserved, not yet put")
+    max_reserved_ids: int = setting(1 << 24, ge=1, doc="most ids reserved over all clients")
+    reservation_lease_s: float = setting(
+        600.0, gt=0, doc="seconds until an unused id reservation lapses (clients that went away)")
+    max_fields: int = setting(256, ge=1, doc="most fields per partition")
+    max_tasks: int = setting(256, ge=1, doc="most consumer tasks over all partitions")
+    max_samples: int = setting(
+        0, ge=0,
+        doc="most samples the index holds; 0 = 4x what the job's admission holds, "
+            "2^20 standalone, both >= max_request_ids")
+    max_partitions: int = setting(1 << 16, ge=1, doc="most partitions the index holds at once")
+    max_client_partitions: int = setting(
+        1024, ge=1, doc="most uncleared partitions one client connection may have created")
+    max_name_chars: int = setting(1024, ge=1, doc="longest partition, field or task name, in characters")
+    max_subscriptions: int = setting(64, ge=1, doc="cached (task, field set) views per partition (LRU)")
+    max_parked: int = setting(10_000, ge=1, doc="most long-poll get_meta requests waiting at the index")
+    max_parked_bytes: int = setting(
+        64 * 1024**2, ge=1, doc="most header bytes of the waiting long-poll requests")
+    max_p2p_links: int = setting(1024, ge=1, doc="most device-path links one storage unit holds")
 
     def __post_init__(self):
-        if self.num_storage_units < 1:
-            raise ValueError(f"transferqueue.num_storage_units must be >= 1, got {self.num_storage_units}")
-        if self.capacity_bytes < 1:
-            raise ValueError(f"transferqueue.capacity_bytes must be >= 1, got {self.capacity_bytes}")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"transferqueue.request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.route_block < 1:
-            raise ValueError(f"transferqueue.route_block must be >= 1, got {self.route_block}")
-        if self.shm_min_bytes < 0:
-            raise ValueError(f"transferqueue.shm_min_bytes must be >= 0, got {self.shm_min_bytes}")
-        if self.start_timeout_s <= 0:
-            raise ValueError(f"transferqueue.start_timeout_s must be > 0, got {self.start_timeout_s}")
-        if self.p2p_backend not in ("", "gloo", "nccl"):
-            raise ValueError(f"transferqueue.p2p_backend must be '', 'gloo' or 'nccl', got {self.p2p_backend!r}")
-        if self.p2p_device not in ("cpu", "cuda"):
-            raise ValueError(f"transferqueue.p2p_device must be 'cpu' or 'cuda', got {self.p2p_device!r}")
+        check_settings(self, "transferqueue")
         if self.p2p_backend == "nccl" and self.p2p_device != "cuda":
             raise ValueError("transferqueue.p2p_backend=nccl needs transferqueue.p2p_device=cuda")
         check_bind_host("transferqueue.host", self.host)
         self._check_bounds()
 
     def _check_bounds(self) -> None:
-        """ValueError naming the key for a bound that is not a positive int (a positive number for the
-        lease) or that contradicts another (the reserved-ids bounds must hold two full-size reservations)."""
-        for key in LIMIT_KEYS:
-            if key == "reservation_lease_s":
-                continue
-            value, least = getattr(self, key), 0 if key == "max_samples" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"transferqueue.{key} must be an int >= {least}, got {value!r}")
-        if self.max_request_ids < MIN_REQUEST_IDS:
-            raise ValueError(f"transferqueue.max_request_ids must be >= {MIN_REQUEST_IDS} (clients reserve ids "
-                             f"{MIN_REQUEST_IDS} at a time), got {self.max_request_ids}")
+        """ValueError naming the key for a bound that contradicts another (the reserved-ids bounds must hold two
+        full-size reservations; an explicit ``max_samples`` must hold one full request)."""
         if self.max_client_reserved_ids < 2 * self.max_request_ids:
             raise ValueError(f"transferqueue.max_client_reserved_ids must be >= 2 * max_request_ids "
                              f"({2 * self.max_request_ids}), got {self.max_client_reserved_ids}")
@@ -121,8 +121,6 @@ class TransferQueueConfig:
         if 0 < self.max_samples < self.max_request_ids:
             raise ValueError(f"transferqueue.max_samples must be 0 (sized by the job) or >= max_request_ids "
                              f"({self.max_request_ids}: one full request fits an empty index), got {self.max_samples}")
-        if not isinstance(self.reservation_lease_s, int | float) or not self.reservation_lease_s > 0:
-            raise ValueError(f"transferqueue.reservation_lease_s must be > 0, got {self.reservation_lease_s!r}")
 
     @property
     def sample_bound(self) -> int:
@@ -160,9 +158,6 @@ class TransferQueueConfig:
         return {k: getattr(self, k) for k in LIMIT_KEYS}
 
 
-MIN_REQUEST_IDS = 4096
-DEFAULT_MAX_SAMPLES = 1 << 20  # max_samples of a TransferQueue started alone: about 150-700 MB of index
-SAMPLES_HEADROOM = 4  # max_samples sized by a job: this many times what its admission can hold
 LIMIT_KEYS = ("max_request_ids", "max_client_reserved_ids", "max_reserved_ids", "reservation_lease_s", "max_fields",
               "max_tasks", "max_samples", "max_partitions", "max_client_partitions", "max_name_chars",
               "max_subscriptions", "max_parked", "max_parked_bytes", "max_p2p_links")

@@ -36,7 +36,7 @@ def test_override_and_mode():
         ("data.answer_key=solution", "data.answer_key"),
         ("trainer.max_grad_norm=nan", "trainer.max_grad_norm"),
         ("trainer.lr=inf", "trainer.lr"),
-        ("trainer.ppo_max_token_len_per_gpu=-1", "trainer.ppo_max_token_len_per_gpu must be >= 0"),
+        ("trainer.ppo_max_token_len_per_gpu=-1", "trainer.ppo_max_token_len_per_gpu must be >= 0, got -1"),
         ("trainer.betas=[0.9,nan]", "trainer.betas"),
         ("trainer.betas=[2,3]", "trainer.betas"),
         ("checkpointengine.timeout_s=nan", "checkpointengine.timeout_s"),

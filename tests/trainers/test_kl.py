@@ -199,7 +199,7 @@ def test_kl_loss_token_mean_and_padding():
         ({"kl_loss_coef": -0.1}, "algorithm.kl_loss_coef must be >= 0"),
         ({"overlong_buffer_len": -4}, "algorithm.overlong_buffer_len must be >= 0"),
         ({"max_refill_rounds": 0}, "algorithm.max_refill_rounds must be >= 1"),
-        ({"gamma": 1.5}, "algorithm.gamma and algorithm.lam"),
+        ({"gamma": 1.5}, r"algorithm.gamma must be in \[0, 1\], got 1.5"),
     ],
 )
 def test_algorithm_config_rejects_bad_values(kwargs, match):

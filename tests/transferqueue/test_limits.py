@@ -499,9 +499,10 @@ def test_a_standalone_index_holds_one_full_request_and_names_its_default_bound(m
 
 
 def test_the_max_samples_key_doc_names_the_request_floor_and_the_standalone_default():
-    from controller.config_docs import KEY_DOCS
+    from common.settings import doc_of
+    from controller.config_docs import config_fields
 
-    doc = KEY_DOCS["transferqueue.max_samples"]
+    doc = doc_of(config_fields()["transferqueue.max_samples"])
     assert "max_request_ids" in doc and f"2^{DEFAULT_MAX_SAMPLES.bit_length() - 1}" in doc and len(doc) <= 110
 
 
