@@ -11,26 +11,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from checkpointengine import broadcast as bc
 from rollers import sglang_protocol as proto
-from rollers.engine import EngineError
+from rollers.engine import Engine, EngineError
 from rollers.sglang_http import BadRequest, error, is_loopback, result
-
-if TYPE_CHECKING:
-    from rollers.sglang_server import SGLangServer
 
 logger = logging.getLogger(__name__)
 
 
-class WeightEndpoints:
-    """The weight-update routes of one ``SGLangServer``, and the custom process groups they opened."""
+class WeightServer(Protocol):
+    """What the weight endpoints use of their server (``rollers.sglang_server.SGLangServer``): its ``engine``,
+    the limit of every rendezvous and broadcast (``group_timeout_s``), whether a non-loopback master is
+    accepted, the ``model_path`` it reports (set by a successful ``/update_weights_from_disk``), its body
+    reader and its ``exclusive`` hold of the engine for an update."""
 
-    def __init__(self, server: SGLangServer):
+    engine: Engine
+    group_timeout_s: float
+    allow_remote_master: bool
+    model_path: str
+
+    async def read_json(self, request: web.Request, fields: tuple[str, ...], required: tuple[str, ...] = ()
+                        ) -> dict: ...
+
+    def exclusive(self, abort_all: bool) -> AbstractAsyncContextManager[None]: ...
+
+
+class WeightEndpoints:
+    """The weight-update routes of one ``WeightServer``, and the custom process groups they opened."""
+
+    def __init__(self, server: WeightServer):
         self.server = server
         self.groups: dict[str, Any] = {}
 
