@@ -56,14 +56,8 @@ import torch
 from common import schema
 from rollers.config import RolloutConfig
 from rollers.engine import GenerationOutput, GenerationRequest, SamplingParams
-from rollers.environments import (
-    ENVIRONMENTS,
-    AsyncReward,
-    EnvContext,
-    Environment,
-    EnvironmentFailure,
-    StepResult,
-)
+from rollers.environment import AsyncReward, EnvContext, Environment, EnvironmentFailure, StepResult
+from rollers.environments import ENVIRONMENTS
 from rollers.groups import PromptGroup
 from rollers.response_fields import build_response_fields, forced_response_length, sample_seed
 from rollers.rewards import reward_result

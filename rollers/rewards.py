@@ -10,7 +10,7 @@ resolved by the controller, which knows ``data.task`` (``controller.tasks.resolv
 names its reward), before the rollers see it.
 
 A reward function may also be ``async def``. The rollers call it through
-``rollers.environments.AsyncReward`` (a concurrency limit and a per-call timeout) and never let one failure
+``rollers.environment.AsyncReward`` (a concurrency limit and a per-call timeout) and never let one failure
 pass for a score: a function that raises, times out or returns NaN/inf (or a non-number) yields a failed
 ``RewardResult`` carrying the error (``reward_result``), never a silent 0.
 

@@ -47,7 +47,7 @@ from common import schema
 from rollers.agent_loop import AgentLoop
 from rollers.config import RolloutConfig
 from rollers.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
-from rollers.environments import AsyncReward
+from rollers.environment import AsyncReward
 from rollers.groups import FailedGroup, GroupChannel, GroupResult, PromptGroup
 from rollers.response_fields import build_response_fields, forced_response_length, sample_seed
 from rollers.rewards import RewardFn, RewardResult

@@ -30,7 +30,7 @@ import math
 import threading
 from typing import Any
 
-from rollers.environments import EnvContext, Environment, EnvironmentFailure, StepResult
+from rollers.environment import EnvContext, Environment, EnvironmentFailure, StepResult
 
 _GEM_LOCK = threading.Lock()  # GEM's reset seeds process-global RNGs: one call at a time per process
 _ROLES = ("user", "tool", "system")
