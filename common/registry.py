@@ -7,7 +7,9 @@ Each extension point of the trainers (advantage estimators, policy losses, KL es
 aggregation modes) is a typed plug-in object — a small frozen dataclass carrying its function *and* its
 wiring (e.g. an estimator's ``needs_critic``) — registered under a name in one :class:`Registry`. Config
 validates names against the registry (``AlgorithmConfig.__post_init__``), call sites ask the plug-in
-(``estimator.needs_critic``), never compare its name as a string.
+(``estimator.needs_critic``), never compare its name as a string. A plug-in with settings of its own
+registers their dataclass with it (``Registry.register(name, plugin, config=...)``; the policy losses' do),
+and the config tree nests them under the plug-in's node: ``algorithm.policy_loss: {name: sapo, tau_pos: 1.0}``.
 
 Plug-ins from outside the package: a config value ``module:name`` (e.g.
 ``algorithm.adv_estimator=my_pkg.algos:my_estimator``) imports ``module`` — whose import registers its
@@ -33,16 +35,26 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, key: str):
         self.kind, self.key = kind, key
         self._items: dict[str, T] = {}
+        self._configs: dict[str, type] = {}
 
-    def register(self, name: str, plugin: T) -> T:
-        """Add ``plugin`` under ``name``; raises ValueError on an empty name, a ``:`` in it (reserved for
-        ``module:name`` specs) or a name already taken."""
+    def register(self, name: str, plugin: T, config: type | None = None) -> T:
+        """Add ``plugin`` under ``name``, with ``config``: the dataclass of its own settings, if its kind has
+        them (nested under the plug-in's name in the config tree). Raises ValueError on an empty name, a ``:``
+        in it (reserved for ``module:name`` specs) or a name already taken."""
         if not name or ":" in name:
             raise ValueError(f"{self.kind} name {name!r} must be non-empty and contain no ':'")
         if name in self._items:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._items[name] = plugin
+        if config is not None:
+            self._configs[name] = config
         return plugin
+
+    def config(self, spec: str, key: str | None = None) -> type | None:
+        """The settings dataclass the plug-in ``spec`` (a name or ``module:name``, as :meth:`get`) registered
+        with, or None; raises ValueError as :meth:`get` when there is no such plug-in."""
+        self.get(spec, key)
+        return self._configs.get(spec.rpartition(":")[2])
 
     def get(self, spec: str, key: str | None = None) -> T:
         """The plug-in for ``spec``: a registered name, or ``module:name`` (imports ``module``, which

@@ -19,9 +19,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from checkpointengine.config import CheckpointEngineConfig
 from common.models import AUTO_DTYPE, ModelConfig
 from common.net import NODE_HOST
+from common.registry import Registry
 from common.settings import check_settings, setting
 from rollers.config import RollersConfig, RolloutConfig
-from trainers.config import AlgorithmConfig, TrainerConfig
+from trainers.config import MOVED_KEYS, AlgorithmConfig, TrainerConfig
+from trainers.policy_losses import POLICY_LOSS_KEY, POLICY_LOSSES
 from trainers.rollout_corr import resolve_bypass_mode
 from transferqueue.config import TransferQueueConfig
 
@@ -29,6 +31,9 @@ MODES = ("sync", "one-step-off", "fully-async")
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "smollm2-reasoning"
 WANDB_MODES = ("offline", "online")
+# The plug-in nodes of the tree: each holds ``name`` and the settings of the plug-in it names, declared by the
+# config class that plug-in registered with its registry.
+PLUGIN_NODES: tuple[tuple[str, Registry], ...] = ((POLICY_LOSS_KEY, POLICY_LOSSES),)
 
 
 @dataclass
@@ -350,23 +355,41 @@ def load_config(
 ) -> HFlowConfig:
     """Resolve the config tree; raises ValueError naming the offending key/value/preset/file.
 
-    ``preset`` and ``config_file`` are exclusive; with neither, the embedded default preset is used.
+    ``preset`` and ``config_file`` are exclusive; with neither, the embedded default preset is used. A plug-in
+    node (``PLUGIN_NODES``: ``algorithm.policy_loss``) takes the config class of the plug-in its ``name`` (the
+    last source that sets it) chooses, with every setting the sources give it (``_plugin_node``).
     """
     if preset and config_file:
         raise ValueError("give either --preset or --config, not both")
-    conf = OmegaConf.structured(HFlowConfig)
+    sources = []
     if config_file:
-        conf = _merge(conf, _load_yaml(Path(config_file)), config_file)
+        sources.append((_load_yaml(Path(config_file)), config_file))
     else:
         name = preset or DEFAULT_PRESET
         path = PRESET_DIR / f"{name}.yaml"
         if not path.is_file():
             raise ValueError(f"unknown preset {name!r}; available presets: {available_presets()}")
-        conf = _merge(conf, _load_yaml(path), f"preset {name}")
+        sources.append((_load_yaml(path), f"preset {name}"))
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ValueError(f"override {item!r} must look like key.subkey=value")
-        conf = _merge(conf, OmegaConf.from_dotlist([item]), f"override {item!r}")
+        sources.append((OmegaConf.from_dotlist([item]), f"override {item!r}"))
+    conf = OmegaConf.structured(HFlowConfig)
+    plugin_settings: dict[str, dict[str, tuple[Any, str]]] = {path: {} for path, _ in PLUGIN_NODES}
+    for node, source in sources:
+        tree = OmegaConf.to_container(node, resolve=False)
+        _refuse_moved(tree, source)
+        for path, _ in PLUGIN_NODES:
+            given = _pop(tree, path)
+            if given is None:
+                continue
+            if not isinstance(given, dict):
+                raise ValueError(f"{path}={given!r} (from {source}) is now spelled {path}.name={given} (the plug-in's "
+                                 f"own settings sit beside its name: {path}.KEY=VALUE)")
+            plugin_settings[path].update({key: (value, source) for key, value in given.items()})
+        conf = _merge(conf, OmegaConf.create(tree), source)
+    for path, registry in PLUGIN_NODES:
+        conf = _plugin_node(conf, path, registry, plugin_settings[path])
     if mode is not None:
         conf.mode = mode
     try:
@@ -375,6 +398,53 @@ def load_config(
         raise _friendly(exc, "config") from None
     check_finite(cfg)
     return cfg
+
+
+def _refuse_moved(tree: dict, source: str, prefix: str = "") -> None:
+    """Raise ValueError for the first key of ``tree`` (a source's mapping) that ``MOVED_KEYS`` lists: a flat
+    spelling from before, refused with the key that replaced it rather than read."""
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if path in MOVED_KEYS:
+            raise ValueError(f"{path} (from {source}) is now spelled {MOVED_KEYS[path]}")
+        if isinstance(value, dict):
+            _refuse_moved(value, source, f"{path}.")
+
+
+def _pop(tree: dict, path: str) -> Any:
+    """Remove and return the value at dotted ``path`` of the plain mapping ``tree`` (None where absent)."""
+    *parents, last = path.split(".")
+    node = tree
+    for key in parents:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node.pop(last, None) if isinstance(node, dict) else None
+
+
+def _plugin_node(conf, path: str, registry: Registry, given: dict[str, tuple[Any, str]]):
+    """``conf`` with the node at ``path`` replaced by the config class of the plug-in ``name`` chooses
+    (``given['name']``, else the tree's default), merged with the settings ``given`` (key -> (value, source)).
+    Raises ValueError naming the source for an unknown plug-in or a key its config class does not declare."""
+    name, source = given.get("name", (OmegaConf.select(conf, f"{path}.name"), "the default"))
+    try:
+        cls = registry.config(name)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (from {source})") from None
+    keys = [f.name for f in dataclasses.fields(cls)]
+    for key, (_, where) in given.items():
+        if key not in keys:
+            raise ValueError(f"unknown config key '{path}.{key}' (from {where}): {registry.kind} {name!r} takes "
+                             f"{keys} ({cls.__name__})")
+    OmegaConf.update(conf, path, OmegaConf.structured(cls(name=name)), merge=False)
+    for key, (value, where) in given.items():
+        conf = _merge(conf, OmegaConf.create(_nest(f"{path}.{key}", value)), where)
+    return conf
+
+
+def _nest(path: str, value: Any) -> dict:
+    """``{'a': {'b': value}}`` for ``path`` ``a.b``."""
+    for key in reversed(path.split(".")):
+        value = {key: value}
+    return value
 
 
 def to_yaml(cfg: HFlowConfig) -> str:
@@ -386,15 +456,24 @@ def to_dict(cfg: HFlowConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-def with_defaults(tree: dict[str, Any], cls: type = HFlowConfig) -> dict[str, Any]:
+def with_defaults(tree: dict[str, Any], cls: type = HFlowConfig, prefix: str = "") -> dict[str, Any]:
     """``tree`` (a ``to_dict`` tree of ``cls``, e.g. the config a job checkpoint saved) with every key it lacks
-    added with its default: a tree written before that key existed. Sections are filled key by key; a free
-    mapping (``data.task_kwargs``) is kept as it is, and so is a key ``cls`` no longer has."""
+    added with its default: a tree written before that key existed. Sections are filled key by key (a plug-in
+    node by the config class of the plug-in it names, when that is registered); a free mapping
+    (``data.task_kwargs``) is kept as it is, and so is a key ``cls`` no longer has."""
     defaults = OmegaConf.to_container(OmegaConf.structured(cls), resolve=True)
     out = dict(tree)
+    registries = dict(PLUGIN_NODES)
     for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
         if f.name not in out:
             out[f.name] = defaults[f.name]
+        elif path in registries and isinstance(out[f.name], dict):
+            try:
+                sub = registries[path].config(out[f.name].get("name"))
+            except ValueError:  # not registered here: kept as saved
+                continue
+            out[f.name] = with_defaults(out[f.name], sub, f"{path}.")
         elif dataclasses.is_dataclass(f.default_factory) and isinstance(out[f.name], dict):
-            out[f.name] = with_defaults(out[f.name], f.default_factory)
+            out[f.name] = with_defaults(out[f.name], f.default_factory, f"{path}.")
     return out

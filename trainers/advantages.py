@@ -396,7 +396,7 @@ def gpg_advantages(
     arXiv:2504.02546, with verl's ``F_norm = 1``): ``A_i = alpha * (s_i - mean(s_group))`` with the
     batch correction ``alpha = B / M``, ``B`` the samples of the batch and ``M`` those with a non-zero score
     (verl's count; at least 1). Batch-level like REINFORCE++: computed on the whole global batch. A
-    size-1 group gets 0. Pair with ``algorithm.policy_loss=gpg``. Shapes as in :func:`grpo_advantages`."""
+    size-1 group gets 0. Pair with ``algorithm.policy_loss.name=gpg``. Shapes as in :func:`grpo_advantages`."""
     _check_inputs(token_level_rewards, response_mask)
     scores = _scores(token_level_rewards.detach(), response_mask).to(torch.float64)
     mean, _, count = _group_mean_std(scores, uid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.env import AUTO_THREADS, LOOPBACK, check_num_threads, check_ray_resources
 from common.net import check_bind_host
@@ -12,10 +12,24 @@ from common.settings import check_settings, setting
 from trainers.advantages import ADV_ESTIMATORS
 from trainers.kl import KL_ESTIMATORS
 from trainers.losses import LOSS_AGG_MODES
-from trainers.policy_losses import POLICY_LOSSES, PolicyLossParams
+from trainers.policy_losses import POLICY_LOSSES, PolicyLossConfig, PolicyLossParams, VanillaConfig
 
 logger = logging.getLogger(__name__)
-_LOSS = PolicyLossParams()  # the defaults of the policy-loss knobs
+_SHARED = PolicyLossParams()  # the defaults of the settings policy losses share
+
+# Flat spellings from before each policy loss owned its settings (``algorithm.policy_loss: {name: ...}``):
+# refused, naming the key that replaced each, never read.
+MOVED_KEYS = {
+    "algorithm.dual_clip_c": "algorithm.policy_loss.dual_clip_c (with algorithm.policy_loss.name=vanilla)",
+    "algorithm.sapo_tau_pos": "algorithm.policy_loss.tau_pos (with algorithm.policy_loss.name=sapo)",
+    "algorithm.sapo_tau_neg": "algorithm.policy_loss.tau_neg (with algorithm.policy_loss.name=sapo)",
+    "algorithm.clip_cov_ratio": "algorithm.policy_loss.ratio (with algorithm.policy_loss.name=clip_cov)",
+    "algorithm.clip_cov_lb": "algorithm.policy_loss.lb (with algorithm.policy_loss.name=clip_cov)",
+    "algorithm.clip_cov_ub": "algorithm.policy_loss.ub (with algorithm.policy_loss.name=clip_cov)",
+    "algorithm.kl_cov_ratio": "algorithm.policy_loss.ratio (with algorithm.policy_loss.name=kl_cov)",
+    "algorithm.kl_cov_coef": "algorithm.policy_loss.coef (with algorithm.policy_loss.name=kl_cov)",
+    "algorithm.dppo_ratio_cap": "algorithm.policy_loss.ratio_cap (with algorithm.policy_loss.name=dppo_tv or dppo_kl)",
+}
 
 STALE_CORRECTIONS = ("none", "decoupled", "tis")
 STALE_POLICIES = ("drop", "keep")
@@ -134,14 +148,21 @@ class AlgorithmConfig:
 
     Plug-in names (README "Algorithms"; each validated against its registry, ``module:name`` for a plug-in
     module of your own, ``common/registry.py``): ``adv_estimator`` (``trainers/advantages.py``),
-    ``policy_loss`` (``trainers/policy_losses.py``; default ``vanilla`` = clipped PPO with
-    ``clip_ratio_low/high`` and dual clip ``dual_clip_c``), ``loss_agg_mode`` (``trainers/losses.py``),
-    ``kl_estimator`` / ``kl_in_reward_estimator`` (``trainers/kl.py``). Knobs of single policy losses:
-    ``sapo_tau_pos``/``sapo_tau_neg`` (sapo gate temperatures), ``clip_cov_ratio``/``clip_cov_lb``/
-    ``clip_cov_ub`` (clip_cov: fraction of tokens detached and the covariance window),
-    ``kl_cov_ratio``/``kl_cov_coef`` (kl_cov: fraction of tokens penalised and the penalty),
-    ``dppo_ratio_cap`` (dppo_tv/dppo_kl: truncation of the importance ratio); setting one the chosen loss
-    does not read is an error.
+    ``loss_agg_mode`` (``trainers/losses.py``), ``kl_estimator`` / ``kl_in_reward_estimator``
+    (``trainers/kl.py``), and the policy loss, ``policy_loss.name`` (``trainers/policy_losses.py``; default
+    ``vanilla`` = clipped PPO with dual clip ``policy_loss.dual_clip_c``).
+
+    A policy loss owns its settings: they sit beside its name, ``algorithm.policy_loss: {name: sapo, tau_pos:
+    1.0, tau_neg: 1.05}`` (``algorithm.policy_loss.name=sapo algorithm.policy_loss.tau_pos=1.0`` on the command
+    line), declared by the config class it registered (``POLICY_LOSSES.config(name)``); a key the chosen loss
+    does not declare is an unknown key. The rule for what stays here: a setting is shared at ``algorithm.*``
+    when several unrelated losses read it as the same thing — ``clip_ratio_low/high``, the bound on how far
+    one update may move a token down/up (a ratio bound for vanilla, gspo, cispo and clip_cov; the same bound
+    measured on the log-ratio by geo_mean and on the probability or binary KL by dppo_tv/dppo_kl), read by
+    every loss in ``PolicyLossParams``; setting one the chosen loss does not read is an error. A setting one
+    loss reads, or one family sharing a config class (``dppo_tv``/``dppo_kl``: ``ratio_cap``), belongs to
+    that loss's config. The flat spellings of before (``algorithm.sapo_tau_pos``, a string
+    ``algorithm.policy_loss=sapo``, ...) are refused with the new key (``MOVED_KEYS``).
 
     KL (see ``trainers/kl.py``): ``kl_estimator`` for KL-as-loss, ``kl_in_reward_estimator`` for
     KL-in-reward, whose coefficient starts at ``kl_in_reward_coef`` and is ``kl_ctrl_type`` fixed or
@@ -165,28 +186,12 @@ class AlgorithmConfig:
     lam: float = setting(1.0, ge=0, le=1, doc="GAE lambda")
     loss_agg_mode: str = setting(
         "token-mean", doc="how token losses average: token-mean | seq-mean-token-mean | ... or module:name")
-    policy_loss: str = setting(
-        "vanilla", doc="policy loss: vanilla (PPO) | gspo | ... (README, Algorithms) | module:name")
-    # The policy losses' knobs; their defaults live in PolicyLossParams (one place).
+    policy_loss: PolicyLossConfig = field(default_factory=VanillaConfig)  # its name and its own settings
     clip_ratio_low: float = setting(
-        _LOSS.clip_ratio_low, ge=0, lt=1, doc="PPO clip: ratio lower bound is 1 - clip_ratio_low")
+        0.2, ge=0, lt=1, doc="policy losses' clip: how far a token may move down (PPO: ratio >= 1 - clip_ratio_low)")
     clip_ratio_high: float = setting(
-        _LOSS.clip_ratio_high, ge=0,
-        doc="PPO clip: ratio upper bound is 1 + clip_ratio_high (DAPO clip-higher)")
-    dual_clip_c: float = setting(
-        _LOSS.dual_clip_c, doc="dual-clip PPO constant for negative advantages; 0 = off, else > 1")
-    sapo_tau_pos: float = setting(
-        _LOSS.sapo_tau_pos, gt=0, doc="sapo: gate temperature for positive advantages")
-    sapo_tau_neg: float = setting(
-        _LOSS.sapo_tau_neg, gt=0, doc="sapo: gate temperature for negative advantages")
-    clip_cov_ratio: float = setting(
-        _LOSS.clip_cov_ratio, gt=0, le=1, doc="clip_cov: fraction of tokens whose gradient is detached")
-    clip_cov_lb: float = setting(_LOSS.clip_cov_lb, doc="clip_cov: lower bound of the covariance window")
-    clip_cov_ub: float = setting(_LOSS.clip_cov_ub, doc="clip_cov: upper bound of the covariance window")
-    kl_cov_ratio: float = setting(_LOSS.kl_cov_ratio, gt=0, le=1, doc="kl_cov: fraction of tokens penalised")
-    kl_cov_coef: float = setting(_LOSS.kl_cov_coef, ge=0, doc="kl_cov: coefficient of the penalty")
-    dppo_ratio_cap: float = setting(
-        _LOSS.dppo_ratio_cap, gt=0, doc="dppo_tv / dppo_kl: truncation of the importance ratio")
+        0.2, ge=0,
+        doc="policy losses' clip: how far a token may move up (PPO: ratio <= 1 + clip_ratio_high; DAPO clip-higher)")
     entropy_coeff: float = setting(0.0, ge=0, doc="weight of the entropy bonus; 0 = off")
     use_kl_loss: bool = setting(
         False, doc="add a KL(policy || reference) term to the loss (needs trainer.use_reference)")
@@ -233,8 +238,6 @@ class AlgorithmConfig:
         KL_ESTIMATORS.get(self.kl_estimator)
         KL_ESTIMATORS.get(self.kl_in_reward_estimator, key="algorithm.kl_in_reward_estimator")
         self._check_policy_loss()
-        if self.dual_clip_c != 0 and self.dual_clip_c <= 1:
-            raise ValueError(f"algorithm.dual_clip_c must be 0 (off) or > 1, got {self.dual_clip_c}")
         if self.max_staleness < self.trigger_sync_steps - 1:
             raise ValueError(
                 f"algorithm.trigger_sync_steps={self.trigger_sync_steps} needs "
@@ -248,17 +251,23 @@ class AlgorithmConfig:
                 "ratio at the rollout policy) or bypass_mode=false")
 
     def _check_policy_loss(self) -> None:
-        """``policy_loss`` is registered, its knobs are in range, and no knob is set that it does not read."""
-        loss = POLICY_LOSSES.get(self.policy_loss)
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            raise ValueError(f"algorithm.clip_cov_lb={self.clip_cov_lb} must be < algorithm.clip_cov_ub="
-                             f"{self.clip_cov_ub}")
+        """``policy_loss`` is a registered loss's config node, and no shared setting is changed that the loss
+        does not read (it would be ignored)."""
+        if not isinstance(self.policy_loss, PolicyLossConfig):
+            raise ValueError(f"algorithm.policy_loss={self.policy_loss!r} is now spelled "
+                             f"algorithm.policy_loss.name={self.policy_loss} (a policy loss's own settings sit "
+                             "beside its name, e.g. algorithm.policy_loss.tau_pos)")
+        name = self.policy_loss.name
+        loss, config = POLICY_LOSSES.get(name), POLICY_LOSSES.config(name)
+        if type(self.policy_loss) is not config:
+            raise ValueError(f"algorithm.policy_loss holds a {type(self.policy_loss).__name__}; policy loss "
+                             f"{name!r} takes a {config.__name__} (POLICY_LOSSES.config({name!r}))")
         for f in dataclasses.fields(PolicyLossParams):
-            if getattr(self, f.name) != getattr(_LOSS, f.name) and f.name not in loss.reads:
+            if getattr(self, f.name) != getattr(_SHARED, f.name) and f.name not in loss.reads:
                 users = [n for n in POLICY_LOSSES if f.name in POLICY_LOSSES.get(n).reads]
-                raise ValueError(f"algorithm.{f.name}={getattr(self, f.name)} is not used by algorithm.policy_loss="
-                                 f"{self.policy_loss!r} (it reads {list(loss.reads)}); it is used by {users}")
+                raise ValueError(f"algorithm.{f.name}={getattr(self, f.name)} is not used by algorithm.policy_loss."
+                                 f"name={name!r} (it reads {list(loss.reads)}); it is used by {users}")
         if loss.loss_agg_mode is not None and loss.loss_agg_mode != self.loss_agg_mode:
-            logger.warning("algorithm.policy_loss=%s aggregates the policy loss with %s (its objective); "
+            logger.warning("algorithm.policy_loss.name=%s aggregates the policy loss with %s (its objective); "
                            "algorithm.loss_agg_mode=%s applies to the entropy, KL and value losses",
-                           self.policy_loss, loss.loss_agg_mode, self.loss_agg_mode)
+                           name, loss.loss_agg_mode, self.loss_agg_mode)

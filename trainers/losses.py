@@ -21,7 +21,13 @@ import torch
 
 from common.registry import Registry
 from trainers.metrics import count_tokens_and_seqs, masked_mean, masked_sum
-from trainers.policy_losses import POLICY_LOSSES, PolicyLoss, PolicyLossInputs, PolicyLossParams
+from trainers.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLoss,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    PolicyLossParams,
+)
 
 __all__ = [
     "LOSS_AGG_MODES",
@@ -192,8 +198,7 @@ def policy_loss(
     loss_mode: str | PolicyLoss = "vanilla",
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    dual_clip_c: float = 0.0,
-    params: PolicyLossParams | None = None,
+    config: PolicyLossConfig | None = None,
     loss_agg_mode: str = "token-mean",
     global_num_tokens: int | float | torch.Tensor | None = None,
     global_num_seqs: int | float | torch.Tensor | None = None,
@@ -209,10 +214,10 @@ def policy_loss(
     Per token, with ``r = exp(log_probs - base)`` and ``A`` = ``advantages``, the plug-in gives a loss
     ``l`` (``vanilla``: ``l = -min(r * A, clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high) * A)`` — PPO,
     Schulman et al. 2017, eq. 7, with DAPO's decoupled clip-higher, Yu et al. 2025, eq. 10 — and with
-    ``dual_clip_c > 1`` (0 = off) the dual clip ``-dual_clip_c * A`` on negative advantages, Ye et al.
-    2020, eq. 5; the others in ``trainers/policy_losses.py``). ``params`` carries every plug-in's knobs
-    (``PolicyLossParams.from_config(algorithm)``); when None it is built from ``clip_ratio_low/high`` and
-    ``dual_clip_c``. The per-token loss is then multiplied by a detached importance weight ``w`` and
+    ``VanillaConfig.dual_clip_c > 1`` (0 = off) the dual clip ``-dual_clip_c * A`` on negative advantages, Ye
+    et al. 2020, eq. 5; the others in ``trainers/policy_losses.py``). The plug-in reads the shared
+    ``clip_ratio_low/high`` and ``config``, its own settings (``algorithm.policy_loss``: an instance of the
+    plug-in's config class; None = its defaults). The per-token loss is then multiplied by a detached importance weight ``w`` and
     aggregated with :func:`aggregate_loss` (the plug-in's own aggregation if it has one, else
     ``loss_agg_mode``; ``global_num_*``, ``norm_length`` as there).
 
@@ -235,18 +240,18 @@ def policy_loss(
     micro-batch's valid tokens, the weight for :func:`trainers.metrics.weighted_average`). With no valid
     token, means are 0 and ratio max/min 1.
 
-    Raises ValueError on shape mismatch, an unknown ``loss_mode``, ``dual_clip_c`` in (0, 1], an unknown
-    ``stale_correction``, a correction without ``rollout_log_probs``, or correction inputs the chosen
+    Raises ValueError on shape mismatch, an unknown ``loss_mode``, a ``config`` of another loss's class, an
+    unknown ``stale_correction``, a correction without ``rollout_log_probs``, or correction inputs the chosen
     correction would ignore.
     """
     _check_policy_inputs(log_probs, old_log_probs, advantages, response_mask,
                          rollout_log_probs=rollout_log_probs, proximal_log_probs=proximal_log_probs)
     plugin = loss_mode if isinstance(loss_mode, PolicyLoss) else POLICY_LOSSES.get(loss_mode)
-    if params is None:
-        params = PolicyLossParams(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                                  dual_clip_c=dual_clip_c)
-    if params.dual_clip_c != 0 and params.dual_clip_c <= 1:
-        raise ValueError(f"algorithm.dual_clip_c must be 0 (off) or > 1, got {params.dual_clip_c}")
+    params = PolicyLossParams(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high)
+    config = plugin.config(name=plugin.name) if config is None else config
+    if type(config) is not plugin.config:
+        raise ValueError(f"policy loss {plugin.name!r} takes a {plugin.config.__name__} as its config, "
+                         f"got a {type(config).__name__}")
     mask = response_mask.bool()
     base, weight = _stale_weights(old_log_probs, rollout_log_probs, proximal_log_probs, mask,
                                   stale_correction, tis_cap)
@@ -255,7 +260,7 @@ def policy_loss(
     inputs = PolicyLossInputs(log_probs=torch.where(mask, log_probs, zero),
                               base_log_probs=torch.where(mask, base.detach(), zero), log_ratio=log_ratio,
                               advantages=advantages.detach(), mask=mask)
-    terms = plugin.fn(inputs, params)
+    terms = plugin.fn(inputs, params, config)
     loss_mat = terms.loss_mat if weight is None else terms.loss_mat * weight
     loss = aggregate_loss(loss_mat, response_mask, plugin.loss_agg_mode or loss_agg_mode,
                           global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,

@@ -5,8 +5,10 @@ the per-token loss ``(batch, response_len)`` to *minimise* and the masks its cli
 :func:`trainers.losses.policy_loss` does the rest for every plug-in alike: it picks the log-probs the
 ratio is taken against (``stale_correction``), multiplies by the importance weight, aggregates with the
 plug-in's ``loss_agg_mode`` (or ``algorithm.loss_agg_mode`` when the plug-in has none) and reports
-metrics. Add one with ``@register_policy_loss("name")`` in any module (``module:name`` from outside,
-``common/registry.py``). Each built-in cites its paper; README "Algorithms" lists them and every
+metrics. Add one with ``@register_policy_loss("name", config=MyConfig)`` in any module (``module:name`` from
+outside, ``common/registry.py``); ``MyConfig``, a :class:`PolicyLossConfig` subclass, declares the loss's own
+settings, which the config tree nests under ``algorithm.policy_loss`` beside ``name``. The clip ratios, shared
+by the losses that bound a token's move, stay at ``algorithm.clip_ratio_low/high`` (:class:`PolicyLossParams`). Each built-in cites its paper; README "Algorithms" lists them and every
 deliberate difference from verl.
 
 Notation: ``r = exp(log_ratio)`` the token ratio pi_theta / pi_base (log-ratio clamped to ±20, 0 on
@@ -17,38 +19,107 @@ padding), ``A`` the (detached) advantages, ``eps_low`` / ``eps_high`` = ``clip_r
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
 
 import torch
 
 from common.registry import Registry
+from common.settings import check_settings, setting
 from trainers.metrics import masked_mean, masked_sum
 
 __all__ = [
     "POLICY_LOSSES",
+    "ClipCovConfig",
+    "DppoConfig",
+    "KlCovConfig",
     "PolicyLoss",
+    "PolicyLossConfig",
     "PolicyLossInputs",
     "PolicyLossParams",
     "PolicyLossTerms",
+    "SapoConfig",
+    "VanillaConfig",
     "register_policy_loss",
 ]
+
+POLICY_LOSS_KEY = "algorithm.policy_loss"
+
+
+@dataclass
+class PolicyLossConfig:
+    """The ``algorithm.policy_loss`` node: ``name`` chooses the loss; a loss with settings of its own declares
+    them in a subclass (``@register_policy_loss(name, config=MyConfig)``), nested beside ``name``
+    (``algorithm.policy_loss.tau_pos``). A subclass with cross-field checks calls ``super().__post_init__()``.
+    Build one for a name with ``POLICY_LOSSES.config(name)(name=name, ...)``."""
+
+    name: str = setting("vanilla", doc="policy loss: vanilla (PPO) | gspo | sapo | ... (README, Algorithms) | "
+                                       "module:name")
+
+    def __post_init__(self):
+        check_settings(self, POLICY_LOSS_KEY)
+
+    def settings(self) -> dict:
+        """This loss's own settings (every field but ``name``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name"}
+
+
+@dataclass
+class VanillaConfig(PolicyLossConfig):
+    """``vanilla``: dual-clip PPO's bound on negative-advantage tokens (Ye et al. 2020, eq. 5)."""
+
+    dual_clip_c: float = setting(0.0, doc="dual-clip PPO constant for negative advantages; 0 = off, else > 1")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.dual_clip_c != 0 and not self.dual_clip_c > 1:
+            raise ValueError(f"{POLICY_LOSS_KEY}.dual_clip_c must be 0 (off) or > 1, got {self.dual_clip_c}")
+
+
+@dataclass
+class SapoConfig(PolicyLossConfig):
+    """``sapo``: the gate temperatures."""
+
+    tau_pos: float = setting(1.0, gt=0, doc="sapo: gate temperature for positive advantages")
+    tau_neg: float = setting(1.05, gt=0, doc="sapo: gate temperature for negative advantages")
+
+
+@dataclass
+class ClipCovConfig(PolicyLossConfig):
+    """``clip_cov``: the share of tokens detached and the covariance window they are drawn from."""
+
+    ratio: float = setting(2e-4, gt=0, le=1, doc="clip_cov: fraction of tokens whose gradient is detached")
+    lb: float = setting(1.0, doc="clip_cov: lower bound of the covariance window")
+    ub: float = setting(5.0, doc="clip_cov: upper bound of the covariance window")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.lb < self.ub:
+            raise ValueError(f"{POLICY_LOSS_KEY}.lb={self.lb} must be < {POLICY_LOSS_KEY}.ub={self.ub}")
+
+
+@dataclass
+class KlCovConfig(PolicyLossConfig):
+    """``kl_cov``: the share of tokens penalised and the penalty."""
+
+    ratio: float = setting(2e-4, gt=0, le=1, doc="kl_cov: fraction of tokens penalised")
+    coef: float = setting(0.1, ge=0, doc="kl_cov: coefficient of the penalty")
+
+
+@dataclass
+class DppoConfig(PolicyLossConfig):
+    """``dppo_tv`` / ``dppo_kl``: the truncation of the importance ratio."""
+
+    ratio_cap: float = setting(20.0, gt=0, doc="dppo_tv / dppo_kl: truncation of the importance ratio")
 
 
 @dataclass(frozen=True)
 class PolicyLossParams:
-    """The knobs policy losses read, copied from ``AlgorithmConfig`` (same names, same meaning)."""
+    """The settings several policy losses share, from ``algorithm.*`` (same names, same meaning): the clip
+    ratios bounding how far one update may move a token (``AlgorithmConfig``'s docstring: the rule)."""
 
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    dual_clip_c: float = 0.0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    kl_cov_coef: float = 0.1
-    dppo_ratio_cap: float = 20.0
 
     @classmethod
     def from_config(cls, algorithm) -> PolicyLossParams:
@@ -79,35 +150,42 @@ class PolicyLossTerms:
     clipped_lower: torch.Tensor | None = None
 
 
-PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams], PolicyLossTerms]
+PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams, Any], PolicyLossTerms]
 
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """A policy-loss plug-in: ``fn(inputs, params) -> terms``; ``loss_agg_mode``: the aggregation its
-    objective defines (e.g. GSPO's per-sequence mean), or None to use ``algorithm.loss_agg_mode``;
-    ``reads``: the :class:`PolicyLossParams` fields it uses (config rejects a non-default value of one it
-    does not read, which would be ignored)."""
+    """A policy-loss plug-in: ``fn(inputs, params, config) -> terms`` with the shared ``params`` and its own
+    ``config`` (an instance of ``config``, a :class:`PolicyLossConfig` subclass, or the base class for a loss
+    without settings); ``loss_agg_mode``: the aggregation its objective defines (e.g. GSPO's per-sequence
+    mean), or None to use ``algorithm.loss_agg_mode``; ``reads``: the shared :class:`PolicyLossParams` fields
+    it uses (config rejects a non-default value of one it does not read, which would be ignored)."""
 
     name: str
     fn: PolicyLossFn
+    config: type[PolicyLossConfig] = PolicyLossConfig
     loss_agg_mode: str | None = None
     reads: tuple[str, ...] = ()
 
 
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "algorithm.policy_loss")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", f"{POLICY_LOSS_KEY}.name")
 
 
-def register_policy_loss(name: str, *, loss_agg_mode: str | None = None,
+def register_policy_loss(name: str, *, config: type[PolicyLossConfig] = PolicyLossConfig,
+                         loss_agg_mode: str | None = None,
                          reads: tuple[str, ...] = ()) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering ``fn`` as the :class:`PolicyLoss` ``name``; raises ValueError on a duplicate or
-    on a ``reads`` entry that is not a :class:`PolicyLossParams` field."""
+    """Decorator registering ``fn`` as the :class:`PolicyLoss` ``name`` with its settings class ``config``;
+    raises ValueError on a duplicate, a ``config`` that is not a :class:`PolicyLossConfig` dataclass, or a
+    ``reads`` entry that is not a :class:`PolicyLossParams` field."""
     unknown = sorted(set(reads) - {f.name for f in fields(PolicyLossParams)})
     if unknown:
-        raise ValueError(f"policy loss {name!r} reads unknown parameters {unknown}")
+        raise ValueError(f"policy loss {name!r} reads unknown shared parameters {unknown}; its own settings go in "
+                         "its config class")
+    if not (isinstance(config, type) and issubclass(config, PolicyLossConfig) and is_dataclass(config)):
+        raise ValueError(f"policy loss {name!r}: config={config!r} must be a dataclass subclassing PolicyLossConfig")
 
     def wrap(fn: PolicyLossFn) -> PolicyLossFn:
-        POLICY_LOSSES.register(name, PolicyLoss(name, fn, loss_agg_mode, tuple(reads)))
+        POLICY_LOSSES.register(name, PolicyLoss(name, fn, config, loss_agg_mode, tuple(reads)), config=config)
         return fn
 
     return wrap
@@ -128,23 +206,23 @@ def _seq_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(values, mask, dim=-1) / mask.sum(dim=-1).clamp(min=1)
 
 
-@register_policy_loss("vanilla", reads=("clip_ratio_low", "clip_ratio_high", "dual_clip_c"))
-def vanilla(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+@register_policy_loss("vanilla", config=VanillaConfig, reads=_CLIP)
+def vanilla(x: PolicyLossInputs, p: PolicyLossParams, c: VanillaConfig) -> PolicyLossTerms:
     """Clipped PPO (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7) with DAPO's
     decoupled clip-higher (Yu et al. 2025, eq. 10): ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``;
     ``dual_clip_c > 1`` (0 = off) also bounds negative-advantage tokens by ``-dual_clip_c * A`` (dual-clip
     PPO, Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", eq. 5)."""
     loss_mat, clipped = _clip_terms(x.advantages, torch.exp(x.log_ratio), p)
     dual_clipped = torch.zeros_like(x.mask)
-    if p.dual_clip_c > 0:
-        bound = -x.advantages * p.dual_clip_c
+    if c.dual_clip_c > 0:
+        bound = -x.advantages * c.dual_clip_c
         dual_clipped = (x.advantages < 0) & (loss_mat > bound)
         loss_mat = torch.where(dual_clipped, bound, loss_mat)
     return PolicyLossTerms(loss_mat, clipped, dual_clipped)
 
 
 @register_policy_loss("gspo", loss_agg_mode="seq-mean-token-mean", reads=_CLIP)
-def gspo(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+def gspo(x: PolicyLossInputs, p: PolicyLossParams, c: PolicyLossConfig) -> PolicyLossTerms:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071): the
     sequence ratio ``s_i = exp(mean_t log_ratio_it)`` clipped like PPO, as the token-level GSPO-token form
     ``s_it = sg(s_i) * pi_theta(y_it) / sg(pi_theta(y_it))`` (log clamped at 10, as verl), averaged per
@@ -156,19 +234,19 @@ def gspo(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
     return PolicyLossTerms(loss_mat, clipped)
 
 
-@register_policy_loss("sapo", loss_agg_mode="seq-mean-token-mean", reads=("sapo_tau_pos", "sapo_tau_neg"))
-def sapo(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+@register_policy_loss("sapo", config=SapoConfig, loss_agg_mode="seq-mean-token-mean")
+def sapo(x: PolicyLossInputs, p: PolicyLossParams, c: SapoConfig) -> PolicyLossTerms:
     """SAPO ("Soft Adaptive Policy Optimization", Qwen team 2025, arXiv:2511.20347): a smooth gate in place
-    of the hard clip, ``l = -f(r) A`` with ``f(r) = sigmoid(tau (r - 1)) * 4 / tau``, ``tau = sapo_tau_pos``
-    where ``A > 0`` else ``sapo_tau_neg``; ``f'(1) = 1`` so at ``r = 1`` the gradient equals PPO's.
+    of the hard clip, ``l = -f(r) A`` with ``f(r) = sigmoid(tau (r - 1)) * 4 / tau``, ``tau = tau_pos``
+    where ``A > 0`` else ``tau_neg``; ``f'(1) = 1`` so at ``r = 1`` the gradient equals PPO's.
     Aggregated ``seq-mean-token-mean`` as in verl."""
-    tau = torch.where(x.advantages > 0, p.sapo_tau_pos, p.sapo_tau_neg).to(x.log_ratio.dtype)
+    tau = torch.where(x.advantages > 0, c.tau_pos, c.tau_neg).to(x.log_ratio.dtype)
     gate = torch.sigmoid(tau * (torch.exp(x.log_ratio) - 1.0)) * (4.0 / tau)
     return PolicyLossTerms(-gate * x.advantages)
 
 
 @register_policy_loss("cispo", reads=_CLIP)
-def cispo(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+def cispo(x: PolicyLossInputs, p: PolicyLossParams, c: PolicyLossConfig) -> PolicyLossTerms:
     """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
     arXiv:2506.13585): REINFORCE with a clipped, stop-gradient importance weight,
     ``l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta`` — every token keeps a gradient.
@@ -180,7 +258,7 @@ def cispo(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
 
 
 @register_policy_loss("gpg")
-def gpg(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+def gpg(x: PolicyLossInputs, p: PolicyLossParams, c: PolicyLossConfig) -> PolicyLossTerms:
     """GPG's plain policy gradient (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
     Baseline for Model Reasoning", arXiv:2504.02546): ``l = -A * log pi_theta``, no ratio, no clip. Pair
     with ``algorithm.adv_estimator=gpg``."""
@@ -188,7 +266,7 @@ def gpg(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
 
 
 @register_policy_loss("geo_mean", loss_agg_mode="seq-mean-token-mean", reads=_CLIP)
-def geo_mean(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+def geo_mean(x: PolicyLossInputs, p: PolicyLossParams, c: PolicyLossConfig) -> PolicyLossTerms:
     """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673): the
     geometric mean of the token ratios, clipped token-wise in log space. With ``d = log_ratio``,
     ``sgn = sign(A)``: ``d' = sgn * min(sgn * d, sgn * clip(d, -eps_low, eps_high))``; per sequence
@@ -205,18 +283,18 @@ def geo_mean(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
                            clipped & (x.advantages < 0))
 
 
-def _dppo_terms(x: PolicyLossInputs, p: PolicyLossParams, valid: torch.Tensor) -> PolicyLossTerms:
-    """DPPO's loss given its trust-region mask: ``l = -A * sg(min(r, dppo_ratio_cap)) * log pi_theta`` on
+def _dppo_terms(x: PolicyLossInputs, c: DppoConfig, valid: torch.Tensor) -> PolicyLossTerms:
+    """DPPO's loss given its trust-region mask: ``l = -A * sg(min(r, ratio_cap)) * log pi_theta`` on
     tokens inside the region, 0 outside (their gradient is dropped, not clipped)."""
     ratio = torch.exp(x.log_ratio)
-    weight = ratio.clamp(max=p.dppo_ratio_cap).detach()
+    weight = ratio.clamp(max=c.ratio_cap).detach()
     valid = valid.detach()
     loss_mat = torch.where(valid, -x.advantages * weight * x.log_probs, torch.zeros_like(x.log_probs))
-    return PolicyLossTerms(loss_mat, ~valid & x.mask, (ratio > p.dppo_ratio_cap) & valid)
+    return PolicyLossTerms(loss_mat, ~valid & x.mask, (ratio > c.ratio_cap) & valid)
 
 
-@register_policy_loss("dppo_tv", reads=_CLIP + ("dppo_ratio_cap",))
-def dppo_tv(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+@register_policy_loss("dppo_tv", config=DppoConfig, reads=_CLIP)
+def dppo_tv(x: PolicyLossInputs, p: PolicyLossParams, c: DppoConfig) -> PolicyLossTerms:
     """DPPO-Binary-TV (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
     arXiv:2602.04879): a token stays in the trust region when its probability moved by at most
     ``clip_ratio_high`` up (``A > 0``: ``p - p_old <= eps_high``) or ``clip_ratio_low`` down (``A <= 0``:
@@ -224,11 +302,11 @@ def dppo_tv(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
     tokens outside lose their gradient. Loss as :func:`_dppo_terms`."""
     delta = torch.exp(x.log_probs.detach()) - torch.exp(x.base_log_probs)
     valid = torch.where(x.advantages > 0, delta <= p.clip_ratio_high, delta >= -p.clip_ratio_low)
-    return _dppo_terms(x, p, valid)
+    return _dppo_terms(x, c, valid)
 
 
-@register_policy_loss("dppo_kl", reads=_CLIP + ("dppo_ratio_cap",))
-def dppo_kl(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+@register_policy_loss("dppo_kl", config=DppoConfig, reads=_CLIP)
+def dppo_kl(x: PolicyLossInputs, p: PolicyLossParams, c: DppoConfig) -> PolicyLossTerms:
     """DPPO-Binary-KL (Qi et al. 2026, arXiv:2602.04879): as :func:`dppo_tv` with the binary KL
     ``p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p))`` (+1e-8 inside the second log) bounded
     by ``clip_ratio_high`` for a probability that rose under ``A > 0``, ``clip_ratio_low`` for one that fell
@@ -238,7 +316,7 @@ def dppo_kl(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
         (1.0 - old + 1e-8) / (1.0 - prob + 1e-8))
     valid = torch.where(x.advantages > 0, (binary_kl <= p.clip_ratio_high) | (prob <= old),
                         (binary_kl <= p.clip_ratio_low) | (prob >= old))
-    return _dppo_terms(x, p, valid)
+    return _dppo_terms(x, c, valid)
 
 
 def _token_covariance(x: PolicyLossInputs) -> torch.Tensor:
@@ -247,27 +325,27 @@ def _token_covariance(x: PolicyLossInputs) -> torch.Tensor:
     return (x.advantages - masked_mean(x.advantages, x.mask)) * (logp - masked_mean(logp, x.mask))
 
 
-@register_policy_loss("clip_cov", reads=_CLIP + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
-def clip_cov(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+@register_policy_loss("clip_cov", config=ClipCovConfig, reads=_CLIP)
+def clip_cov(x: PolicyLossInputs, p: PolicyLossParams, c: ClipCovConfig) -> PolicyLossTerms:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
-    Models", arXiv:2505.22617, sec. 4): clipped PPO, except that ``max(1, int(clip_cov_ratio * N))``
+    Models", arXiv:2505.22617, sec. 4): clipped PPO, except that ``max(1, int(ratio * N))``
     tokens (``N`` valid tokens of the micro-batch), drawn at random among the unclipped tokens whose
-    covariance lies in ``(clip_cov_lb, clip_cov_ub)``, lose their gradient (loss 0). The draw uses torch's
+    covariance lies in ``(lb, ub)``, lose their gradient (loss 0). The draw uses torch's
     global RNG. ``pg_clipfrac`` counts the detached tokens."""
     loss_mat, ppo_clipped = _clip_terms(x.advantages, torch.exp(x.log_ratio), p)
     cov = _token_covariance(x)
-    candidates = (x.mask & ~ppo_clipped & (cov > p.clip_cov_lb) & (cov < p.clip_cov_ub)).nonzero()
-    num = max(int(p.clip_cov_ratio * int(x.mask.sum().item())), 1)
+    candidates = (x.mask & ~ppo_clipped & (cov > c.lb) & (cov < c.ub)).nonzero()
+    num = max(int(c.ratio * int(x.mask.sum().item())), 1)
     chosen = candidates[torch.randperm(len(candidates))[:num].to(candidates.device)]
     detached = torch.zeros_like(x.mask)
     detached[chosen[:, 0], chosen[:, 1]] = True
     return PolicyLossTerms(torch.where(detached, torch.zeros_like(loss_mat), loss_mat), detached)
 
 
-@register_policy_loss("kl_cov", reads=("kl_cov_ratio", "kl_cov_coef"))
-def kl_cov(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
+@register_policy_loss("kl_cov", config=KlCovConfig)
+def kl_cov(x: PolicyLossInputs, p: PolicyLossParams, c: KlCovConfig) -> PolicyLossTerms:
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617, sec. 4): the unclipped surrogate ``-A r`` on every token,
-    plus ``kl_cov_coef * |log r|`` on the ``max(1, int(kl_cov_ratio * N))`` valid tokens of the
+    plus ``coef * |log r|`` on the ``max(1, int(ratio * N))`` valid tokens of the
     micro-batch with the largest covariance. ``pg_clipfrac`` counts
     the penalised tokens."""
     loss_mat = -x.advantages * torch.exp(x.log_ratio)
@@ -275,8 +353,8 @@ def kl_cov(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossTerms:
     penalised = torch.zeros_like(x.mask)
     if num_valid:
         cov = torch.where(x.mask, _token_covariance(x), torch.full_like(loss_mat, -torch.inf))
-        num = max(int(p.kl_cov_ratio * num_valid), 1)
+        num = max(int(c.ratio * num_valid), 1)
         top = torch.topk(cov.flatten(), num, sorted=True, largest=True).indices
         penalised.view(-1)[top] = True
-        loss_mat = torch.where(penalised, loss_mat + p.kl_cov_coef * x.log_ratio.abs(), loss_mat)
+        loss_mat = torch.where(penalised, loss_mat + c.coef * x.log_ratio.abs(), loss_mat)
     return PolicyLossTerms(loss_mat, penalised)

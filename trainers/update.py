@@ -42,7 +42,7 @@ from trainers.fsdp import response_log_probs, response_values
 from trainers.kl import kl_loss
 from trainers.losses import aggregate_loss, policy_loss, value_loss
 from trainers.metrics import count_tokens_and_seqs, masked_sum
-from trainers.policy_losses import POLICY_LOSSES, PolicyLossParams
+from trainers.policy_losses import POLICY_LOSSES
 from trainers.rollout_corr import MismatchSums
 
 ACTOR_FIELDS = schema.UPDATE_ACTOR.reads
@@ -180,7 +180,7 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
     tokens, seqs = _global_counts(mini)
     agg = {"loss_agg_mode": algorithm.loss_agg_mode, "global_num_tokens": tokens, "global_num_seqs": seqs,
            "norm_length": norm_length}
-    loss_mode, params = POLICY_LOSSES.get(algorithm.policy_loss), PolicyLossParams.from_config(algorithm)
+    loss_mode = POLICY_LOSSES.get(algorithm.policy_loss.name)
     plan = micro_batch_plan(mini, micro_batch_size, max_token_len, share_prompts)
     for mb in synced_micro_batches(mini, plan, filler, model=policy):
         mask = mb[schema.RESPONSE_MASK]
@@ -191,7 +191,8 @@ def actor_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: 
         old_log_probs = log_probs.detach() if old_from_current else mb[schema.OLD_LOG_PROBS]
         loss, pg = policy_loss(
             log_probs, old_log_probs, mb[schema.ADVANTAGES], mask, loss_mode=loss_mode,
-            params=params, stale_correction=algorithm.stale_correction, tis_cap=algorithm.tis_cap,
+            clip_ratio_low=algorithm.clip_ratio_low, clip_ratio_high=algorithm.clip_ratio_high,
+            config=algorithm.policy_loss, stale_correction=algorithm.stale_correction, tis_cap=algorithm.tis_cap,
             rollout_log_probs=mb[schema.ROLLOUT_LOG_PROBS] if algorithm.stale_correction != "none" else None,
             **agg,
         )

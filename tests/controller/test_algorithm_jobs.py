@@ -17,9 +17,9 @@ pytestmark = pytest.mark.timeout(300)
     "overrides",
     [
         # the rollers add remax_baseline because the estimator's roller_extras say so
-        ("algorithm.adv_estimator=remax", "algorithm.policy_loss=cispo"),
+        ("algorithm.adv_estimator=remax", "algorithm.policy_loss.name=cispo"),
         # an estimator from outside the package, GPG's loss, token-sum, a straight-through KL loss
-        ("algorithm.adv_estimator=tests.trainers.plugin_estimator:group_max_baseline", "algorithm.policy_loss=gpg",
+        ("algorithm.adv_estimator=tests.trainers.plugin_estimator:group_max_baseline", "algorithm.policy_loss.name=gpg",
          "algorithm.loss_agg_mode=token-sum", "trainer.use_reference=true", "algorithm.use_kl_loss=true",
          "algorithm.kl_estimator=k3+"),
     ],

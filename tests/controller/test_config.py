@@ -234,3 +234,12 @@ def test_an_estimator_asking_the_rollers_for_a_field_they_cannot_put_is_a_config
                         AdvantageEstimator("needs_magic", grpo.fn, roller_extras=("magic",)))
     with pytest.raises(ValueError, match=r"algorithm.adv_estimator='needs_magic' asks the rollers for \['magic'\]"):
         load_config(preset="tiny", overrides=["algorithm.adv_estimator=needs_magic"])
+
+
+def test_with_defaults_fills_a_plugin_node_by_the_config_class_its_name_chooses():
+    from controller.config import to_dict, with_defaults
+
+    tree = to_dict(load_config(preset="tiny", overrides=["algorithm.policy_loss.name=sapo"]))
+    del tree["algorithm"]["policy_loss"]["tau_neg"]  # a tree saved before the key existed
+    filled = with_defaults(tree)["algorithm"]["policy_loss"]
+    assert filled == {"name": "sapo", "tau_pos": 1.0, "tau_neg": 1.05}  # sapo's defaults, not vanilla's

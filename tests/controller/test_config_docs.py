@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import yaml
 
 from common.settings import doc_of
 from controller.cli import main
 from controller.config import load_config
 from controller.config_docs import config_fields, config_keys, key_docs, to_described_yaml
+from trainers.policy_losses import POLICY_LOSSES
 
 KEY_DOCS = key_docs()
 
@@ -17,6 +20,20 @@ def test_every_config_key_declares_its_one_line_description():
     assert len(fields) > 100 and "algorithm.max_staleness" in fields and "model.tiny.seed" in fields
     for key, f in fields.items():  # a new key needs setting(..., doc="...")
         assert doc_of(f) and "\n" not in doc_of(f) and len(doc_of(f)) <= 110, key
+
+
+def test_every_policy_loss_config_declares_its_descriptions():
+    for name in POLICY_LOSSES:  # each registered loss's own settings, nested under algorithm.policy_loss
+        for f in dataclasses.fields(POLICY_LOSSES.config(name)):
+            assert doc_of(f) and "\n" not in doc_of(f) and len(doc_of(f)) <= 110, (name, f.name)
+
+
+def test_describe_shows_the_chosen_policy_losss_own_settings(capsys):
+    assert main(["show-config", "--describe", "--preset", "tiny", "algorithm.policy_loss.name=sapo"]) == 0
+    out = capsys.readouterr().out
+    assert "  policy_loss:\n    name: sapo  # policy loss: " in out
+    assert "    tau_pos: 1.0  # sapo: gate temperature for positive advantages [> 0]\n" in out
+    assert "dual_clip_c" not in out
 
 
 def test_a_described_key_says_what_it_accepts():

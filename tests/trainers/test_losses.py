@@ -24,6 +24,7 @@ from trainers.metrics import (
     masked_whiten,
     weighted_average,
 )
+from trainers.policy_losses import SapoConfig, VanillaConfig
 
 
 def two_sequences():
@@ -89,7 +90,8 @@ def test_all_masked_gives_zero_loss_zero_grads_and_clean_optimizer_state():
     adv = torch.full((3, 6), 1e30)
     for mode in LOSS_AGG_MODES:
         loss, metrics = policy_loss(log_probs, old, adv, mask, loss_agg_mode=mode, norm_length=6,
-                                    dual_clip_c=3.0, rollout_log_probs=old, stale_correction="tis")
+                                    config=VanillaConfig(dual_clip_c=3.0), rollout_log_probs=old,
+                                    stale_correction="tis")
         assert loss.item() == 0.0
         assert all(math.isfinite(v) for v in metrics.values()) and metrics["num_tokens"] == 0
     opt.zero_grad()
@@ -127,7 +129,7 @@ def test_step_zero_ratio_is_one_and_nothing_is_clipped():
     mask = torch.ones(4, 7, dtype=torch.int64)
     mask[2, 4:] = 0
     loss, metrics = policy_loss(log_probs, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                dual_clip_c=3.0)
+                                config=VanillaConfig(dual_clip_c=3.0))
     assert metrics["ratio_mean"] == 1.0 and metrics["ratio_max"] == 1.0 and metrics["ratio_min"] == 1.0
     assert metrics["pg_clipfrac"] == 0.0 and metrics["pg_clipfrac_lower"] == 0.0
     assert metrics["ppo_kl"] == 0.0
@@ -155,7 +157,8 @@ def test_ppo_clip_higher_and_dual_clip_hand_computed():
     assert torch.allclose(log_probs.grad, torch.tensor([[0.0, -0.5, 0.0, 1.5, 4.0]]) / 5, atol=1e-6)
 
     log_probs.grad = None
-    loss, m = policy_loss(log_probs, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip_c=3.0)
+    loss, m = policy_loss(log_probs, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                          config=VanillaConfig(dual_clip_c=3.0))
     assert loss.item() == pytest.approx((-1.28 - 0.5 + 0.8 + 1.5 + 3.0) / 5, abs=1e-6)
     assert m["pg_clipfrac_lower"] == pytest.approx(1 / 5)
     loss.backward()
@@ -202,7 +205,7 @@ def test_decoupled_ppo_clips_around_the_proximal_policy():
     [
         ({"stale_correction": "tis"}, "needs rollout_log_probs"),
         ({"stale_correction": "iw", "rollout_log_probs": torch.zeros(2, 3)}, "stale_correction='iw'"),
-        ({"dual_clip_c": 0.5}, "dual_clip_c must be 0"),
+        ({"config": SapoConfig(name="sapo")}, "policy loss 'vanilla' takes a VanillaConfig"),
         ({"rollout_log_probs": torch.zeros(2, 3)}, "stale_correction='none' would ignore"),
         ({"proximal_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3),
           "stale_correction": "tis"}, "only used by stale_correction='decoupled'"),

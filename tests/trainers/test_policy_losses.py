@@ -12,13 +12,15 @@ Each expected value below is the paper's formula worked out by hand on these num
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
+from controller.config import load_config
 from trainers.config import AlgorithmConfig
 from trainers.losses import policy_loss
-from trainers.policy_losses import POLICY_LOSSES, PolicyLossParams
+from trainers.policy_losses import POLICY_LOSSES, ClipCovConfig, SapoConfig, VanillaConfig
 
 P_OLD = [[0.4, 0.6, 0.5], [0.5, 0.5, 0.9]]
 P = [[0.6, 0.3, 0.5], [0.55, 0.35, 0.1]]  # the pad column is garbage and must not matter
@@ -27,13 +29,13 @@ MASK = [[1, 1, 1], [1, 1, 0]]
 LN = math.log
 
 
-def run(loss_mode, **kwargs):
-    """(loss, metrics, d loss / d log_probs) of ``loss_mode`` on the batch above, in float64."""
+def run(loss_mode, config=None, **clip):
+    """(loss, metrics, d loss / d log_probs) of ``loss_mode`` on the batch above, in float64, with the shared
+    clip ratios ``clip`` and the loss's own settings ``config`` (None = its defaults)."""
     log_probs = torch.log(torch.tensor(P, dtype=torch.float64)).requires_grad_(True)
     old = torch.log(torch.tensor(P_OLD, dtype=torch.float64))
     adv, mask = torch.tensor(ADV, dtype=torch.float64), torch.tensor(MASK)
-    params = PolicyLossParams(**kwargs)
-    loss, metrics = policy_loss(log_probs, old, adv, mask, loss_mode=loss_mode, params=params)
+    loss, metrics = policy_loss(log_probs, old, adv, mask, loss_mode=loss_mode, config=config, **clip)
     loss.backward()
     return loss.item(), metrics, log_probs.grad
 
@@ -96,7 +98,7 @@ def test_sapo_gradient_at_ratio_one_equals_ppo():
     log_probs = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
     loss, _ = policy_loss(log_probs, torch.zeros(1, 2, dtype=torch.float64), adv, torch.ones(1, 2),
-                          loss_mode="sapo", params=PolicyLossParams(sapo_tau_pos=1.0, sapo_tau_neg=3.0))
+                          loss_mode="sapo", config=SapoConfig(name="sapo", tau_pos=1.0, tau_neg=3.0))
     loss.backward()
     # f'(1) = tau * 1/4 * 4 / tau = 1, so d loss / d log p = -A * r / 2 = -A / 2 (one sequence of 2 tokens).
     assert torch.allclose(log_probs.grad, torch.tensor([[-0.5, 0.5]], dtype=torch.float64))
@@ -136,7 +138,7 @@ def test_dppo_kl_uses_the_binary_kl():
 
 def test_clip_cov_detaches_the_covariance_window_tokens():
     # PPO already clips (0,0) and (1,1); in (0.1, 5) remains (0,2) only; max(1, int(0.2 * 5)) = 1 token.
-    loss, m, grad = run("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.1, clip_cov_ub=5.0)
+    loss, m, grad = run("clip_cov", POLICY_LOSSES.config("clip_cov")(name="clip_cov", ratio=0.2, lb=0.1, ub=5.0))
     assert loss == pytest.approx((-1.2 - 0.5 + 0.0 + 2.2 + 1.6) / 5)
     assert m["pg_clipfrac"] == pytest.approx(1 / 5)
     assert grad[0, 2].item() == 0.0 and grad[0, 1].item() == pytest.approx(-0.5 / 5)
@@ -144,7 +146,7 @@ def test_clip_cov_detaches_the_covariance_window_tokens():
 
 def test_kl_cov_penalises_the_largest_covariance_tokens():
     # Unclipped -A r everywhere; the top 1 covariance token (1,1) adds 0.1 * |ln 0.7|.
-    loss, m, _ = run("kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.1)
+    loss, m, _ = run("kl_cov", POLICY_LOSSES.config("kl_cov")(name="kl_cov", ratio=0.2, coef=0.1))
     assert loss == pytest.approx((-1.5 - 0.5 - 1.0 + 2.2 + 1.4 + 0.1 * abs(LN(0.7))) / 5)
     assert m["pg_clipfrac"] == pytest.approx(1 / 5)
 
@@ -160,36 +162,86 @@ def test_every_loss_ignores_padding_and_is_zero_on_an_empty_batch(name):
 
 
 def test_config_selects_and_validates_policy_losses():
-    assert AlgorithmConfig().policy_loss == "vanilla"
-    assert AlgorithmConfig(policy_loss="cispo", clip_ratio_high=0.28).policy_loss == "cispo"
-    with pytest.raises(ValueError, match=r"algorithm\.policy_loss='ppo2' is not one of \[.*'gspo'"):
-        AlgorithmConfig(policy_loss="ppo2")
-    with pytest.raises(ValueError, match=r"algorithm\.sapo_tau_neg=2\.0 is not used by algorithm\.policy_loss="
-                                         r"'vanilla'.*\['sapo'\]"):
-        AlgorithmConfig(sapo_tau_neg=2.0)
-    with pytest.raises(ValueError, match=r"algorithm\.dual_clip_c=3\.0 is not used by .*'gspo'"):
-        AlgorithmConfig(policy_loss="gspo", dual_clip_c=3.0)
-    for key, value in (("sapo_tau_pos", 0.0), ("kl_cov_coef", -1.0), ("dppo_ratio_cap", float("nan")),
-                       ("clip_cov_ratio", 0.0), ("kl_cov_ratio", 1.5)):
-        with pytest.raises(ValueError, match=rf"algorithm\.{key}"):
-            AlgorithmConfig(**{key: value})
-    with pytest.raises(ValueError, match=r"algorithm\.clip_cov_lb=5\.0 must be < algorithm\.clip_cov_ub=5\.0"):
-        AlgorithmConfig(policy_loss="clip_cov", clip_cov_lb=5.0)
+    assert AlgorithmConfig().policy_loss == VanillaConfig(name="vanilla", dual_clip_c=0.0)
+    cispo = AlgorithmConfig(policy_loss=POLICY_LOSSES.config("cispo")(name="cispo"), clip_ratio_high=0.28)
+    assert cispo.policy_loss.name == "cispo"
+    with pytest.raises(ValueError, match=r"algorithm\.policy_loss\.name='ppo2' is not one of \[.*'gspo'"):
+        AlgorithmConfig(policy_loss=VanillaConfig(name="ppo2"))
+    with pytest.raises(ValueError, match=r"algorithm\.clip_ratio_high=0\.3 is not used by algorithm\.policy_loss\."
+                                         r"name='sapo'.*'vanilla'"):
+        AlgorithmConfig(policy_loss=SapoConfig(name="sapo"), clip_ratio_high=0.3)
+    with pytest.raises(ValueError, match=r"policy loss 'gspo' takes a PolicyLossConfig"):
+        AlgorithmConfig(policy_loss=VanillaConfig(name="gspo", dual_clip_c=3.0))
+    with pytest.raises(ValueError, match=r"algorithm\.policy_loss='sapo' is now spelled algorithm\.policy_loss\.name=sapo"):
+        AlgorithmConfig(policy_loss="sapo")
+    for cls, key, value in ((SapoConfig, "tau_pos", 0.0), (POLICY_LOSSES.config("kl_cov"), "coef", -1.0),
+                            (POLICY_LOSSES.config("dppo_tv"), "ratio_cap", float("nan")),
+                            (ClipCovConfig, "ratio", 0.0), (POLICY_LOSSES.config("kl_cov"), "ratio", 1.5)):
+        with pytest.raises(ValueError, match=rf"algorithm\.policy_loss\.{key} must be"):
+            cls(**{key: value})
+    with pytest.raises(ValueError, match=r"algorithm\.policy_loss\.lb=5\.0 must be < algorithm\.policy_loss\.ub=5\.0"):
+        ClipCovConfig(name="clip_cov", lb=5.0)
+    with pytest.raises(ValueError, match=r"algorithm\.policy_loss\.dual_clip_c must be 0 \(off\) or > 1, got 0\.5"):
+        VanillaConfig(dual_clip_c=0.5)
 
 
-def test_params_come_from_the_config():
-    cfg = AlgorithmConfig(policy_loss="sapo", sapo_tau_pos=1.5, sapo_tau_neg=2.5)
-    params = PolicyLossParams.from_config(cfg)
-    assert (params.sapo_tau_pos, params.sapo_tau_neg, params.clip_ratio_low) == (1.5, 2.5, 0.2)
+def test_a_policy_losss_settings_nest_under_its_name_in_the_config_tree():
+    cfg = load_config(preset="tiny", overrides=["algorithm.policy_loss.name=sapo", "algorithm.policy_loss.tau_pos=1.5",
+                                                "algorithm.policy_loss.tau_neg=2.5"])
+    assert cfg.algorithm.policy_loss == SapoConfig(name="sapo", tau_pos=1.5, tau_neg=2.5)
+    assert load_config(preset="tiny").algorithm.policy_loss == VanillaConfig()
+    dual = load_config(preset="tiny", overrides=["algorithm.policy_loss.dual_clip_c=3"]).algorithm.policy_loss
+    assert dual == VanillaConfig(dual_clip_c=3.0)  # vanilla's own setting, the name left at its default
+    with pytest.raises(ValueError, match=r"unknown config key 'algorithm\.policy_loss\.tau_pos' \(from override "
+                                         r"'algorithm\.policy_loss\.tau_pos=2'\): policy loss 'vanilla' takes "
+                                         r"\['name', 'dual_clip_c'\]"):
+        load_config(preset="tiny", overrides=["algorithm.policy_loss.tau_pos=2"])
+    with pytest.raises(ValueError, match=r"algorithm\.policy_loss\.tau_pos must be > 0, got -1\.0"):
+        load_config(preset="tiny", overrides=["algorithm.policy_loss.name=sapo", "algorithm.policy_loss.tau_pos=-1"])
+    with pytest.raises(ValueError, match=r"algorithm\.policy_loss\.name='nope' is not one of .*\(from override"):
+        load_config(preset="tiny", overrides=["algorithm.policy_loss.name=nope"])
+
+
+@pytest.mark.parametrize("override, new", [
+    ("algorithm.policy_loss=sapo", "algorithm.policy_loss.name=sapo"),
+    ("algorithm.sapo_tau_pos=1.5", "algorithm.policy_loss.tau_pos (with algorithm.policy_loss.name=sapo)"),
+    ("algorithm.dual_clip_c=3", "algorithm.policy_loss.dual_clip_c (with algorithm.policy_loss.name=vanilla)"),
+    ("algorithm.clip_cov_lb=0.5", "algorithm.policy_loss.lb (with algorithm.policy_loss.name=clip_cov)"),
+    ("algorithm.dppo_ratio_cap=5", "algorithm.policy_loss.ratio_cap"),
+])
+def test_an_old_flat_spelling_is_refused_with_the_new_key(override, new, tmp_path):
+    with pytest.raises(ValueError, match="is now spelled " + re.escape(new)):
+        load_config(preset="tiny", overrides=[override])
+    # The same in a YAML file, e.g. the config.yaml of a run a resume reads.
+    key, _, value = override.partition("=")
+    section, name = key.split(".")
+    (tmp_path / "old.yaml").write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ValueError, match=re.escape(f"{key} (from {tmp_path / 'old.yaml'})") + "|" +
+                       re.escape(f"{key}={value!r} (from {tmp_path / 'old.yaml'})")):
+        load_config(config_file=str(tmp_path / "old.yaml"))
 
 
 def test_a_policy_loss_from_outside_the_package_by_module_name():
     # tests/trainers/plugin_policy_loss.py: l = -A r, token mean of -1.5, -0.5, -1.0 | 2.2, 1.4.
     spec = "tests.trainers.plugin_policy_loss:unclipped"
-    AlgorithmConfig(policy_loss=spec)  # validated against the registry, the module imported by the lookup
+    AlgorithmConfig(policy_loss=POLICY_LOSSES.config(spec)(name=spec))  # the module imported by the lookup
     loss, m, grad = run(spec)
     assert loss == pytest.approx((-1.5 - 0.5 - 1.0 + 2.2 + 1.4) / 5)
     assert m["pg_clipfrac"] == 0.0
     assert torch.allclose(grad, torch.tensor([[-1.5, -0.5, -1.0], [2.2, 1.4, 0.0]], dtype=torch.float64) / 5)
     with pytest.raises(ValueError, match="registered no policy loss named 'nope'"):
-        AlgorithmConfig(policy_loss="tests.trainers.plugin_policy_loss:nope")
+        AlgorithmConfig(policy_loss=VanillaConfig(name="tests.trainers.plugin_policy_loss:nope"))
+
+
+def test_a_plugin_from_outside_declares_its_own_setting_and_the_config_tree_carries_it():
+    """``unclipped``'s ``scale``, set as a user would (dotted overrides), reaches the trainer's loss call."""
+    spec = "tests.trainers.plugin_policy_loss:unclipped"
+    algorithm = load_config(preset="tiny", overrides=[f"algorithm.policy_loss.name={spec}",
+                                                      "algorithm.policy_loss.scale=2.5"]).algorithm
+    assert type(algorithm.policy_loss).__name__ == "UnclippedConfig" and algorithm.policy_loss.scale == 2.5
+    loss, _, grad = run(algorithm.policy_loss.name, algorithm.policy_loss)
+    assert loss == pytest.approx(2.5 * (-1.5 - 0.5 - 1.0 + 2.2 + 1.4) / 5)
+    assert torch.allclose(grad, 2.5 * torch.tensor([[-1.5, -0.5, -1.0], [2.2, 1.4, 0.0]], dtype=torch.float64) / 5)
+    with pytest.raises(ValueError, match=r"algorithm\.policy_loss\.scale must be > 0, got 0\.0 \[algorithm\.policy_loss"
+                                         r"\.scale: unclipped: weight of the surrogate\]"):
+        load_config(preset="tiny", overrides=[f"algorithm.policy_loss.name={spec}", "algorithm.policy_loss.scale=0"])

@@ -12,6 +12,7 @@ from common.models import ModelConfig, load_model
 from tests.trainers._trainer_batches import make_batch, single_rank_group, with_training_fields
 from trainers import fsdp
 from trainers.config import AlgorithmConfig, TrainerConfig
+from trainers.policy_losses import POLICY_LOSSES
 from trainers.rollout_corr import MismatchSums, can_skip_old_forward, is_on_policy, resolve_bypass_mode
 from trainers.update import StepSums, actor_step, filler_sample
 from trainers.worker import TrainerWorker
@@ -78,7 +79,7 @@ def test_skipped_forward_gives_the_same_loss_and_gradients_float64(policy_loss):
     (detached) give the recomputed ones' loss and gradients (float64, so rounding is far below the bound)."""
     torch.manual_seed(0)
     policy = load_model(TINY).double()
-    algorithm = AlgorithmConfig(policy_loss=policy_loss)
+    algorithm = AlgorithmConfig(policy_loss=POLICY_LOSSES.config(policy_loss)(name=policy_loss))
     batch = make_batch(num_groups=2, n=3, seed=5)
     batch[schema.ADVANTAGES] = torch.randn(batch[schema.RESPONSES].shape, dtype=torch.float64)
     with torch.no_grad():

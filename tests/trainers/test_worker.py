@@ -21,6 +21,7 @@ from tests.trainers._trainer_batches import (
 )
 from trainers import fsdp
 from trainers.config import AlgorithmConfig, TrainerConfig
+from trainers.policy_losses import PolicyLossConfig
 from trainers.worker import TrainerWorker, lr_factor
 
 TINY = ModelConfig(path="tiny")
@@ -356,7 +357,7 @@ def test_overlong_buffer_longer_than_responses_is_rejected():
 def test_policy_loss_selector_reaches_the_actor_loss():
     # GPG's loss is -A log pi (no ratio): at step 0 the training forward reproduces old_log_probs, so the
     # logged pg_loss is the token mean of -A * old_log_probs (vanilla would log -mean(A) at ratio 1).
-    worker = make_worker(algorithm=AlgorithmConfig(adv_estimator="gpg", policy_loss="gpg"))
+    worker = make_worker(algorithm=AlgorithmConfig(adv_estimator="gpg", policy_loss=PolicyLossConfig(name="gpg")))
     batch = with_training_fields(worker, make_batch(seed=1))
     mask = batch[schema.RESPONSE_MASK].bool()
     expected = -(batch[schema.ADVANTAGES] * batch[schema.OLD_LOG_PROBS])[mask].double().mean().item()
