@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from checkpointengine.backend import BackendReceiver, BackendSender, Body
+from checkpointengine.backend_sides import BackendReceiver, BackendSender, Body
 from checkpointengine.bucket import Bucket, BucketPlanner, BucketUnpacker, TensorEntry, write_full, write_rows
 from checkpointengine.control import Round
 from checkpointengine.naming import engine_dtype_of

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from checkpointengine import broadcast as bc
-from checkpointengine.backend import BackendReceiver, BackendSender, WeightSyncBackend, register_backend
+from checkpointengine.backend import WeightSyncBackend, register_backend
+from checkpointengine.backend_sides import BackendReceiver, BackendSender
 from checkpointengine.backends._whole import whole_buckets, whole_entries
 from checkpointengine.protocol import BucketReady, GroupInit, ProtocolError
 

@@ -8,7 +8,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from checkpointengine.backend import BackendReceiver, BackendSender, WeightSyncBackend, register_backend
+from checkpointengine.backend import WeightSyncBackend, register_backend
+from checkpointengine.backend_sides import BackendReceiver, BackendSender
 from checkpointengine.backends._whole import whole_buckets, whole_entries
 from checkpointengine.protocol import BucketReady
 from checkpointengine.storage import DiskVersions, read_bucket_file
