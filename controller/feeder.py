@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from common import schema
 from controller.config import HFlowConfig
 from controller.data import Prompt, PromptDataset, prompt_fields
+from controller.schedules import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class PromptFeeder:
     The feeder never produces beyond ``num_batches`` — except with ``algorithm.dynamic_sampling``, whose
     refills draw further prompts of the same stream (in order, so no prompt twice in an epoch), up to every
     batch of ``data.epochs``; so, in fully-async, do the replacements of failed groups
-    (``rollers.on_failed_group=skip``, ``controller.schedules.Stages.check_rollers``; the stream is sized so
+    (``rollers.on_failed_group=skip``, ``controller.stages.Stages.check_rollers``; the stream is sized so
     in every fully-async run, whatever that key, so that a resume may change it).
     """
 
@@ -91,7 +92,8 @@ class PromptFeeder:
                 if dataset is not None:
                     dataset.check_context(context_length)
         self._pending: deque[tuple[str, int, Prompt]] = deque()
-        if cfg.algorithm.dynamic_sampling or cfg.mode == "fully-async":  # refills, replacements: every epoch's prompts
+        # refills and replacements of failed groups: every epoch's prompts
+        if cfg.algorithm.dynamic_sampling or SCHEDULES.get(cfg.mode).replaces_failed:
             num_batches = self.dataset.num_available_steps()
         self._num_batches = num_batches
         self._batches = self.dataset.batches(num_batches)

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from controller.config import HFlowConfig, to_dict, to_yaml
+from controller.schedules import SCHEDULES
 from controller.stop import STOP, close_all, install_handlers, interrupted
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
     checkpoint is written then, and at the end)."""
     from controller.admin import AdminServer
     from controller.report import group_reward_stats
-    from controller.schedules import SCHEDULES, Stages
+    from controller.stages import Stages
     from controller.trainer_restart import run_with_restarts
 
     STOP.attach(asyncio.current_task())
@@ -99,9 +100,9 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
             await stages.checkpointer.restore(stages, resume_from)
             restored = True
         # the version the rollers hold, before the first step (val.before_train; on resume: if it is due)
-        await stages.validator.maybe_start(stages.synced_weight_version)
+        await stages.validator.maybe_start(stages.ledger.synced_weight_version)
         # a dead TransferQueue server ends it (ServerLost); a lost trainer rank restarts the trainer alone
-        await rt.watch(run_with_restarts(stages, SCHEDULES[cfg.mode], counts))
+        await rt.watch(run_with_restarts(stages, counts))
         await stages.validator.wait()  # the round of the last version
         await stages.checkpointer.save(stages, "end of the run")
         await stages.refresh_gauges()
@@ -110,22 +111,20 @@ async def _run_schedule(cfg: HFlowConfig, rt, metrics, report, counts: dict, res
         except Exception as exc:  # noqa: BLE001 - a benchmark aid must never fail a run that completed
             logger.warning("could not write timeline.json: %s", exc)
     except asyncio.CancelledError:
-        if STOP.signum is not None and restored and stages.step > 0:
+        if STOP.signum is not None and restored and stages.ledger.step > 0:
             _save_on_stop(stages)
         raise
     finally:
         gauges.cancel()
+        ledger = stages.ledger
         counts.update({
-            "num_syncs": stages.num_syncs,
-            "num_groups_admitted": stages.admission.started,
+            "num_syncs": ledger.num_syncs,
+            "num_groups_admitted": ledger.num_started,
             "num_groups_generated": stages.num_groups_generated,  # as of the last gauge refresh
-            "num_failed_groups": stages.num_failed_groups,
-            "num_dropped_groups": stages.num_dropped_groups,
-            "num_zero_variance_groups": stages.num_zero_variance_groups,
-            "weight_version": stages.weight_version,
+            **ledger.counts(),  # num_failed_groups, num_dropped_groups, num_zero_variance_groups, num_reissued_groups
+            "weight_version": ledger.weight_version,
             "num_rollers_lost": stages.keeper.num_lost,
             "num_roller_restarts": stages.keeper.num_restarts,
-            "num_reissued_groups": stages.keeper.num_reissued_groups,
             "roller_joins": stages.keeper.joins,  # the same list: keeper.stop() below completes its last rows
             **group_reward_stats(stages.rewards_by_uid),
         })
@@ -210,7 +209,7 @@ def _prepare_resume(cfg: HFlowConfig, step: int | None):
 
 def num_batches(cfg: HFlowConfig) -> int:
     """Prompt batches (of ``data.train_batch_size``) the run consumes."""
-    return cfg.trainer.total_steps * (cfg.algorithm.require_batches if cfg.mode == "fully-async" else 1)
+    return cfg.trainer.total_steps * SCHEDULES.get(cfg.mode).batches_per_step(cfg.algorithm)
 
 
 def user_module_dirs(cfg: HFlowConfig) -> list[str]:

@@ -8,8 +8,9 @@ A job checkpoint is one directory ``RUN_DIR/checkpoints/step_N`` (N = trainer st
                             versions included): trainers/sample_store.py, moved by trainer rank 0. Every
                             field the run's rollers put (``controller.runtime.sample_fields``: the dump's
                             ``response_text`` too), so every reader finds after a resume what it would before
-    job.json                the controller's part (``JobState``): step, weight versions, admission counters,
-                            the feeder's data position, the uids buffered and in flight, the run's config
+    job.json                the controller's part (``JobState``): step, the group ledger's state (weight versions,
+                            admission and group counters), the feeder's data position, the uids buffered and
+                            in flight, the run's config
 
 Written every ``trainer.save_every`` steps, when a stop signal ends the schedule, and at the end (none of
 them with ``save_every=0``). Atomic: everything goes into ``checkpoints/.tmp_step_N``, every file and the
@@ -17,12 +18,14 @@ directory are fsynced, then it is renamed to ``step_N`` — a process killed in 
 the previous checkpoints whole (a leftover ``.tmp_*`` is removed by the next save). ``trainer.keep_checkpoints``
 bounds how many ``step_N`` are kept (0 = all). The snapshot is consistent: it is taken under
 ``Stages.feeder_lock``, which every stage that puts prompts (admit, refill, re-issue) holds, so the feeder's
-position, the TransferQueue's contents and the admission counters describe the same moment.
+position, the TransferQueue's contents and the group ledger describe the same moment.
 
 Resume (``restore``): the trainer loads its part; the buffered samples are put back with their own weight
 versions (into the sample partition: rollers take only prompt rows); the feeder continues the stream from
-its position; every roller gets the trainer's weights; the groups in flight are re-issued (fresh ``.r<k>``
-uids, the same prompts) under the restored admission counters. So every prompt is trained exactly once per
+its position; the group ledger takes its counters back (``GroupLedger.restore``; a job.json written before
+the ledger, format 1, is read too, any other format refused naming it); every roller gets the trainer's
+weights; the groups in flight are re-issued (fresh ``.r<k>`` uids, the same prompts) under the restored
+admission counters. So every prompt is trained exactly once per
 epoch across stops and resumes, and the staleness bound holds: the counters are those of the run.
 """
 
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from common import schema
+from controller.ledger import FORMAT, ledger_state
 
 logger = logging.getLogger(__name__)
 
@@ -78,36 +82,47 @@ VALUES_BEFORE_THE_KEY = {
 
 @dataclasses.dataclass
 class JobState:
-    """The controller's part of a job checkpoint (``job.json``). ``feeder``: ``PromptFeeder.state()``;
-    ``buffered_uids``: groups generated and not trained (their samples are in ``samples/``);
-    ``in_flight_uids``: groups admitted and not generated yet (re-issued on resume); ``config``: the
-    run's config as a dict (``controller.config.to_dict``)."""
+    """The controller's part of a job checkpoint (``job.json``, format ``controller.ledger.FORMAT``): ``step``
+    and ``weight_version`` (equal: one update per step; here for people and for the checks of a resume),
+    ``ledger``: ``GroupLedger.to_state()`` (admission counters, versions, group counters, refill rounds);
+    ``feeder``: ``PromptFeeder.state()``; ``buffered_uids``: groups generated and not trained (their samples
+    are in ``samples/``); ``in_flight_uids``: groups admitted and not generated yet (re-issued on resume);
+    ``config``: the run's config as a dict (``controller.config.to_dict``)."""
 
     step: int
     weight_version: int
-    synced_weight_version: int
-    admission_started: int
-    admission_dropped: int
+    ledger: dict[str, Any]
     feeder: dict[str, Any]
     buffered_uids: list[str]
     in_flight_uids: list[str]
-    num_syncs: int
-    num_dropped_groups: int
-    num_failed_groups: int
-    num_zero_variance_groups: int
-    refill_depth: dict[str, int]
     reason: str
     saved_at: float
     num_sample_bytes: int
     config: dict[str, Any]
+    format: int = FORMAT
 
     @classmethod
     def read(cls, path: Path) -> JobState:
-        """Read ``path/job.json``; ValueError naming the file when it is not a job checkpoint's."""
+        """Read ``path/job.json``: this format, or format 1 (the flat job.json written before the group
+        ledger, whose counters become the ledger's state). ValueError naming the file when it is not a job
+        checkpoint's, or naming its format when this version does not read it."""
         try:
-            return cls(**json.loads((path / JOB_FILE).read_text()))
-        except (OSError, TypeError, json.JSONDecodeError) as exc:
+            data = json.loads((path / JOB_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path / JOB_FILE} is not a readable job checkpoint: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path / JOB_FILE} is not a readable job checkpoint: not a JSON object")
+        try:
+            ledger = ledger_state(data)
+        except ValueError as exc:
+            raise ValueError(f"{path / JOB_FILE}: {exc}") from exc
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{path / JOB_FILE} is not a readable job checkpoint: {exc!r} missing") from exc
+        fields = {f.name for f in dataclasses.fields(cls)} - {"ledger", "format"}
+        try:
+            return cls(**{k: data[k] for k in fields}, ledger=ledger)
+        except KeyError as exc:
+            raise ValueError(f"{path / JOB_FILE} is not a readable job checkpoint: {exc} missing") from exc
 
 
 # ------------------------------------------------------------------------------------------ finding them
@@ -330,17 +345,17 @@ class JobCheckpointer:
         return list(sample_fields(self.cfg))
 
     async def save(self, st, reason: str) -> Path | None:
-        """Write a job checkpoint of ``st`` (``controller.schedules.Stages``) at its step, holding the
+        """Write a job checkpoint of ``st`` (``controller.stages.Stages``) at its step, holding the
         feeder lock so nothing is admitted meanwhile; its path, or None when checkpoints are off or this step
         is saved already."""
-        if not self.enabled or self.last_saved_step == st.step:
+        if not self.enabled or self.last_saved_step == st.ledger.step:
             return None
         async with st.feeder_lock:
             return await asyncio.to_thread(self.save_now, st, reason)
 
     def save_now(self, st, reason: str) -> Path | None:
         """:meth:`save` without the lock, blocking: for a stop, once every stage has unwound."""
-        if not self.enabled or self.last_saved_step == st.step:
+        if not self.enabled or self.last_saved_step == st.ledger.step:
             return None
         import ray
 
@@ -350,32 +365,28 @@ class JobCheckpointer:
         self.root.mkdir(parents=True, exist_ok=True)
         for leftover in self.root.glob(TMP_PREFIX + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        tmp = self.root / f"{TMP_PREFIX}step_{st.step}"
+        tmp = self.root / f"{TMP_PREFIX}step_{st.ledger.step}"
         st.rt.trainer.save_checkpoint(str(tmp))
-        self._test_pause(HOLD_ENV, st.step, "holding {}s before its snapshot")
+        self._test_pause(HOLD_ENV, st.ledger.step, "holding {}s before its snapshot")
         buffered, in_flight, num_bytes = self.save_samples(st, tmp / SAMPLES_DIR)
         feeder = ray.get(st.rt.feeder.state.remote())
         state = JobState(
-            step=st.step, weight_version=st.weight_version, synced_weight_version=st.synced_weight_version,
-            admission_started=st.admission.started, admission_dropped=st.admission.dropped, feeder=feeder,
-            buffered_uids=sorted({t[schema.UID] for t in buffered.tags}), in_flight_uids=in_flight,
-            num_syncs=st.num_syncs, num_dropped_groups=st.num_dropped_groups,
-            num_failed_groups=st.num_failed_groups, num_zero_variance_groups=st.num_zero_variance_groups,
-            refill_depth=dict(st.refill_depth), reason=reason, saved_at=time.time(), num_sample_bytes=num_bytes,
-            config=to_dict(self.cfg))
+            step=st.ledger.step, weight_version=st.ledger.weight_version, ledger=st.ledger.to_state(),
+            feeder=feeder, buffered_uids=sorted({t[schema.UID] for t in buffered.tags}), in_flight_uids=in_flight,
+            reason=reason, saved_at=time.time(), num_sample_bytes=num_bytes, config=to_dict(self.cfg))
         (tmp / JOB_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1) + "\n")
-        self._test_pause(PAUSE_ENV, st.step, "written, pausing {}s before the rename")
+        self._test_pause(PAUSE_ENV, st.ledger.step, "written, pausing {}s before the rename")
         _fsync_tree(tmp)
-        final = self.root / f"step_{st.step}"
+        final = self.root / f"step_{st.ledger.step}"
         if final.exists():  # a step trained again after a resume from an earlier checkpoint
-            old = self.root / f"{TMP_PREFIX}old_step_{st.step}"
+            old = self.root / f"{TMP_PREFIX}old_step_{st.ledger.step}"
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
         _fsync_dir(self.root)
-        self.last_saved_step = st.step
+        self.last_saved_step = st.ledger.step
         self._prune()
         print(f"hflow-async: job checkpoint {final} ({reason}; {len(state.buffered_uids)} groups buffered, "
               f"{len(in_flight)} in flight) in {time.monotonic() - started:.1f}s", flush=True)
@@ -471,20 +482,16 @@ class JobCheckpointer:
                              f"{JOB_FILE} says {state.weight_version}")
         uids = await asyncio.to_thread(self.restore_samples, st, path / SAMPLES_DIR)
         await st.rt.feeder.restore.remote(state.feeder)
-        st.step, st.weight_version = state.step, state.weight_version
-        st.admission.started, st.admission.dropped = state.admission_started, state.admission_dropped
-        st.num_syncs, st.num_dropped_groups = state.num_syncs, state.num_dropped_groups
-        st.num_failed_groups, st.num_zero_variance_groups = state.num_failed_groups, state.num_zero_variance_groups
-        st.refill_depth = dict(state.refill_depth)
-        st.exhausted = bool(state.feeder["exhausted"])
-        st._track([{"uid": uid} for uid in dict.fromkeys(uids)])
+        rounds = st.ledger.restore(state.ledger)
+        st.ledger.adopt(list(dict.fromkeys(uids)))
         await st.sync_weights()  # the rollers started with the initial weights
         if state.in_flight_uids:
             fed = await st.rt.feeder.reissue.remote(state.in_flight_uids)
-            for old, new in zip(state.in_flight_uids, fed, strict=True):
-                if old in st.refill_depth:
-                    st.refill_depth[new["uid"]] = st.refill_depth.pop(old)
-            st._track(fed)
+            st.ledger.adopt([g["uid"] for g in fed])
+            for old, new in zip(state.in_flight_uids, fed, strict=True):  # a re-issue keeps its refill round
+                if old in rounds:
+                    rounds[new["uid"]] = rounds.pop(old)
+        st.ledger.adopt_rounds(rounds)
         self.last_saved_step = state.step
         logger.info("resumed from %s in %.1fs: step %d, weight_version %d, %d groups buffered, %d re-issued", path,
                     time.monotonic() - started, state.step, state.weight_version, len(set(uids)),

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from controller.ledger import REISSUED_ROLLER_LEFT
 from controller.metrics import SCALE_REASONS
 from controller.pool import RollerLost, find_orphans
 from controller.runtime import PROMPT_PARTITION
@@ -56,8 +57,7 @@ class PoolKeeper:
         self.num_restarts = 0
         self.num_lost = 0
         self.num_weight_sync_timeouts = 0
-        self.num_reissued_groups = 0
-        self.events: list[dict] = []        # since the last step record (Stages._record takes them)
+        self.events: list[dict] = []        # since the last step record (take_events)
         # Rollers that joined while the schedule ran, one row each (the summary's roller_joins; rows completed
         # in place), and the rows whose first trained group became known since the last step record.
         self.joins: list[dict] = []
@@ -177,7 +177,7 @@ class PoolKeeper:
     async def reissue_orphans(self) -> None:
         """Re-issue every group taken by a roller that no live roller holds (metadata only)."""
         async with self._reissuing:
-            if self.st.outstanding <= 0:  # nothing admitted and untrained: nothing can be held
+            if self.st.ledger.outstanding <= 0:  # nothing admitted and untrained: nothing can be held
                 return
             orphans = await find_orphans(self.st.rt.tq, PROMPT_PARTITION, self.cfg.transferqueue.max_request_ids,
                                          self.pool.held_by_live)
@@ -185,8 +185,8 @@ class PoolKeeper:
                 await self.reissue(uid, sample_ids)
 
     async def reissue(self, uid: str, sample_ids: list[int]) -> None:
-        await self.st.reissue(uid, sample_ids, "its roller left the pool", partition=PROMPT_PARTITION)
-        self.num_reissued_groups += 1
+        await self.st.reissue(uid, sample_ids, REISSUED_ROLLER_LEFT, "its roller left the pool",
+                              partition=PROMPT_PARTITION)
         self.metrics.reissued_groups.inc()
 
     # ---------------------------------------------------------------------------------------- resizing
@@ -235,7 +235,7 @@ class PoolKeeper:
 
     async def _join(self, name: str, reason: str) -> None:
         try:
-            await self.pool.join(name, self.st.trainer_lock, lambda: self.st.weight_version)
+            await self.pool.join(name, self.st.trainer_lock, lambda: self.st.ledger.weight_version)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a roller that cannot join is retired; the pool goes on
@@ -251,6 +251,12 @@ class PoolKeeper:
         self._waiting[name] = _Join(row, asked_at)
 
     # ------------------------------------------------------------------------------ first trained group
+
+    def take_events(self) -> tuple[list[dict], list[dict]]:
+        """The scale events and the completed join rows since the last call (for a step record)."""
+        events, self.events = self.events, []
+        joins, self.first_trained = self.first_trained, []
+        return events, joins
 
     def note_trained(self, uids: Iterable[str]) -> None:
         """The schedule trained the groups ``uids`` just now (``Stages._record``, at the end of the step)."""
@@ -315,8 +321,7 @@ class Autoscaler:
     def sample(self) -> None:
         st = self.st
         backlog = st.queue_depth.get("rollout", 0) > 0
-        bounded = st.cfg.mode == "fully-async" and not st.exhausted
-        at_cap = bounded and st.admission.num_admissible(st.synced_weight_version) == 0
+        at_cap = st.schedule.bounded and st.ledger.at_cap()
         self.num_looks += 1
         self.num_backlogged += backlog
         self.num_capped_idle += at_cap and not backlog

@@ -13,6 +13,9 @@ from typing import Any
 
 from rich.console import Console
 
+from common import schema
+from controller.ledger import staleness
+
 # Keys every line of metrics.jsonl carries (issue: run outputs).
 REQUIRED_STEP_KEYS = ("step", "reward_mean", "weight_version", "staleness_mean", "staleness_max", "samples_per_s")
 
@@ -70,25 +73,22 @@ def group_reward_stats(rewards_by_uid: dict[str, list[float]]) -> dict[str, floa
 CORRECT = 0.999  # a sample counts as correct when its reward reaches this (rewards are in [0, 1])
 
 
-def step_record(tags: list[dict], step: int, weight_version: int, wall_s: float, step_s: float, wait_s: float
+def step_record(tags: list[dict], trained_from: int, wall_s: float, step_s: float, wait_s: float
                 ) -> tuple[dict[str, Any], dict[str, list[float]], list[int], list[int]]:
-    """The record of trainer step ``step`` (its update made ``weight_version``) from its samples' tags
+    """The record of the trainer step whose update started from ``weight_version`` ``trained_from`` (its
+    ``step`` and the ``weight_version`` it made are both ``trained_from + 1``) from its samples' tags
     (``common.schema.CONTROLLER``): ``(record, rewards by uid, staleness per sample, response length per
-    sample)``. Staleness is ``weight_version - 1`` minus the sample's ``min_weight_version``; ``wall_s``:
-    seconds since the previous step ended; ``step_s``/``wait_s``: the update's and the wait for data."""
-    from common import schema
-    from controller.admission import staleness
-
-    trained_at = weight_version - 1
-    stalenesses = [staleness(trained_at, t[schema.MIN_WEIGHT_VERSION]) for t in tags]
+    sample)``. Staleness: ``controller.ledger.staleness`` from ``trained_from``; ``wall_s``: seconds since the
+    previous step ended; ``step_s``/``wait_s``: the update's and the wait for data."""
+    stalenesses = [staleness(trained_from, t[schema.MIN_WEIGHT_VERSION]) for t in tags]
     rewards = [float(t[schema.REWARD]) for t in tags]
     lengths = [int(t[schema.RESPONSE_LENGTH]) for t in tags]
     by_uid: dict[str, list[float]] = {}
     for t, r in zip(tags, rewards, strict=True):
         by_uid.setdefault(t[schema.UID], []).append(r)
     record = {
-        "step": step,
-        "weight_version": weight_version,
+        "step": trained_from + 1,
+        "weight_version": trained_from + 1,
         "reward_mean": sum(rewards) / len(rewards),
         "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards),
         "staleness_mean": sum(stalenesses) / len(stalenesses),

@@ -41,8 +41,7 @@ from dataclasses import asdict, dataclass, replace
 
 from common.env import AUTO_THREADS, available_cores, pins_ray_to_loopback
 from controller.config import HFlowConfig
-
-OVERLAPPING_MODES = ("one-step-off", "fully-async")
+from controller.schedules import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class ThreadPlan:
         return self.roller_threads * self.num_replicas + self.trainer_threads * self.num_ranks > self.num_cores
 
     def describe(self, mode: str) -> str:
-        share = ("phases alternate, every core to each" if mode not in OVERLAPPING_MODES
+        share = ("phases alternate, every core to each" if not SCHEDULES.get(mode).overlapping
                  else "phases overlap, the trainer every core, rollers on top" if self.oversubscribed
                  else "phases overlap, cores split")
         share += ", the trainer yielding theirs while they decode" if self.core_lending else ""
@@ -83,11 +82,12 @@ def plan_threads(cfg: HFlowConfig, num_cores: int | None = None) -> ThreadPlan:
     roller, trainer = cfg.rollers.num_threads, cfg.trainer.num_threads
     chosen = f"rollers {'auto' if roller == AUTO_THREADS else 'explicit'}, " \
              f"trainer {'auto' if trainer == AUTO_THREADS else 'explicit'}"
-    if cfg.mode not in OVERLAPPING_MODES:
+    schedule = SCHEDULES.get(cfg.mode)
+    if not schedule.overlapping:
         roller_cores = trainer_cores = cores
     elif roller == AUTO_THREADS and trainer == AUTO_THREADS:
         roller_cores = max(replicas, cores // 2)
-        trainer_cores = cores if cfg.mode == "fully-async" else max(ranks, cores - roller_cores)
+        trainer_cores = cores if schedule.trainer_takes_every_core else max(ranks, cores - roller_cores)
     elif roller == AUTO_THREADS:
         roller_cores = cores - int(trainer) * ranks
         trainer_cores = 0
@@ -97,6 +97,6 @@ def plan_threads(cfg: HFlowConfig, num_cores: int | None = None) -> ThreadPlan:
     roller_threads = max(1, roller_cores // replicas) if roller == AUTO_THREADS else int(roller)
     trainer_threads = max(1, trainer_cores // ranks) if trainer == AUTO_THREADS else int(trainer)
     plan = ThreadPlan(cores, roller_threads, trainer_threads, replicas, ranks, chosen)
-    lending = (cfg.mode in OVERLAPPING_MODES and plan.oversubscribed and cfg.rollers.engine == "torch"
+    lending = (schedule.overlapping and plan.oversubscribed and cfg.rollers.engine == "torch"
                and pins_ray_to_loopback(cfg.ray.address))
     return replace(plan, core_lending=lending)

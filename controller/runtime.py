@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from controller.admission import max_live_groups
 from controller.config import HFlowConfig
+from controller.ledger import max_live_groups
 
 if TYPE_CHECKING:
     from controller.feeder import DataFacts
@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The TransferQueue partition holding a run's samples. Not "train": that is the trainer's consumer task
-# (``controller.schedules.TRAIN_TASK``; the rollers' is "rollout"), the label of hflow_queue_depth{task}.
+# (``TRAIN_TASK``; the rollers' is "rollout"), the label of hflow_queue_depth{task}.
 PARTITION = "samples"
+TRAIN_TASK = "train"  # the trainer's consumer task in the TransferQueue (the rollers' is "rollout")
 PROMPT_PARTITION = "prompts"  # the feeder's prompt rows (one per group), taken by the rollers' "rollout" task
 _POLL_S = 0.05  # how often start-up looks at the pools that are not ready yet
 WATCH_PERIOD_S = 0.5  # how often a running schedule's TransferQueue server processes are checked (Runtime.watch)

@@ -47,10 +47,11 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from common import schema
+from controller.ledger import REISSUED_NEWER_WEIGHTS
+from controller.runtime import PARTITION, TRAIN_TASK
 from rollers.roller import TAKE_POLL_S
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,8 @@ def restart_point(cfg, lost: BaseException, counts: dict, what: str, then: str =
     return path
 
 
-async def run_with_restarts(st, schedule: Callable[..., Awaitable[None]], counts: dict) -> None:
-    """Run ``schedule(st)`` (``st``: ``controller.schedules.Stages``). When a trainer rank is lost, restart the
+async def run_with_restarts(st, counts: dict) -> None:
+    """Run ``st``'s schedule (``st``: ``controller.stages.Stages``; ``Stages.run``). When a trainer rank is lost, restart the
     trainer group alone from the latest job checkpoint (``restart_trainer``) and run the schedule again from
     there, at most ``trainer.max_restarts`` times over the job (``counts[RESTARTS_KEY]``, shared with
     ``controller.job``'s restart of every pool). Re-raises the ``TrainerRankLost`` when no restart is left."""
@@ -88,7 +89,7 @@ async def run_with_restarts(st, schedule: Callable[..., Awaitable[None]], counts
 
     while True:
         try:
-            await schedule(st)
+            await st.run()
             return
         except TrainerRankLost as lost:
             path = restart_point(st.cfg, lost, counts, "the trainer group", "; the rollers keep running")
@@ -106,7 +107,7 @@ async def restart_trainer(st, path: Path) -> None:
     state = JobState.read(path)
     restored = state.step
     # First: a stop signal during the restart writes no checkpoint (this step's is there already).
-    st.step, st.weight_version = restored, state.weight_version
+    st.ledger.rewind(state.weight_version)
     st.checkpointer.last_saved_step = restored
     async with st.trainer_lock:  # a roller joining meanwhile waits, then gets the restored weights
         await asyncio.to_thread(st.rt.restart_trainer)
@@ -125,7 +126,7 @@ async def restart_trainer(st, path: Path) -> None:
         await st.keeper.reissue_orphans()  # the groups the replaced rollers held
     num_dropped = await _drop_newer_samples(st, state.weight_version)
     await _hand_back_taken_samples(st)
-    st.finished = False  # the schedule's end flag (fully-async's admitter) of the run that was cut short
+    st.ledger.reopen()  # admission closed at the end of the schedule that was cut short
     await st.sync_weights(wait_validation=False)
     print(f"hflow-async: trainer group restarted from step {restored} (weight_version {state.weight_version}) in "
           f"{time.monotonic() - started:.1f}s; rollers: {num_live - num_replaced} kept, {num_replaced} replaced; "
@@ -143,8 +144,7 @@ async def _take_back_steps(st, step: int) -> int:
         st.rewards_by_uid.pop(uid, None)
     async with st.feeder_lock:
         await st.rt.feeder.requeue.remote(uids)
-        st.admission.drop(len(uids))  # each is started again when admitted
-        st.exhausted = False
+        st.ledger.requeued(uids)  # their slots released: each is started again when admitted
     logger.info("trainer restart: steps %d..%d superseded; their %d groups requeued", step + 1,
                 max(r["step"] for r in forgotten), len(uids))
     return len(uids)
@@ -188,7 +188,6 @@ async def _wait_gone(pool, member, timeout_s: float = GONE_TIMEOUT_S) -> None:
 async def _drop_newer_samples(st, weight_version: int) -> int:
     """Drop every group in the TransferQueue with a token of weights newer than ``weight_version`` and re-issue
     its prompt (``Stages.reissue``); returns how many (metadata only)."""
-    from controller.runtime import PARTITION
 
     infos = await st.rt.tq.asample_info(PARTITION, None, limit=st.cfg.transferqueue.max_request_ids)
     by_uid: dict[str, list[dict]] = {}
@@ -197,15 +196,12 @@ async def _drop_newer_samples(st, weight_version: int) -> int:
     newer = {uid: group for uid, group in by_uid.items()
              if any(int(s["tags"].get(schema.MAX_WEIGHT_VERSION, -1)) > weight_version for s in group)}
     for uid, group in newer.items():
-        await st.reissue(uid, [s["id"] for s in group], f"generated with weights newer than the restored "
-                         f"weight_version {weight_version}", dropped=len(group))
+        await st.reissue(uid, [s["id"] for s in group], REISSUED_NEWER_WEIGHTS, f"generated with weights newer "
+                         f"than the restored weight_version {weight_version}")
     return len(newer)
 
 
 async def _hand_back_taken_samples(st) -> None:
     """Make the samples the trainer's task had taken and not trained (the lost step's, and one-step-off's next
     batch) available to it again: every sample left in the partition is untrained."""
-    from controller.runtime import PARTITION
-    from controller.schedules import TRAIN_TASK
-
     await st.rt.tq.areset_consumption(PARTITION, TRAIN_TASK)

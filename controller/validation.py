@@ -14,7 +14,7 @@ A round is every held-out prompt (``data.val_size``, ``controller.data.load_spli
 ``val.n`` samples at ``rollout.temperature`` plus, with ``val.greedy``, one greedy sample. Rounds start
 after the weight sync that makes version v current on every roller when v is 0 (``val.before_train``), a
 multiple of ``trainer.val_every`` or the last step; a round names that ``weight_version``. Validation
-groups are not admitted through the staleness bound (``controller.admission``) and never reach the
+groups are not admitted through the staleness bound (``controller.ledger``) and never reach the
 trainer (its task is ``train`` on another partition), so they neither count against the bound nor change
 what is trained. ``sync`` and ``one-step-off`` wait for a round before the next weight sync, so every
 validation sample is single-version; ``fully-async`` does not wait (training is not paused): a round

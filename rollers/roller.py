@@ -12,7 +12,7 @@
                                  FailedGroup (counted in stats(), drained by the controller)
 
 **Admission** is the controller's: its prompt feeder puts only the groups its staleness rule admits
-(``controller.admission``), so the roller takes whatever is there, at most ``max_groups_in_flight`` groups
+(``controller.ledger``), so the roller takes whatever is there, at most ``max_groups_in_flight`` groups
 generated at once (enough to fill the engine's batch slots).
 
 **Channel.** ``GroupChannel`` is the roller's only view of the data plane: ``take_group`` (one prompt

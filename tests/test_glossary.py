@@ -18,7 +18,7 @@ def test_glossary_page_holds_designs_names_and_the_disambiguations():
 
 def test_partition_and_consumer_tasks_are_spelled_apart():
     from controller.runtime import PARTITION
-    from controller.schedules import TRAIN_TASK
+    from controller.runtime import TRAIN_TASK
     from rollers.tq_channel import TQGroupChannel
 
     rollout_task = inspect.signature(TQGroupChannel).parameters["task"].default
@@ -36,10 +36,12 @@ def test_index_and_client_take_get_meta_arguments_in_one_order():
 
 
 def test_public_names_say_weight_version():
-    from controller.admission import Admission
+    from controller.ledger import GroupLedger, staleness
     from rollers.actor import RollerActor
 
-    for fn in (Admission.limit, Admission.num_admissible, Admission.start, RollerActor.update_weights):
+    assert "min_weight_version" in inspect.signature(staleness).parameters
+    assert "weight_version" in inspect.signature(GroupLedger.synced).parameters
+    for fn in (GroupLedger.synced, GroupLedger.rewind, RollerActor.update_weights):
         params = inspect.signature(fn).parameters
         assert "weight_version" in params and "version" not in params, fn.__qualname__
 

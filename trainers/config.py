@@ -130,7 +130,7 @@ class TrainerConfig:
 class AlgorithmConfig:
     """Advantage estimator, losses, KL, and the staleness knobs of the asynchronous schedules.
 
-    Staleness (defined in ``controller/admission.py``): ``max_staleness`` bounds trainer version − a sample's
+    Staleness (defined in ``controller/ledger.py``): ``max_staleness`` bounds trainer version − a sample's
     ``min_weight_version``; ``stale_policy`` says what happens to a group that still exceeds it;
     ``require_batches`` is how many train batches the fully-async trainer takes per update;
     ``trigger_sync_steps`` pushes weights every that many updates (needs
@@ -172,7 +172,7 @@ class AlgorithmConfig:
     overlong shaping, like verl's ``filter_groups.metric=acc``) all agree and admits the next prompt of the
     data stream in its place, up to ``max_refill_rounds`` replacements per slot of the batch; a slot whose
     rounds run out trains its last group as it is (reported as padded; verl stops with an error instead).
-    Run by the controller's schedules (``controller/schedules.py``, stage ``refill``); replacements use
+    Run by the controller's schedules (``controller/stages.py``, stage ``refill``); replacements use
     extra prompts, so the data must hold more than ``trainer.total_steps`` batches (``data.epochs``).
     ``overlong_buffer_len`` tokens (0 = off, at most ``rollout.max_response_length``) of soft overlong
     punishment (eq. 13) scaled by ``overlong_penalty_factor``, added by the trainer to the last valid token's

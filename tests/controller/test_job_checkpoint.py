@@ -197,7 +197,7 @@ def test_truncate_metrics_keeps_the_rows_up_to_the_checkpoint(tmp_path):
 
 
 def test_a_cancelled_update_finishes_before_the_cancellation_takes_effect():
-    from controller.schedules import _finish_before_cancel
+    from controller.stages import _finish_before_cancel
 
     done = []
 
@@ -311,8 +311,8 @@ def test_buffered_groups_come_back_with_what_every_reader_of_the_run_reads(tq, t
     what they would have read without the stop. (Before: ``metrics.dump_every=1`` failed on resume with
     ``get: field 'response_text' missing``: the checkpoint kept only the trainer's fields.)"""
     from controller.job_checkpoint import JobCheckpointer
-    from controller.runtime import PARTITION, PROMPT_PARTITION
-    from controller.schedules import TRAIN_FIELDS, TRAIN_TASK
+    from controller.runtime import PARTITION, PROMPT_PARTITION, TRAIN_TASK
+    from controller.stages import TRAIN_FIELDS
     from controller.validation import VAL_PROMPT_PARTITION
 
     handle, client = tq

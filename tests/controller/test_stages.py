@@ -14,7 +14,7 @@ from common import schema
 from controller.config import load_config
 from controller.metrics import JobMetrics
 from controller.report import RunReport
-from controller.schedules import RolloutFailure, Stages
+from controller.stages import RolloutFailure, Stages
 from transferqueue.records import BatchMeta
 
 
@@ -72,7 +72,7 @@ def test_stages_count_samples_where_they_are_seen(tmp_path):
 
     async def steps():
         for step in range(2):
-            meta = await st.generate(2, train_weight_version=st.weight_version)
+            meta = await st.generate(2, train_weight_version=st.ledger.weight_version)
             assert get("hflow_samples_produced_total") == 2 * n * (step + 1)
             assert get("hflow_samples_consumed_total") == 2 * n * step
             await st.update(meta)
@@ -110,7 +110,7 @@ def test_trainer_wait_is_counted_as_it_passes_and_never_runs_ahead_of_the_clock(
         for _ in range(3):
             await asyncio.sleep(wait_s)  # the trainer waits for data
             scrape()
-            await st.update(await st.generate(2, train_weight_version=st.weight_version))
+            await st.update(await st.generate(2, train_weight_version=st.ledger.weight_version))
             scrape()
 
     asyncio.run(steps())
@@ -128,14 +128,14 @@ def test_trainer_wait_is_counted_as_it_passes_and_never_runs_ahead_of_the_clock(
 def test_a_short_step_is_logged_with_its_reason(tmp_path, caplog):
     st, _, report = _stages(tmp_path, [_group("u0", 8), _group("u1", 8), _group("u2", 8)])
 
-    st.outstanding = 3  # three groups admitted
+    st.ledger.adopt(["u0", "u1", "u2"])  # three groups admitted
 
     async def steps():
         await st.update(await st.generate(2, train_weight_version=0))  # a full step: no line
-        st.exhausted = True  # the feeder had one prompt left for step 2
+        st.ledger.out_of_data()  # the feeder had one prompt left for step 2
         await st.update(await st.generate(1, train_weight_version=1))
 
-    with caplog.at_level(logging.WARNING, logger="controller.schedules"):
+    with caplog.at_level(logging.WARNING, logger="controller.stages"):
         asyncio.run(steps())
     report.close()
     lines = [r.getMessage() for r in caplog.records if "prompt groups" in r.getMessage()]
@@ -144,19 +144,19 @@ def test_a_short_step_is_logged_with_its_reason(tmp_path, caplog):
 
 
 def test_failed_groups_count_once_toward_the_step_that_sees_them(tmp_path):
-    """sync / one-step-off with ``rollers.on_failed_group=skip``: failed groups leave ``outstanding`` when
-    they are found, and the step that finds them counts them all (the next step's batch is sized from
-    ``outstanding``, so a failure carried over to it would count twice): after a step that trained one group
-    and saw three fail, nothing is outstanding or left to claim, and the next batch is all fresh groups."""
+    """sync / one-step-off with ``rollers.on_failed_group=skip``: failed groups leave the ledger's
+    ``outstanding`` when they are found, and the step that finds them counts them all (the next step's batch
+    is sized from ``outstanding``, so a failure carried over to it would count twice): after a step that
+    trained one group and saw three fail, nothing is outstanding or left to claim, no slot was released (these
+    schedules do not replace failed groups), and the next batch is all fresh groups."""
     st, _, report = _stages(tmp_path, [_group("u0", 8), []], "rollers.on_failed_group=skip")
-    st.outstanding = 4  # after a resume: four groups admitted
+    st.ledger.adopt(["u0", "f0", "f1", "f2"])  # after a resume: four groups admitted
     real_skip = st._skip
 
     async def check_rollers():
-        if st.num_failed_groups:
+        if st.ledger.counts()["num_failed_groups"]:
             return 0
         failed = [SimpleNamespace(uid=f"f{i}", stage="reward", errors=["boom"], prompt_id=i) for i in range(3)]
-        st.num_failed_groups += len(failed)
         await real_skip(failed)
         return len(failed)
 
@@ -169,7 +169,8 @@ def test_failed_groups_count_once_toward_the_step_that_sees_them(tmp_path):
 
     asyncio.run(step())
     report.close()
-    assert st.outstanding == 0 and st.num_unclaimed_skips == 0 and st.admission.dropped == 0
+    assert st.ledger.outstanding == 0 and st.num_unclaimed_skips == 0 and st.ledger.to_state()["released"] == 0
+    assert st.ledger.counts()["num_failed_groups"] == 3
     assert st.last_failure == "group f2 failed in reward: boom"  # what a fully-async give-up would quote
 
 

@@ -13,7 +13,8 @@ from common import schema
 from controller.config import load_config
 from controller.metrics import JobMetrics
 from controller.report import RunReport
-from controller.schedules import REWARD_TAG, Stages
+from controller.ledger import TrainedGroup
+from controller.stages import REWARD_TAG, Stages
 
 
 def _tag(uid: str, finish_reason: str, length: int) -> dict:
@@ -26,13 +27,15 @@ def test_step_record_reports_the_clip_ratio(tmp_path):
     metrics, report = JobMetrics(), RunReport(tmp_path, total_steps=1, progress=False)
     pool = SimpleNamespace(size=lambda: 1)
     stages = Stages(cfg, rt=SimpleNamespace(pool=pool), metrics=metrics, report=report)
-    stages.weight_version = 1
     tags = [_tag("u0", "length", 4), _tag("u0", "stop", 2), _tag("u1", "length", 4), _tag("u1", "stop", 1),
             _tag("u2", "stop", 3), _tag("u2", "stop", 3), _tag("u3", "stop", 1), _tag("u3", "length", 4)]
-    stages._record(SimpleNamespace(tags=tags), {}, step_s=1.0, wait_s=0.0)
+    trained = [TrainedGroup(f"u{i}", age_s=0.5, refill_round=0) for i in range(4)]
+    stages._record(SimpleNamespace(tags=tags), 1, trained, {}, step_s=1.0, wait_s=0.0)
     report.close()
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record["response_clip_ratio"] == pytest.approx(3 / 8)
+    # Trained from version 1: the step (and the version it made) is 2, every sample one version stale.
+    assert (record["step"], record["weight_version"], record["staleness_max"]) == (2, 2, 1)
     port = metrics.serve("127.0.0.1", 0)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -48,7 +48,7 @@ def concurrency_probe(score, delay_s: float):
 class PermitAdmission:
     """Counted permits: ``grant(k)`` allows ``k`` more groups; ``acquire`` waits up to ``timeout_s``.
 
-    Test-only: runs admit at the prompt feeder (``controller.admission``); the roller takes what is there."""
+    Test-only: runs admit at the prompt feeder (``controller.ledger``); the roller takes what is there."""
 
     def __init__(self, permits: int = 0):
         if permits < 0:
