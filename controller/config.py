@@ -21,13 +21,15 @@ from common.models import AUTO_DTYPE, ModelConfig
 from common.net import NODE_HOST
 from common.registry import Registry
 from common.settings import check_settings, setting
+from controller.layout import index_samples, sample_fields
+from controller.schedules import SCHEDULES
 from rollers.config import RollersConfig, RolloutConfig
 from trainers.config import MOVED_KEYS, AlgorithmConfig, TrainerConfig
 from trainers.policy_losses import POLICY_LOSS_KEY, POLICY_LOSSES
 from trainers.rollout_corr import resolve_bypass_mode
 from transferqueue.config import TransferQueueConfig
 
-MODES = ("sync", "one-step-off", "fully-async")
+MODES = tuple(SCHEDULES.names())  # the registered schedules (controller.schedules), for the CLI's --mode
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "smollm2-reasoning"
 WANDB_MODES = ("offline", "online")
@@ -213,8 +215,7 @@ class HFlowConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is not one of {list(MODES)}")
+        schedule = SCHEDULES.get(self.mode)  # ValueError naming mode and the registered schedules
         if self.trainer.ppo_mini_batch_size > self.data.train_batch_size:
             raise ValueError(
                 f"trainer.ppo_mini_batch_size={self.trainer.ppo_mini_batch_size} (prompts) exceeds "
@@ -224,7 +225,7 @@ class HFlowConfig:
             raise ValueError(f"trainer.val_every={self.trainer.val_every} needs held-out prompts: set "
                              "data.val_size >= 1")
         algo = self.algorithm
-        algo.bypass_mode = resolve_bypass_mode(self.mode, algo)
+        algo.bypass_mode = resolve_bypass_mode(schedule.can_be_stale(algo), algo)
         if self.model.compute_dtype == AUTO_DTYPE:  # pinned here, after every merge: the final path and device
             device = None if self.trainer.device == "auto" else self.trainer.device
             self.model.compute_dtype = self.model.resolved_compute_dtype(device)
@@ -245,10 +246,7 @@ class HFlowConfig:
                 f"reward variance), got rollout.n={self.rollout.n}"
             )
         # What the job's start-up derives from the settings, checked here so a bad value is a config error
-        # (exit 2, before Ray starts) rather than a failure once the pools are starting. Imported here:
-        # controller.runtime imports this module.
-        from controller.runtime import index_samples, sample_fields
-
+        # (exit 2, before Ray starts) rather than a failure once the pools are starting.
         sample_fields(self)  # ValueError naming algorithm.adv_estimator: a roller extra the rollers cannot put
         self.transferqueue.sized_for(index_samples(self))  # ValueError naming transferqueue.max_samples
 

@@ -6,7 +6,7 @@ A job checkpoint is one directory ``RUN_DIR/checkpoints/step_N`` (N = trainer st
                             scheduler, KL controller, RNG states, weight_version
     samples/                the whole uid groups generated but not trained yet, tensors and tags (weight
                             versions included): trainers/sample_store.py, moved by trainer rank 0. Every
-                            field the run's rollers put (``controller.runtime.sample_fields``: the dump's
+                            field the run's rollers put (``controller.layout.sample_fields``: the dump's
                             ``response_text`` too), so every reader finds after a resume what it would before
     job.json                the controller's part (``JobState``): step, the group ledger's state (weight versions,
                             admission and group counters), the feeder's data position, the uids buffered and
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from common import schema
+from controller.layout import PARTITION, PROMPT_PARTITION, optional_sample_fields, sample_fields
 from controller.ledger import FORMAT, ledger_state
 
 logger = logging.getLogger(__name__)
@@ -238,11 +239,10 @@ def truncate_metrics(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
 
 def check_saved_samples(cfg, path: Path, state: JobState) -> None:
     """Raise ValueError when the buffered samples of the checkpoint at ``path`` lack a field the rollers of
-    ``cfg`` put (``controller.runtime.sample_fields``), saying what to do: a setting that turns the field on
+    ``cfg`` put (``controller.layout.sample_fields``), saying what to do: a setting that turns the field on
     changed since the save (e.g. ``metrics.dump_every`` from 0 to 1, whose dump reads ``response_text``):
     resume with the run's own value of that key; the run's rollers put it but the checkpoint predates saving
     it: resume with that setting turned off."""
-    from controller.runtime import optional_sample_fields, sample_fields
     from trainers.sample_store import INDEX_FILE
 
     if not state.buffered_uids:
@@ -338,10 +338,8 @@ class JobCheckpointer:
 
     def sample_fields(self) -> list[str]:
         """The stored fields a buffered sample is saved and put back with (``common.schema.CHECKPOINT``):
-        every field this run's rollers put (``controller.runtime.sample_fields``), so whatever reads a sample
+        every field this run's rollers put (``controller.layout.sample_fields``), so whatever reads a sample
         after a resume (the trainer, the generation dump) finds it."""
-        from controller.runtime import sample_fields
-
         return list(sample_fields(self.cfg))
 
     async def save(self, st, reason: str) -> Path | None:
@@ -415,7 +413,6 @@ class JobCheckpointer:
         """Put the samples :meth:`save_samples` wrote under ``directory`` back into the sample partition with
         the fields of :meth:`sample_fields`; their uids, in order. Raises ValueError naming a field the saved
         samples lack. Blocking."""
-        from controller.runtime import PARTITION
         from trainers.sample_store import restore_samples
 
         return st.rt.trainer.execute(restore_samples, str(directory), PARTITION, self.sample_fields())[0]
@@ -425,7 +422,6 @@ class JobCheckpointer:
         prompt row not yet turned into samples, or an incomplete group). Metadata only
         (``TQClient.sample_info``). The prompt rows are read first: a roller puts a group's samples before it
         clears the prompt row, so a group finishing meanwhile is seen in one of the two (or both: buffered)."""
-        from controller.runtime import PARTITION, PROMPT_PARTITION
         from transferqueue.records import BatchMeta
 
         prompts = {str(info["tags"][schema.UID]) for info in self._infos(st, PROMPT_PARTITION)}

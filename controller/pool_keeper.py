@@ -29,10 +29,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from controller.layout import PROMPT_PARTITION
 from controller.ledger import REISSUED_ROLLER_LEFT
 from controller.metrics import SCALE_REASONS
 from controller.pool import RollerLost, find_orphans
-from controller.runtime import PROMPT_PARTITION
 
 logger = logging.getLogger(__name__)
 

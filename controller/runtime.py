@@ -32,7 +32,12 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from controller.config import HFlowConfig
-from controller.ledger import max_live_groups
+from controller.layout import (
+    PARTITION,
+    PROMPT_PARTITION,
+    index_samples,
+    sample_fields,
+)
 
 if TYPE_CHECKING:
     from controller.feeder import DataFacts
@@ -40,45 +45,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The TransferQueue partition holding a run's samples. Not "train": that is the trainer's consumer task
-# (``TRAIN_TASK``; the rollers' is "rollout"), the label of hflow_queue_depth{task}.
-PARTITION = "samples"
-TRAIN_TASK = "train"  # the trainer's consumer task in the TransferQueue (the rollers' is "rollout")
-PROMPT_PARTITION = "prompts"  # the feeder's prompt rows (one per group), taken by the rollers' "rollout" task
 _POLL_S = 0.05  # how often start-up looks at the pools that are not ready yet
 WATCH_PERIOD_S = 0.5  # how often a running schedule's TransferQueue server processes are checked (Runtime.watch)
-
-
-def sample_fields(cfg: HFlowConfig) -> tuple[str, ...]:
-    """The stored fields every training sample of this run carries: what its rollers put, i.e.
-    ``common.schema.ROLLER``'s puts and the optional puts the settings turn on (``optional_sample_fields``).
-    The one list: the rollers are configured from it (``roller_channel``, ``Runtime``), and a job checkpoint
-    saves and puts back exactly these for each buffered sample. Raises ValueError when the estimator asks
-    for a roller extra the rollers cannot put."""
-    from common import schema
-
-    optional = optional_sample_fields(cfg.algorithm.adv_estimator, cfg.metrics.dump_every)
-    return (*schema.ROLLER.put_fields(), *optional)
-
-
-def optional_sample_fields(adv_estimator: str, dump_every: int) -> dict[str, str]:
-    """The optional roller puts (``common.schema.ROLLER.optional_puts``, in their order) that the settings
-    ``algorithm.adv_estimator`` and ``metrics.dump_every`` turn on, each with the key that turns it on: the
-    estimator's roller extras (ReMax: ``remax_baseline``) and, with ``dump_every`` > 0, ``response_text``
-    (read by the generation dump). Raises ValueError naming ``algorithm.adv_estimator`` when the estimator
-    asks for a roller extra the rollers cannot put."""
-    from common import schema
-    from trainers.advantages import ADV_ESTIMATORS
-
-    extras = ADV_ESTIMATORS.get(adv_estimator).roller_extras
-    unknown = [name for name in extras if name not in schema.ROLLER.optional_puts]
-    if unknown:
-        raise ValueError(f"algorithm.adv_estimator={adv_estimator!r} asks the rollers for {unknown}; they can "
-                         f"put only {list(schema.ROLLER.optional_puts)} besides their own fields")
-    on = dict.fromkeys(extras, "algorithm.adv_estimator")
-    if dump_every > 0:
-        on[schema.RESPONSE_TEXT] = "metrics.dump_every"
-    return {name: on[name] for name in schema.ROLLER.optional_puts if name in on}
 
 
 def roller_channel(cfg: HFlowConfig, tq_handle: dict) -> Callable[[], Any]:
@@ -94,14 +62,6 @@ def roller_channel(cfg: HFlowConfig, tq_handle: dict) -> Callable[[], Any]:
                               int(cfg.val.greedy)) if cfg.data.val_size else None)
     return functools.partial(TQGroupChannel.from_handle, tq_handle, PROMPT_PARTITION, PARTITION, cfg.rollout.n,
                              validation=validation, put_text=schema.RESPONSE_TEXT in sample_fields(cfg))
-
-
-def index_samples(cfg: HFlowConfig) -> int:
-    """The most samples this run's TransferQueue index can hold at once (``transferqueue.max_samples`` is
-    sized from it): a prompt row and ``rollout.n`` samples per group admission lets live, and one
-    validation round (a prompt row, ``val.n`` samples and the greedy one per held-out prompt)."""
-    groups = max_live_groups(cfg.data.train_batch_size, cfg.algorithm.max_staleness)
-    return groups * (cfg.rollout.n + 1) + cfg.data.val_size * (cfg.val.n + int(cfg.val.greedy) + 1)
 
 
 def start_feeder(cfg: HFlowConfig, num_batches: int, context_length: int | None) -> tuple[Any, DataFacts]:

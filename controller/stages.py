@@ -39,6 +39,7 @@ from common import schema
 from controller.config import HFlowConfig
 from controller.generations import GenerationDump
 from controller.job_checkpoint import JobCheckpointer
+from controller.layout import PARTITION, PROMPT_PARTITION, TRAIN_TASK
 from controller.ledger import (
     REISSUED_ROLLER_LEFT,
     REISSUED_STALE,
@@ -51,7 +52,7 @@ from controller.metrics import JobMetrics
 from controller.pool import RollerLost
 from controller.pool_keeper import PoolKeeper
 from controller.report import RunReport, step_record, write_timeline
-from controller.runtime import PARTITION, PROMPT_PARTITION, TRAIN_TASK, Runtime
+from controller.runtime import Runtime
 from controller.schedules import POLL_S, SCHEDULES
 from controller.validation import VAL_PARTITION, VAL_PROMPT_PARTITION, Validator
 from trainers.dapo import filter_zero_variance_groups

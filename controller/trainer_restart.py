@@ -50,8 +50,8 @@ import time
 from pathlib import Path
 
 from common import schema
+from controller.layout import PARTITION, TRAIN_TASK
 from controller.ledger import REISSUED_NEWER_WEIGHTS
-from controller.runtime import PARTITION, TRAIN_TASK
 from rollers.roller import TAKE_POLL_S
 
 logger = logging.getLogger(__name__)

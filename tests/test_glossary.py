@@ -17,8 +17,7 @@ def test_glossary_page_holds_designs_names_and_the_disambiguations():
 
 
 def test_partition_and_consumer_tasks_are_spelled_apart():
-    from controller.runtime import PARTITION
-    from controller.runtime import TRAIN_TASK
+    from controller.layout import PARTITION, TRAIN_TASK
     from rollers.tq_channel import TQGroupChannel
 
     rollout_task = inspect.signature(TQGroupChannel).parameters["task"].default

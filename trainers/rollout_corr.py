@@ -57,13 +57,12 @@ def is_on_policy(tags: Iterable[Mapping], weight_version: int) -> bool:
                for t in tags)
 
 
-def resolve_bypass_mode(mode: str, algorithm: AlgorithmConfig) -> bool:
-    """``algorithm.bypass_mode`` when the user set it; when unset (``None``), true for a ``mode`` whose
-    trained samples can be stale (``one-step-off``; ``fully-async`` with ``max_staleness >= 1``) with
-    ``stale_correction == "none"``, false otherwise (see the module docstring)."""
+def resolve_bypass_mode(can_be_stale: bool, algorithm: AlgorithmConfig) -> bool:
+    """``algorithm.bypass_mode`` when the user set it; when unset (``None``), true for a schedule whose
+    trained samples ``can_be_stale`` (the schedule's declaration: ``one-step-off``; ``fully-async`` with
+    ``max_staleness >= 1``) with ``stale_correction == "none"``, false otherwise (see the module docstring)."""
     if algorithm.bypass_mode is not None:
         return algorithm.bypass_mode
-    can_be_stale = mode == "one-step-off" or (mode == "fully-async" and algorithm.max_staleness >= 1)
     return can_be_stale and algorithm.stale_correction == "none"
 
 

@@ -44,12 +44,6 @@ ALLOWED = {
     "trainers": {"common", "checkpointengine", "transferqueue"},
     "controller": set(PACKAGES),
 }
-# Temporary allow-list, removed by the ledger work (issue 45), which breaks the controller's cycle: a component
-# of modules all in this set passes ``test_no_cycles_at_any_level``; any other module in a cycle fails it.
-KNOWN_CONTROLLER_CYCLE = frozenset({
-    "controller.config", "controller.data", "controller.feeder", "controller.job_checkpoint", "controller.pool",
-    "controller.resources", "controller.runtime", "controller.validation",
-})
 
 MODULE_LEVEL, IN_FUNCTION, TYPE_CHECKING_ONLY = "module level", "in a function", "under TYPE_CHECKING"
 
@@ -241,7 +235,7 @@ def test_packages_import_only_downward():
 
 
 def test_no_import_time_cycles():
-    """Implied by the next test except inside ``KNOWN_CONTROLLER_CYCLE``, whose import-time edges hold no cycle."""
+    """Implied by the next test; kept for the message, which says the cycle would deadlock an import."""
     _, graph = import_graph()
     found = cycles(graph, eager_only=True)
     if found:
@@ -250,7 +244,7 @@ def test_no_import_time_cycles():
 
 def test_no_cycles_at_any_level():
     _, graph = import_graph()
-    found = [(c, chain) for c, chain in cycles(graph) if not c <= KNOWN_CONTROLLER_CYCLE]
+    found = cycles(graph)
     if found:
         pytest.fail("import cycles:\n" + "\n".join(describe(found)), pytrace=False)
 

@@ -253,7 +253,8 @@ def _generate_one_group(cfg, handle) -> None:
     """One group generated as this run's rollers do (the runtime's channel and ReMax setting, the real
     ``Roller`` on the tiny model), from the prompt row the feeder put."""
     from common.models import load_model, load_tokenizer
-    from controller.runtime import roller_channel, sample_fields
+    from controller.layout import sample_fields
+    from controller.runtime import roller_channel
     from controller.tasks import resolve_reward
     from rollers.rewards import build_reward_fn
     from rollers.roller import Roller
@@ -311,7 +312,7 @@ def test_buffered_groups_come_back_with_what_every_reader_of_the_run_reads(tq, t
     what they would have read without the stop. (Before: ``metrics.dump_every=1`` failed on resume with
     ``get: field 'response_text' missing``: the checkpoint kept only the trainer's fields.)"""
     from controller.job_checkpoint import JobCheckpointer
-    from controller.runtime import PARTITION, PROMPT_PARTITION, TRAIN_TASK
+    from controller.layout import PARTITION, PROMPT_PARTITION, TRAIN_TASK
     from controller.stages import TRAIN_FIELDS
     from controller.validation import VAL_PROMPT_PARTITION
 

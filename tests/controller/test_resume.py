@@ -194,7 +194,7 @@ def test_resume_refuses_buffered_samples_saved_without_a_field_its_settings_read
     ``response_text``), or a checkpoint of a dumping run written before the checkpoint kept that field. With
     settings its samples serve, it goes ahead."""
     from controller.job_checkpoint import prepare_resume
-    from controller.runtime import sample_fields
+    from controller.layout import sample_fields
 
     base = ["data.size=8", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=4"]
 
@@ -221,7 +221,7 @@ def test_a_refused_resume_of_buffered_samples_names_only_the_keys_that_add_the_f
     the field (resume with metrics.dump_every=0: its own values fail too), not that total_steps changed; a run
     that did not dump is told to keep its own metrics.dump_every, whatever else changed."""
     from controller.job_checkpoint import prepare_resume
-    from controller.runtime import sample_fields
+    from controller.layout import sample_fields
 
     base = ["data.size=8", "data.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "trainer.total_steps=4"]
 

@@ -54,14 +54,18 @@ def test_bypass_mode_unset_is_chosen_per_mode_and_a_set_value_is_kept():
     """Unset: the rollers' log-probs exactly where trained samples can be stale and no stale_correction
     needs the trainer's; the whole config tree carries the choice (what show-config prints)."""
     from controller.config import load_config
+    from controller.schedules import SCHEDULES
+
+    def resolve(mode: str, algorithm: AlgorithmConfig) -> bool:
+        return resolve_bypass_mode(SCHEDULES.get(mode).can_be_stale(algorithm), algorithm)
 
     unset = AlgorithmConfig()
-    assert [resolve_bypass_mode(m, unset) for m in ("sync", "one-step-off", "fully-async")] == [False, True, True]
-    assert not resolve_bypass_mode("fully-async", AlgorithmConfig(max_staleness=0))  # trains as sync
-    assert not resolve_bypass_mode("one-step-off", AlgorithmConfig(stale_correction="tis"))
+    assert [resolve(m, unset) for m in ("sync", "one-step-off", "fully-async")] == [False, True, True]
+    assert not resolve("fully-async", AlgorithmConfig(max_staleness=0))  # trains as sync
+    assert not resolve("one-step-off", AlgorithmConfig(stale_correction="tis"))
     for mode in ("sync", "one-step-off", "fully-async"):
         for value in (True, False):
-            assert resolve_bypass_mode(mode, AlgorithmConfig(bypass_mode=value)) is value
+            assert resolve(mode, AlgorithmConfig(bypass_mode=value)) is value
     assert load_config(mode="fully-async").algorithm.bypass_mode is True
     assert load_config(mode="sync").algorithm.bypass_mode is False
     assert load_config(mode="one-step-off", overrides=["algorithm.bypass_mode=false"]).algorithm.bypass_mode is False
