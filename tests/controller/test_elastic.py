@@ -167,6 +167,46 @@ def test_scale_up_then_down_while_fully_async_runs(tmp_path, ray_cluster):
     scale_up_then_down(tmp_path, 6)
 
 
+@pytest.mark.slow
+@pytest.mark.long
+def test_resizes_during_weight_syncs_drop_no_group(tmp_path, ray_cluster):
+    """A careful user's resize: scale requests landing while weights move (roller0's every weight update held
+    1 s, so a sync lasts at least that; each request is sent as a step ends and its sync starts; the drain
+    takes roller0 and roller1, the job's oldest, mid-run). A roller joins at the
+    trainer's version and a drained roller finishes or hands back what it holds: no group is generated only
+    to be dropped as too stale, and every prompt is trained exactly once."""
+    num_steps = 24
+    cfg = load_config(mode="fully-async", preset="tiny", overrides=[
+        f"run_dir={tmp_path}", "metrics.progress=false", *SMALL, "rollers.num_replicas=1", "rollers.max_replicas=3",
+        f"data.size={B * num_steps}", f"trainer.total_steps={num_steps}", "trainer.ppo_epochs=4",
+        "rollers.fault_injection=[roller0:slow:weight_sync=1:1.0,roller0:slow:group=1:0.3]"])
+    outcome: dict = {}
+    job = threading.Thread(target=lambda: outcome.update(code=run_job(cfg)))
+    job.start()
+    sizes = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / ADDRESS_FILE).exists():
+            assert job.is_alive() and time.monotonic() < deadline, "the job never served its admin endpoint"
+            time.sleep(0.2)
+        for target in (2, 3, 1):
+            seen = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+            while job.is_alive() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == seen:
+                time.sleep(0.05)  # a step just ended: its sync is starting
+            if not job.is_alive():
+                break
+            sizes.append(request_scale(tmp_path, target)["pool_size"])
+    finally:
+        job.join(timeout=400)
+    assert outcome["code"] == EXIT_OK
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sizes == [2, 3, 1], (sizes, summary["num_dropped_groups"])  # every request landed while the job ran
+    assert summary["num_dropped_groups"] == 0, [(s["step"], s["staleness_max"]) for s in steps]
+    assert max(s["staleness_max"] for s in steps) <= cfg.algorithm.max_staleness
+    assert_every_prompt_trained_once(steps, num_steps)
+
+
 # Real SGLang servers, one launched by each roller (rollers.sglang_launcher), all sharing the GPU with the
 # trainer rank; SmolLM2-135M (SGLang loads a model directory, not the in-memory tiny model), whose chat
 # template makes the prompts longer than the tiny preset's 32 tokens.
