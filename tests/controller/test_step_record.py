@@ -11,9 +11,9 @@ import pytest
 
 from common import schema
 from controller.config import load_config
+from controller.ledger import TrainedGroup
 from controller.metrics import JobMetrics
 from controller.report import RunReport
-from controller.ledger import TrainedGroup
 from controller.stages import REWARD_TAG, Stages
 
 
