@@ -15,8 +15,9 @@ import re
 import sys
 from pathlib import Path
 
-from controller.config import DEFAULT_PRESET, MODES, available_presets, load_config, to_yaml
+from controller.config import DEFAULT_PRESET, available_presets, load_config, to_yaml
 from controller.job_checkpoint import find_checkpoint
+from controller.schedules import SCHEDULES
 
 EXIT_CONFIG_ERROR = 2
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -41,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
             f"Presets: {', '.join(available_presets())} (default: {DEFAULT_PRESET})."
         ),
     )
-    parser.add_argument("--mode", choices=MODES, default=None, help="the schedule (default: from the config)")
+    parser.add_argument("--mode", choices=SCHEDULES.names(), default=None, help="the schedule (default: from the config)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(available_presets())}")
     source.add_argument("--config", default=None, metavar="FILE.yaml", help="a YAML config file")

@@ -29,7 +29,6 @@ from trainers.policy_losses import POLICY_LOSS_KEY, POLICY_LOSSES
 from trainers.rollout_corr import resolve_bypass_mode
 from transferqueue.config import TransferQueueConfig
 
-MODES = tuple(SCHEDULES.names())  # the registered schedules (controller.schedules), for the CLI's --mode
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "smollm2-reasoning"
 WANDB_MODES = ("offline", "online")

@@ -169,20 +169,23 @@ class GroupLedger:
         version."""
         return (self._max_staleness + self._synced_weight_version + 1) * self._batch - 1
 
+    def _bound_headroom(self) -> int:
+        """Groups the staleness bound alone would still let start (negative past it)."""
+        return self.admission_limit() + 1 - (self._started - self._released)
+
     def num_admissible(self, bounded: bool = True) -> int:
         """How many groups may start now: within the run's total, and with ``bounded`` within the staleness
         bound; 0 once the data is exhausted or admission is closed."""
         if self._exhausted or self._closed:
             return 0
-        live = self._started - self._released
-        k = self._total_groups - live
+        k = self._total_groups - (self._started - self._released)
         if bounded:
-            k = min(k, self.admission_limit() + 1 - live)
+            k = min(k, self._bound_headroom())
         return max(0, k)
 
     def at_cap(self) -> bool:
         """A bounded schedule could admit nothing now for the staleness bound alone (the data not exhausted)."""
-        return not self._exhausted and self.admission_limit() + 1 - (self._started - self._released) <= 0
+        return not self._exhausted and self._bound_headroom() <= 0
 
     # ---------------------------------------------------------------------------------------- admission
 
