@@ -219,7 +219,8 @@ class Runtime:
         the run's last job checkpoint: the samples it held are gone, so the run cannot go on (never a hang
         until a request timeout). A schedule that fails while a server is dead raises that ServerLost too
         (the schedule's own error chained: often a client's ServerLost, which cannot know the cause). A
-        cancellation of the caller (a stop signal) is passed on to the schedule, which is awaited to its end."""
+        cancellation of the caller (a stop signal) is passed on to the schedule, which is awaited to its end (an
+        error it ends with meanwhile is logged, and the cancellation re-raised)."""
         task = asyncio.ensure_future(schedule)
         try:
             while not task.done():
@@ -233,6 +234,12 @@ class Runtime:
         except asyncio.CancelledError:
             task.cancel()
             await _wait_out(task)
+            # Retrieved here, or asyncio prints it as a traceback when the task is collected: a stop sent to every
+            # process of the job can end a stage with the error of a rank it killed (TrainerRankLost) instead of
+            # the cancellation.
+            error = _error_of(task)
+            if not isinstance(error, asyncio.CancelledError | None):
+                logger.info("the schedule ended with %s: %s while it stopped", type(error).__name__, error)
             raise
         error = _error_of(task)
         if error is not None and not isinstance(error, asyncio.CancelledError):

@@ -5,6 +5,7 @@ reports that loss; otherwise the schedule's own outcome passes through, and a ca
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 from types import SimpleNamespace
 
@@ -102,3 +103,33 @@ def test_without_a_dead_server_the_outcome_and_a_cancellation_pass_through(tmp_p
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(cancelled())
     assert unwound == [True]
+
+
+def test_an_error_the_schedule_ends_with_while_it_stops_is_retrieved_not_left_to_asyncio(tmp_path, caplog):
+    """A stop sent to every process of the job can kill a trainer rank while its step runs: the step then ends
+    with the rank's error rather than the cancellation. The stop goes on (CancelledError), the error is one log
+    line, and asyncio has no unretrieved task exception to print as a traceback (it did, 2 runs in 5, in
+    test_stop's SIGTERM-to-every-process test)."""
+    unhandled = []
+
+    async def schedule():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # the step finishes, then fails: its rank was killed
+            raise RuntimeError("trainer rank 0 was lost in train_step") from None
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context))
+        watching = asyncio.ensure_future(_runtime(tmp_path, _Servers()).watch(schedule()))
+        await asyncio.sleep(0.1)
+        watching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watching
+        gc.collect()  # a task whose exception nobody retrieved reports it when it is collected
+        await asyncio.sleep(0)
+
+    with caplog.at_level("INFO", logger="controller.runtime"):
+        asyncio.run(main())
+    assert unhandled == []
+    assert "the schedule ended with RuntimeError: trainer rank 0 was lost in train_step while it stopped" in caplog.text
